@@ -1,0 +1,47 @@
+"""streamsched: run the independent parts of a PyTorch model side by side on one GPU.
+
+Wrap a model and call it as before::
+
+    import streamsched as ss
+    sm = ss.StreamScheduledModule(model)      # defaults are good
+    y = sm(x)                                 # same result as model(x), forward and backward
+    print(sm.plan)                            # what ran where, and why
+
+See ``SchedulerConfig`` for the options and ``@streamsched.branch`` to mark the parts of
+a model that tracing should treat as opaque tasks.
+"""
+
+from __future__ import annotations
+
+from .branch import branch
+from .config import SchedulerConfig
+from .errors import (
+    ConcurrentCallError,
+    ConfigError,
+    ExtensionError,
+    PlanError,
+    ProfileMismatchError,
+    StreamSchedError,
+    TraceError,
+)
+from .module import StreamScheduledModule
+from .plan import FusedGroupInfo, Plan, PlannedTask
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "StreamScheduledModule",
+    "SchedulerConfig",
+    "branch",
+    "Plan",
+    "PlannedTask",
+    "FusedGroupInfo",
+    "StreamSchedError",
+    "ConfigError",
+    "TraceError",
+    "PlanError",
+    "ExtensionError",
+    "ConcurrentCallError",
+    "ProfileMismatchError",
+    "__version__",
+]

@@ -1,0 +1,192 @@
+"""The user's options: a frozen, validated :class:`SchedulerConfig`.
+
+The config is what the user asked for; what the library decided (streams, fused groups,
+the executor it picked and why) lives in the :class:`~streamsched.plan.Plan`, a separate
+object. The config never changes after construction.
+
+Example::
+
+    >>> from streamsched import SchedulerConfig
+    >>> cfg = SchedulerConfig(num_streams=4, executor="streams")
+    >>> cfg.num_streams
+    4
+    >>> SchedulerConfig(nmu_streams=4)              # doctest: +IGNORE_EXCEPTION_DETAIL
+    Traceback (most recent call last):
+    pydantic_core._pydantic_core.ValidationError: unknown option 'nmu_streams'; did you mean 'num_streams'?
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Annotated, Any, Literal, Optional, Union
+
+import torch
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
+
+from .errors import ConfigError
+
+__all__ = ["SchedulerConfig", "make_config"]
+
+MAX_STREAMS = 32
+
+ExecutorName = Literal["auto", "serial", "streams", "threads"]
+
+
+class SchedulerConfig(BaseModel):
+    """How :class:`~streamsched.StreamScheduledModule` traces, fuses, plans and runs a model.
+
+    Every field has a default that suits most models; a misspelt option or a value out of
+    range raises a ``pydantic.ValidationError`` (a ``ValueError``) naming the field.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+    num_streams: Union[Literal["auto"], Annotated[StrictInt, Field(ge=1, le=MAX_STREAMS)]] = "auto"
+    """Upper bound on the CUDA streams (or CPU lanes) one forward may use. ``"auto"`` uses
+    as many as the model's width needs, at most 8. The caller's current stream is stream 0."""
+
+    executor: ExecutorName = "auto"
+    """``"serial"`` runs tasks one after another (the reference); ``"streams"`` runs them on
+    a pool of CUDA streams; ``"threads"`` on a pool of CPU threads. ``"auto"`` picks
+    ``streams`` on CUDA and ``threads`` on CPU only where the plan says it pays, else
+    ``serial``."""
+
+    fuse: StrictBool = True
+    """Batch structurally identical independent submodules into one kernel (horizontal
+    fusion): an ``nn.ModuleList`` of N small MLPs becomes one batched matmul per layer."""
+
+    fuse_min_size: Annotated[StrictInt, Field(ge=2)] = 2
+    """Smallest group of identical branches worth fusing."""
+
+    fuse_params: Literal["alias", "copy"] = "alias"
+    """How fused members' parameters are read. ``"alias"`` (zero-copy) moves each
+    member's parameter storage into one stacked tensor (the same ``Parameter`` objects,
+    names and values; tensors taken with ``.data`` before the first call keep the old
+    storage). ``"copy"`` leaves parameters alone and stacks them on every call: slower,
+    for frameworks that manage parameter storage themselves (FSDP)."""
+
+    cuda_graph: Union[StrictBool, Literal["auto"]] = False
+    """Capture the whole multi-stream schedule into one CUDA graph and replay it.
+    ``"auto"`` captures where it can and falls back to plain streams (with one warning
+    naming the reason) where it cannot."""
+
+    clone_outputs: StrictBool = True
+    """With ``cuda_graph``: return fresh tensors the caller owns. ``False`` returns the
+    graph's static output buffers, which the next call overwrites."""
+
+    graph_cache_size: Annotated[StrictInt, Field(ge=1, le=1024)] = 8
+    """CUDA graphs kept per module, one per input signature (least recently used first out)."""
+
+    nvtx: StrictBool = True
+    """Mark each task with an NVTX range (``<module path> [s<k>]``, domain ``streamsched``)
+    so Nsight Systems shows the schedule. Costs nothing measurable when no profiler is
+    attached; ``NVTX_DISABLE=1`` turns it off everywhere."""
+
+    leaf_modules: tuple[type, ...] = ()
+    """Module types to treat as opaque tasks instead of tracing through them (in addition
+    to ``torch.nn`` built-ins and classes decorated with ``@streamsched.branch``)."""
+
+    strict: StrictBool = True
+    """When ``True``, a model that cannot be traced raises an error that says where and how
+    to fix it. When ``False``, such a model runs its own ``forward`` and only its
+    ``@streamsched.branch`` calls are scheduled (eager-dispatch mode)."""
+
+    min_task_cost: Annotated[Union[StrictFloat, StrictInt], Field(ge=0)] = 10.0
+    """Estimated cost (microseconds) under which a branch is not worth its own stream: it
+    stays on its neighbour's stream rather than paying for an event."""
+
+    plan_cache_size: Annotated[StrictInt, Field(ge=1, le=4096)] = 16
+    """Plans kept per module, one per input signature (shapes, dtypes, devices, mode)."""
+
+    sync_log: StrictBool = False
+    """Record every synchronisation action (launch, record, wait, record_stream) of each
+    call in ``module.last_sync_log``, for :func:`streamsched.testing.check_happens_before`."""
+
+    chaos: Optional[StrictInt] = None
+    """Testing aid: a seed for random delays before tasks (sleeps on CPU lanes, spin
+    kernels on CUDA streams), so that a missing wait produces a wrong answer."""
+
+    profile: Optional[Union[str, Path]] = None
+    """Path of a schedule profile (``python -m streamsched profile``): measured task costs
+    the planner uses instead of its estimates."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _name_unknown_options(cls, data: Any) -> Any:
+        # pydantic's own message for extra="forbid" does not suggest the intended name.
+        if isinstance(data, dict):
+            unknown = [k for k in data if k not in cls.model_fields]
+            if unknown:
+                parts = []
+                for key in unknown:
+                    close = difflib.get_close_matches(str(key), list(cls.model_fields), n=1)
+                    hint = f"; did you mean {close[0]!r}?" if close else ""
+                    parts.append(f"unknown option {key!r}{hint}")
+                valid = ", ".join(cls.model_fields)
+                raise ValueError("; ".join(parts) + f" (valid options: {valid})")
+        return data
+
+    @field_validator("leaf_modules", mode="before")
+    @classmethod
+    def _leaf_modules_are_module_types(cls, value: Any) -> tuple[type, ...]:
+        if isinstance(value, type):
+            value = (value,)
+        if not isinstance(value, (list, tuple, set, frozenset)):
+            raise ValueError(f"leaf_modules must be a tuple of nn.Module subclasses, got {type(value).__name__}")
+        out = []
+        for item in value:
+            if not (isinstance(item, type) and issubclass(item, torch.nn.Module)):
+                raise ValueError(f"leaf_modules must hold nn.Module subclasses, got {item!r}")
+            out.append(item)
+        return tuple(out)
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> SchedulerConfig:
+        if self.chaos is not None and self.cuda_graph is True:
+            raise ValueError(
+                "chaos and cuda_graph=True cannot be combined: chaos inserts random host "
+                f"delays, which a replayed CUDA graph cannot contain (chaos={self.chaos}, "
+                "cuda_graph=True)"
+            )
+        return self
+
+    def resolved_streams(self, width: int) -> int:
+        """The stream bound to plan with, for a task graph of the given width."""
+        if self.num_streams == "auto":
+            return max(1, min(8, width))
+        return int(self.num_streams)
+
+
+def make_config(config: Optional[SchedulerConfig], overrides: dict[str, Any], owner: str) -> SchedulerConfig:
+    """Merge a config object and keyword overrides into one validated config.
+
+    ``owner`` names the model being wrapped, so that the error says which wrapper was
+    misconfigured.
+    """
+    from pydantic import ValidationError
+
+    if config is not None and not isinstance(config, SchedulerConfig):
+        raise ConfigError(
+            f"config must be a streamsched.SchedulerConfig, got {type(config).__name__} (wrapping {owner})"
+        )
+    try:
+        if config is None:
+            return SchedulerConfig(**overrides)
+        if not overrides:
+            return config
+        # model_copy(update=...) would skip validation; rebuild instead.
+        merged = {name: getattr(config, name) for name in config.model_fields_set}
+        merged.update(overrides)
+        return SchedulerConfig(**merged)
+    except ValidationError as exc:
+        raise ConfigError(f"invalid streamsched configuration for {owner}: {exc}") from exc

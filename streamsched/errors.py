@@ -1,0 +1,41 @@
+"""Exceptions raised by streamsched.
+
+Every error the library raises on its own account derives from
+:class:`StreamSchedError`, and also from the built-in type a user would expect
+(``ValueError`` for a bad option, ``RuntimeError`` for a model that cannot be traced),
+so ``except ValueError`` keeps working in code that does not know about streamsched.
+
+Errors that come from the user's model itself (a shape mismatch inside a branch, say)
+are *not* wrapped: they propagate with their original type, as in eager PyTorch, with
+the module path added to the message.
+"""
+
+from __future__ import annotations
+
+
+class StreamSchedError(Exception):
+    """Base class of every error raised by streamsched itself."""
+
+
+class ConfigError(StreamSchedError, ValueError):
+    """A scheduler option is misspelt, of the wrong type, or out of range."""
+
+
+class TraceError(StreamSchedError, RuntimeError):
+    """The model cannot be traced into a graph of submodule calls."""
+
+
+class PlanError(StreamSchedError, ValueError):
+    """A plan is inconsistent (for instance a JSON plan that does not fit the model)."""
+
+
+class ExtensionError(StreamSchedError, ImportError):
+    """The compiled extension ``streamsched._C`` is required but cannot be loaded."""
+
+
+class ConcurrentCallError(StreamSchedError, RuntimeError):
+    """Two threads called the same wrapped module at the same time."""
+
+
+class ProfileMismatchError(StreamSchedError, ValueError):
+    """A stored schedule profile was made for another model, input or device."""

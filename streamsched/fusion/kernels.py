@@ -1,0 +1,390 @@
+"""Batched kernels: one call that does the work of N identical members.
+
+Each kernel is a callable object stored as the target of one fx node. It knows the
+layout of each input (see :mod:`streamsched.fusion.layout`) and the layout of what it
+returns (``out_layout``), reads the members' parameters through
+:class:`~streamsched.fusion.params.StackedTensors` (so they are never stale), and reads
+each member's mode (``training``) at call time, as the member itself would.
+
+============  =====================================  =====================
+members       kernel                                  output layout
+============  =====================================  =====================
+Linear        one ``baddbmm``; one wide ``linear``     stack; fold(last)
+              when all read the same tensor
+Conv1d/2d/3d  one grouped conv; one wide conv when    fold(channels)
+              all read the same tensor
+BatchNorm     one ``batch_norm`` on ``[B, N*C, ...]``  fold(1)
+              with stacked running statistics
+LayerNorm     one ``layer_norm`` + stacked affine      stack
+elementwise   the op once on the whole tensor         input's
+anything      ``vmap(functional_call)``               stack
+============  =====================================  =====================
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .layout import SHARED, STACK, Layout, aligned_stack, fold, to_fold, to_stack
+from .params import StackedTensors
+
+__all__ = [
+    "FusedKernel",
+    "LinearKernel",
+    "ConvKernel",
+    "BatchNormKernel",
+    "LayerNormKernel",
+    "ElementwiseKernel",
+    "VmapKernel",
+    "WideKernel",
+]
+
+
+class FusedKernel:
+    """Base: naming for fx, and the facts the plan shows."""
+
+    kind = "fused"
+    kernel = "fused"
+
+    def __init__(self, n: int, members: Sequence[str], out_layout: Layout, out_shape: tuple[int, ...]):
+        self.n = n
+        self.member_names = list(members)
+        self.out_layout = out_layout
+        self.out_shape = tuple(out_shape)
+        self.__name__ = f"fused_{self.kind}"
+        self.__qualname__ = self.__name__
+        self.__module__ = "streamsched.fusion"
+
+    def __repr__(self) -> str:
+        return f"<{self.kernel} x{self.n}: {self.member_names[0]} ...>"
+
+    @property
+    def params(self) -> list[StackedTensors]:
+        return []
+
+
+def _grad() -> bool:
+    return torch.is_grad_enabled()
+
+
+class LinearKernel(FusedKernel):
+    kind = "Linear"
+
+    def __init__(
+        self,
+        members: Sequence[nn.Linear],
+        names: Sequence[str],
+        weight: StackedTensors,
+        bias: Optional[StackedTensors],
+        in_layout: Layout,
+        in_shape: tuple[int, ...],
+        out_shape: tuple[int, ...],
+    ):
+        shared = in_layout == SHARED
+        self.kernel = "wide linear" if shared else "baddbmm"
+        super().__init__(len(members), names, fold(len(out_shape) - 1) if shared else STACK, out_shape)
+        self.weight = weight
+        self.bias = bias
+        self.in_layout = in_layout
+        self.in_shape = tuple(in_shape)
+        self.in_features = members[0].in_features
+        self.out_features = members[0].out_features
+
+    @property
+    def params(self) -> list[StackedTensors]:
+        return [p for p in (self.weight, self.bias) if p is not None]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        n, fin, fout = self.n, self.in_features, self.out_features
+        grad = _grad()
+        w = self.weight.value(grad)
+        b = self.bias.value(grad) if self.bias is not None else None
+        if self.in_layout == SHARED:
+            return F.linear(x, w.reshape(n * fout, fin), b.reshape(n * fout) if b is not None else None)
+        xs = to_stack(x, self.in_layout, n, self.in_shape).reshape(n, -1, fin)
+        wt = w.transpose(1, 2)
+        y = torch.bmm(xs, wt) if b is None else torch.baddbmm(b.unsqueeze(1), xs, wt)
+        return y.view((n,) + self.out_shape)
+
+
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+
+
+class ConvKernel(FusedKernel):
+    kind = "Conv"
+
+    def __init__(
+        self,
+        members: Sequence[nn.modules.conv._ConvNd],
+        names: Sequence[str],
+        weight: StackedTensors,
+        bias: Optional[StackedTensors],
+        in_layout: Layout,
+        in_shape: tuple[int, ...],
+        out_shape: tuple[int, ...],
+    ):
+        m = members[0]
+        self.nd = len(m.kernel_size)
+        self.kind = type(m).__name__
+        self.cdim = len(in_shape) - self.nd - 1  # 1 when batched, 0 when not
+        self.wide = in_layout == SHARED and m.groups == 1
+        self.kernel = f"wide conv{self.nd}d" if self.wide else f"grouped conv{self.nd}d"
+        super().__init__(len(members), names, fold(self.cdim), out_shape)
+        self.weight = weight
+        self.bias = bias
+        self.in_layout = in_layout
+        self.in_shape = tuple(in_shape)
+        self.groups = m.groups
+        self.stride, self.padding, self.dilation = m.stride, m.padding, m.dilation
+        self.padding_mode = m.padding_mode
+        self.pad = getattr(m, "_reversed_padding_repeated_twice", None)
+        self.fn = _CONV[self.nd]
+
+    @property
+    def params(self) -> list[StackedTensors]:
+        return [p for p in (self.weight, self.bias) if p is not None]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        grad = _grad()
+        w = self.weight.value(grad)
+        b = self.bias.value(grad) if self.bias is not None else None
+        w = w.reshape((-1,) + tuple(w.shape[2:]))
+        b = b.reshape(-1) if b is not None else None
+        if self.wide:
+            xf, groups = x, 1
+        else:
+            xf = to_fold(x, self.in_layout, self.n, self.in_shape, self.cdim)
+            groups = self.n * self.groups
+        padding = self.padding
+        if self.padding_mode != "zeros":
+            xf = F.pad(xf, self.pad, mode=self.padding_mode)
+            padding = 0
+        return self.fn(xf, w, b, self.stride, padding, self.dilation, groups)
+
+
+class BatchNormKernel(FusedKernel):
+    kind = "BatchNorm"
+    kernel = "batch_norm over N*C channels"
+
+    def __init__(
+        self,
+        members: Sequence[nn.modules.batchnorm._BatchNorm],
+        names: Sequence[str],
+        weight: Optional[StackedTensors],
+        bias: Optional[StackedTensors],
+        running_mean: Optional[StackedTensors],
+        running_var: Optional[StackedTensors],
+        num_batches: Optional[StackedTensors],
+        in_layout: Layout,
+        in_shape: tuple[int, ...],
+    ):
+        self.kind = type(members[0]).__name__
+        super().__init__(len(members), names, fold(1), in_shape)
+        self.first = members[0]
+        self.weight, self.bias = weight, bias
+        self.running_mean, self.running_var, self.num_batches = running_mean, running_var, num_batches
+        self.in_layout = in_layout
+        self.in_shape = tuple(in_shape)
+
+    @property
+    def params(self) -> list[StackedTensors]:
+        return [
+            p for p in (self.weight, self.bias, self.running_mean, self.running_var, self.num_batches) if p is not None
+        ]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.first
+        xf = to_fold(x, self.in_layout, self.n, self.in_shape, 1)
+        grad = _grad()
+        # As _BatchNorm.forward, for N members at once.
+        factor = 0.0 if m.momentum is None else m.momentum
+        if m.training and m.track_running_stats and self.num_batches is not None:
+            self.num_batches.value(False).add_(1)
+            factor = m.momentum  # momentum=None groups are never fused
+        use_batch = m.training or (self.running_mean is None and self.running_var is None)
+        track = not m.training or m.track_running_stats
+        rm = self.running_mean.value(False).view(-1) if (self.running_mean is not None and track) else None
+        rv = self.running_var.value(False).view(-1) if (self.running_var is not None and track) else None
+        w = self.weight.value(grad).reshape(-1) if self.weight is not None else None
+        b = self.bias.value(grad).reshape(-1) if self.bias is not None else None
+        return F.batch_norm(xf, rm, rv, w, b, use_batch, factor, m.eps)
+
+
+class LayerNormKernel(FusedKernel):
+    kind = "LayerNorm"
+    kernel = "layer_norm + stacked affine"
+
+    def __init__(
+        self,
+        members: Sequence[nn.LayerNorm],
+        names: Sequence[str],
+        weight: Optional[StackedTensors],
+        bias: Optional[StackedTensors],
+        in_layout: Layout,
+        in_shape: tuple[int, ...],
+    ):
+        super().__init__(len(members), names, STACK, in_shape)
+        m = members[0]
+        self.normalized_shape = tuple(m.normalized_shape)
+        self.eps = m.eps
+        self.weight, self.bias = weight, bias
+        self.in_layout = in_layout
+        self.in_shape = tuple(in_shape)
+        # Affine parameters broadcast over the member's leading dims.
+        lead = len(in_shape) - len(self.normalized_shape)
+        self.affine_shape = (len(members),) + (1,) * lead + self.normalized_shape
+
+    @property
+    def params(self) -> list[StackedTensors]:
+        return [p for p in (self.weight, self.bias) if p is not None]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        xs = to_stack(x, self.in_layout, self.n, self.in_shape)
+        y = F.layer_norm(xs, self.normalized_shape, None, None, self.eps)
+        grad = _grad()
+        if self.weight is not None:
+            y = y * self.weight.value(grad).view(self.affine_shape)
+        if self.bias is not None:
+            y = y + self.bias.value(grad).view(self.affine_shape)
+        return y
+
+
+class ElementwiseKernel(FusedKernel):
+    """An elementwise op (module or function) applied once to the whole stacked tensor.
+
+    ``operands`` describes each positional argument: ``("t", layout, member_shape)`` for
+    a grouped tensor (stacked or shared) or ``("c", value)`` for a constant. When every
+    tensor operand is in one layout with the same shape the op runs on it as is;
+    otherwise operands are brought to ``STACK`` with member dims aligned for
+    broadcasting.
+    """
+
+    kind = "elementwise"
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        name: str,
+        names: Sequence[str],
+        n: int,
+        operands: Sequence[tuple],
+        kwargs: dict,
+        out_shape: tuple[int, ...],
+        random: bool,
+    ):
+        self.fn = fn
+        self.kind = name
+        self.operands = list(operands)
+        self.kwargs = dict(kwargs)
+        tensor_ops = [op for op in operands if op[0] == "t"]
+        layouts = {op[1] for op in tensor_ops}
+        shapes = {tuple(op[2]) for op in tensor_ops}
+        self.direct = len(layouts) == 1 and len(shapes) == 1 and not (random and SHARED in layouts)
+        out_layout = next(iter(layouts)) if self.direct else STACK
+        self.kernel = f"{name} once" if self.direct else f"{name} on stacked"
+        super().__init__(n, names, out_layout, out_shape)
+        self.ndim = len(out_shape)
+
+    def __call__(self, *tensors: torch.Tensor) -> torch.Tensor:
+        it = iter(tensors)
+        args = []
+        for op in self.operands:
+            if op[0] == "c":
+                args.append(op[1])
+            elif self.direct:
+                args.append(next(it))
+            else:
+                args.append(aligned_stack(next(it), op[1], self.n, tuple(op[2]), self.ndim))
+        return self.fn(*args, **self.kwargs)
+
+
+class VmapKernel(FusedKernel):
+    """Any module type: ``torch.func.vmap`` over ``functional_call`` with stacked weights."""
+
+    kernel = "vmap(functional_call)"
+
+    def __init__(
+        self,
+        members: Sequence[nn.Module],
+        names: Sequence[str],
+        params: dict[str, StackedTensors],
+        buffers: dict[str, StackedTensors],
+        inputs: Sequence[tuple[Layout, tuple[int, ...]]],
+        kwargs: dict,
+        out_shape: tuple[int, ...],
+    ):
+        self.kind = type(members[0]).__name__
+        super().__init__(len(members), names, STACK, out_shape)
+        self.template = members[0]
+        self.param_stacks = params
+        self.buffer_stacks = buffers
+        self.inputs = list(inputs)
+        self.kwargs = dict(kwargs)
+        in_dims = tuple(None if layout == SHARED else 0 for layout, _ in self.inputs)
+        template = self.template
+        kw = self.kwargs
+
+        def member_forward(p: dict, b: dict, *xs: torch.Tensor) -> torch.Tensor:
+            return torch.func.functional_call(template, (p, b), xs, kw)
+
+        self._vmapped = torch.func.vmap(member_forward, in_dims=(0, 0) + in_dims, randomness="different")
+
+    @property
+    def params(self) -> list[StackedTensors]:
+        return list(self.param_stacks.values()) + list(self.buffer_stacks.values())
+
+    def __call__(self, *xs: torch.Tensor) -> torch.Tensor:
+        grad = _grad()
+        p = {k: v.value(grad) for k, v in self.param_stacks.items()}
+        b = {k: v.value(False) for k, v in self.buffer_stacks.items()}
+        args = [
+            x if layout == SHARED else to_stack(x, layout, self.n, shape) for x, (layout, shape) in zip(xs, self.inputs)
+        ]
+        return self._vmapped(p, b, *args)
+
+
+class WideKernel(FusedKernel):
+    """Members of different output widths reading one tensor (multi-task heads, the
+    1x1 convolutions of an Inception block): one op on concatenated weights. Its output
+    holds the members' outputs side by side along ``split_dim`` (layout ``("split", d)``)."""
+
+    def __init__(
+        self,
+        members: Sequence[nn.Module],
+        names: Sequence[str],
+        weight: StackedTensors,
+        bias: Optional[StackedTensors],
+        sizes: Sequence[int],
+        split_dim: int,
+        out_shape: tuple[int, ...],
+    ):
+        m = members[0]
+        self.kind = type(m).__name__
+        self.kernel = f"wide {self.kind} (concatenated weights)"
+        super().__init__(len(members), names, ("split", split_dim), out_shape)
+        self.weight, self.bias = weight, bias
+        self.sizes = list(sizes)
+        self.split_dim = split_dim
+        if isinstance(m, nn.Linear):
+            self.fn = F.linear
+        else:
+            nd = len(m.kernel_size)
+            conv = _CONV[nd]
+            stride, padding, dilation, groups = m.stride, m.padding, m.dilation, m.groups
+            self.fn = lambda x, w, b: conv(x, w, b, stride, padding, dilation, groups)
+
+    @property
+    def params(self) -> list[StackedTensors]:
+        return [p for p in (self.weight, self.bias) if p is not None]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # The whole output: a cat of all members along split_dim is this tensor itself;
+        # other consumers read torch.split(...) views of it.
+        grad = _grad()
+        w = self.weight.value(grad)
+        b = self.bias.value(grad) if self.bias is not None else None
+        return self.fn(x, w, b)

@@ -1,0 +1,83 @@
+"""How the N members of a fused group are laid out in one tensor.
+
+Three layouts, each a small tuple so it can be a constant in generated code:
+
+- ``STACK = ("stack", 0)``: ``[N, *member_shape]``; what ``bmm`` and ``vmap`` want.
+- ``fold(d) = ("fold", d)``: the member axis merged into dim ``d``, member-major:
+  ``member_shape[:d] + (N * member_shape[d],) + member_shape[d+1:]``. This is what a
+  grouped convolution reads and writes (``[B, N*C, H, W]``), what a wide linear
+  produces (``[B, N*out]``), and what ``x[:, 20*i : 20*(i+1)]`` slices of one tensor
+  already are. Conv -> BatchNorm -> ReLU chains stay in it with no copies.
+- ``SHARED = ("shared", 0)``: every member reads the same tensor (of ``member_shape``).
+
+Conversions are views where the memory allows, copies otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+__all__ = ["STACK", "SHARED", "fold", "to_stack", "to_fold", "aligned_stack", "Layout"]
+
+Layout = Tuple[str, int]
+STACK: Layout = ("stack", 0)
+SHARED: Layout = ("shared", 0)
+
+
+def fold(dim: int) -> Layout:
+    return ("fold", dim)
+
+
+def to_stack(x: torch.Tensor, layout: Layout, n: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """``[N, *shape]`` from any layout (a view unless the memory forbids it)."""
+    kind, d = layout
+    if kind == "stack":
+        return x
+    if kind == "fold":
+        split = shape[:d] + (n, shape[d]) + shape[d + 1 :]
+        return x.reshape(split).movedim(d, 0)
+    return x.expand((n,) + tuple(shape))
+
+
+def to_fold(x: torch.Tensor, layout: Layout, n: int, shape: tuple[int, ...], dim: int) -> torch.Tensor:
+    """The member axis merged into ``dim`` (member-major)."""
+    if layout == ("fold", dim):
+        return x
+    s = to_stack(x, layout, n, shape).movedim(0, dim)
+    return s.reshape(shape[:dim] + (n * shape[dim],) + shape[dim + 1 :])
+
+
+def aligned_stack(x: torch.Tensor, layout: Layout, n: int, shape: tuple[int, ...], ndim: int) -> torch.Tensor:
+    """``[N, 1, ..., *shape]`` with member dims padded on the left to ``ndim``, so that
+    member-wise broadcasting still lines up once the member axis is in front."""
+    s = to_stack(x, layout, n, shape)
+    pad = ndim - len(shape)
+    if pad > 0:
+        s = s.reshape((n,) + (1,) * pad + tuple(shape))
+    return s
+
+
+def unstack(x: torch.Tensor, layout: Layout, n: int, shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """The N member values (views)."""
+    return to_stack(x, layout, n, shape).unbind(0)
+
+
+def cat_members(x: torch.Tensor, layout: Layout, n: int, shape: tuple[int, ...], dim: int) -> torch.Tensor:
+    """``torch.cat(members, dim)`` without unstacking; contiguous like ``cat``'s result."""
+    dim = dim % len(shape)
+    return to_fold(x, layout, n, shape, dim).contiguous()
+
+
+def stack_members(x: torch.Tensor, layout: Layout, n: int, shape: tuple[int, ...], dim: int) -> torch.Tensor:
+    """``torch.stack(members, dim)`` without unstacking; contiguous like ``stack``'s result."""
+    dim = dim % (len(shape) + 1)
+    return to_stack(x, layout, n, shape).movedim(0, dim).contiguous()
+
+
+def select_members(
+    x: torch.Tensor, layout: Layout, n: int, shape: tuple[int, ...], index: torch.Tensor
+) -> torch.Tensor:
+    """Some members, in another order: ``STACK`` layout ``[len(index), *shape]``."""
+    return to_stack(x, layout, n, shape).index_select(0, index.to(x.device))

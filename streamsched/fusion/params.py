@@ -1,0 +1,124 @@
+"""The parameters of fused members, held in one stacked tensor, and kept the truth.
+
+Each member's ``weight`` stays the very same ``nn.Parameter`` object (same name, same
+``state_dict`` key, same optimizer state), but its storage is moved into a slice of one
+stacked tensor (``alias`` mode): ``stack[i]`` *is* member ``i``'s weight. So:
+
+- a batched kernel reads all N weights with no copy;
+- ``optimizer.step()``, ``load_state_dict()`` and ``torch.nn.init`` write in place into
+  the stack, and the next forward sees the new values;
+- gradients flow back through :class:`GatherStacked`, whose backward hands ``grad[i]``
+  to member ``i``, so each original parameter's ``.grad`` is filled as in the loop.
+
+Anything that gives a member new storage (``.to()``, ``p.data = ...``, re-assigning the
+attribute) breaks the alias; :meth:`StackedTensors.check` notices and re-stacks before
+the next use. Where aliasing is impossible (a tensor shared by two members, or already
+aliased into another group's stack, or ``fuse_params="copy"``), the stack is rebuilt
+with ``torch.stack`` on every call (``copy`` mode): slower, never stale.
+
+Members of different sizes along dim 0 (heads of different widths reading one input)
+are held concatenated instead of stacked (``concat=True``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["GatherStacked", "StackedTensors"]
+
+log = logging.getLogger(__name__)
+
+
+class GatherStacked(torch.autograd.Function):
+    """``stack`` as a differentiable function of the member tensors it aliases."""
+
+    @staticmethod
+    def forward(ctx, stack: torch.Tensor, sizes: Optional[tuple[int, ...]], *members: torch.Tensor):
+        ctx.sizes = sizes
+        return stack.view_as(stack)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if ctx.sizes is None:
+            parts = grad.unbind(0)
+        else:
+            parts = grad.split(ctx.sizes, 0)
+        return (None, None, *parts)
+
+
+class StackedTensors:
+    """N member tensors (``getattr(module, name)`` for each owner) as one tensor.
+
+    ``value(grad)`` returns ``[N, *shape]`` (or ``[sum(sizes), *rest]`` when ``concat``)
+    holding the members' current values, differentiable with respect to each member
+    when ``grad`` is true.
+    """
+
+    def __init__(self, owners: Sequence[tuple[nn.Module, str]], concat: bool = False, alias: bool = True):
+        self.owners = list(owners)
+        self.concat = concat
+        self.alias = alias
+        self.tensors: list[torch.Tensor] = [getattr(m, n) for m, n in self.owners]
+        self.sizes: Optional[tuple[int, ...]] = tuple(int(t.shape[0]) for t in self.tensors) if concat else None
+        self.stack: Optional[torch.Tensor] = None
+        self._ptrs: list[int] = []
+        self.rebuilds = 0
+        if self.alias:
+            self._restack()
+
+    # --- alias maintenance ----------------------------------------------------------
+
+    def _restack(self) -> None:
+        self.tensors = [getattr(m, n) for m, n in self.owners]
+        with torch.no_grad():
+            detached = [t.detach() for t in self.tensors]
+            stack = torch.cat(detached, 0) if self.concat else torch.stack(detached, 0)
+            offset = 0
+            for i, t in enumerate(self.tensors):
+                if self.concat:
+                    view = stack[offset : offset + t.shape[0]]
+                    offset += t.shape[0]
+                else:
+                    view = stack[i]
+                t.data = view
+        self.stack = stack
+        self._ptrs = [t.data_ptr() for t in self.tensors]
+        self.rebuilds += 1
+
+    def check(self, full: bool = False) -> None:
+        """Re-stack if any member no longer aliases the stack.
+
+        The cheap check (every call) looks at the first and last member's storage, which
+        catches ``.to()`` / ``.half()`` (they move every member). ``full=True`` (after a
+        module anywhere re-registered a parameter) checks every member's identity too.
+        """
+        if not self.alias:
+            return
+        tensors = self.tensors
+        stale = tensors[0].data_ptr() != self._ptrs[0] or tensors[-1].data_ptr() != self._ptrs[-1]
+        if not stale and full:
+            stale = any(
+                getattr(m, n) is not t or t.data_ptr() != p for (m, n), t, p in zip(self.owners, tensors, self._ptrs)
+            )
+        if stale:
+            log.debug("re-stacking %d fused tensors (%s)", len(tensors), self.owners[0][1])
+            self._restack()
+
+    # --- values -----------------------------------------------------------------------
+
+    def value(self, grad: bool) -> torch.Tensor:
+        if not self.alias:
+            current = [getattr(m, n) for m, n in self.owners]
+            return torch.cat(current, 0) if self.concat else torch.stack(current, 0)
+        stack = self.stack
+        assert stack is not None
+        if grad and any(t.requires_grad for t in (self.tensors[0], self.tensors[-1])):
+            return GatherStacked.apply(stack, self.sizes, *self.tensors)
+        return stack
+
+    def __len__(self) -> int:
+        return len(self.owners)

@@ -1,0 +1,28 @@
+"""Branchy reference models used by the examples, the tests and the benchmarks.
+
+Defined here (no torchvision needed) so that every environment runs the same networks:
+
+- :class:`ParallelFCN`: N small MLPs, each on its own slice of one input, outputs
+  concatenated (the public "1000 MLPs in a loop" report), with hand-written peers
+  :class:`GroupedConvFCN` and :class:`StackedFCN`.
+- :class:`CriticEnsemble`: N critics reading the same observation, outputs stacked.
+- :class:`MultiTaskHeads`: a shared trunk and heads of different widths.
+- :class:`Inception3`: the Inception-v3 architecture.
+- :class:`NASNetCells` and :class:`RandWire`: cell-based and random-DAG networks.
+"""
+
+from .ensemble import CriticEnsemble, MultiTaskHeads
+from .inception import Inception3
+from .parallel_fcn import GroupedConvFCN, ParallelFCN, StackedFCN
+from .random_dag import NASNetCells, RandWire
+
+__all__ = [
+    "ParallelFCN",
+    "GroupedConvFCN",
+    "StackedFCN",
+    "CriticEnsemble",
+    "MultiTaskHeads",
+    "Inception3",
+    "NASNetCells",
+    "RandWire",
+]

@@ -1,0 +1,318 @@
+"""``StreamScheduledModule``: wrap a model, get the same results with its independent
+parts run side by side (and its identical parts batched).
+
+The wrapper *shares* the wrapped model's submodules, parameters and buffers (the very
+same dicts), so ``state_dict()`` keys, ``named_parameters()`` and optimizers see exactly
+what they would see on the model itself; ``.module`` is the model, which stays the owner
+of every parameter.
+
+Per input signature (tensor shapes, dtypes, devices; the values of non-tensor
+arguments; train/eval; grad mode; autocast) the first call runs the traced graph node by
+node (that is the call's result) while recording shapes, then fuses, plans and compiles a
+schedule; later calls with that signature run the compiled schedule directly. Plans live
+in a bounded LRU cache.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+from collections import OrderedDict
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from . import _generation
+from .config import SchedulerConfig, make_config
+from .errors import ConfigError, TraceError
+from .meta import run_and_record
+from .nodes import node_label
+from .plan import Plan
+from .planner import Schedule, make_schedule
+from .runtime.chaos import Chaos
+from .runtime.program import annotate_exception, failing_node
+from .runtime.serial import SerialExecutor
+from .runtime.streams import CudaBackend, SimulatedBackend, StreamExecutor
+from .runtime.synclog import SyncLog
+from .runtime.threads import ThreadExecutor
+from .trace import CallBinder, Traced, trace_model
+
+__all__ = ["StreamScheduledModule"]
+
+log = logging.getLogger(__name__)
+
+
+class _LRU(OrderedDict):
+    def __init__(self, maxsize: int):
+        super().__init__()
+        self.maxsize = maxsize
+
+    def get_fresh(self, key: Any) -> Any:
+        value = self.get(key)
+        if value is not None:
+            self.move_to_end(key)
+        return value
+
+    def put(self, key: Any, value: Any) -> None:
+        self[key] = value
+        self.move_to_end(key)
+        while len(self) > self.maxsize:
+            self.popitem(last=False)
+
+
+class _State:
+    """Everything the wrapper caches; kept out of nn.Module's attribute machinery."""
+
+    def __init__(self, model: nn.Module, config: SchedulerConfig):
+        self.binder = CallBinder(model)
+        self.traces: _LRU = _LRU(config.plan_cache_size)
+        self.plans: _LRU = _LRU(config.plan_cache_size)
+        self.last: Optional[Schedule] = None
+        self.lock = threading.RLock()
+        self.generation = _generation.current()
+        self.calls = 0
+        self.serial = SerialExecutor()
+        self.threads: Optional[ThreadExecutor] = None
+        self.streams: dict[str, StreamExecutor] = {}
+        self.last_sync_log: Optional[SyncLog] = None
+        self.fusion: Any = None
+
+
+def _autocast_key() -> tuple:
+    key = []
+    for device in ("cuda", "cpu"):
+        if torch.is_autocast_enabled(device):
+            key.append((device, torch.get_autocast_dtype(device)))
+    return tuple(key)
+
+
+class StreamScheduledModule(nn.Module):
+    """Run ``model`` with its independent branches on separate streams and its identical
+    branches batched, with outputs and gradients equal to ``model``'s own.
+
+    Args:
+        model: the ``nn.Module`` to run. It stays the owner of its parameters.
+        config: a :class:`~streamsched.SchedulerConfig`; defaults suit most models.
+        **overrides: individual config fields (``num_streams=4``, ``executor="streams"``),
+            applied on top of ``config``.
+
+    Example::
+
+        >>> import torch, streamsched as ss
+        >>> from torch import nn
+        >>> class Heads(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.heads = nn.ModuleList(nn.Linear(8, 2) for _ in range(4))
+        ...     def forward(self, x):
+        ...         return torch.cat([h(x) for h in self.heads], dim=1)
+        >>> model = Heads()
+        >>> sm = ss.StreamScheduledModule(model)
+        >>> x = torch.randn(3, 8)
+        >>> torch.allclose(sm(x), model(x), atol=1e-6)
+        True
+        >>> sm.plan.fused_groups[0].size
+        4
+    """
+
+    def __init__(self, model: nn.Module, config: Optional[SchedulerConfig] = None, **overrides: Any):
+        if isinstance(model, StreamScheduledModule):
+            raise ConfigError(
+                f"{type(model.module).__name__} is already wrapped in a StreamScheduledModule; "
+                "wrap its .module instead (to change options, pass a new config)"
+            )
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"StreamScheduledModule wraps an nn.Module, got {type(model).__name__}")
+        name = type(model).__name__
+        cfg = make_config(config, overrides, owner=name)
+        super().__init__()
+        # Share the model's own dicts: same parameters, same names, same state_dict keys.
+        self.__dict__["_modules"] = model._modules
+        self.__dict__["_parameters"] = model._parameters
+        self.__dict__["_buffers"] = model._buffers
+        self.__dict__["module"] = model
+        self.__dict__["config"] = cfg
+        self.__dict__["_ss"] = _State(model, cfg)
+        self.training = model.training
+        from .fusion import FusionContext
+
+        self._ss.fusion = FusionContext(model)
+
+    # --- nn.Module plumbing ---------------------------------------------------------
+
+    def train(self, mode: bool = True) -> StreamScheduledModule:
+        self.module.train(mode)
+        self.training = mode
+        return self
+
+    def _apply(self, fn: Any, recurse: bool = True) -> StreamScheduledModule:
+        # Conversions (.to, .half, .cuda) replace parameter storage: plans and stacked
+        # parameters built from the old tensors must go.
+        self.module._apply(fn, recurse)
+        self.invalidate()
+        return self
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        result = self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+        if assign:
+            self.invalidate()
+        return result
+
+    def extra_repr(self) -> str:
+        changed = {k: getattr(self.config, k) for k in sorted(self.config.model_fields_set)}
+        opts = ", ".join(f"{k}={v!r}" for k, v in changed.items())
+        return f"model={type(self.module).__name__}" + (f", {opts}" if opts else "")
+
+    def __getstate__(self) -> dict:
+        return {"module": self.module, "config": self.config}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["module"], state["config"])
+
+    def __deepcopy__(self, memo: dict) -> StreamScheduledModule:
+        return StreamScheduledModule(copy.deepcopy(self.module, memo), self.config)
+
+    # --- public API -------------------------------------------------------------------
+
+    @property
+    def plan(self) -> Optional[Plan]:
+        """The plan of the most recent call (``None`` before the first call)."""
+        last = self._ss.last
+        return last.plan if last is not None else None
+
+    @property
+    def plans(self) -> list[Plan]:
+        """Every cached plan, least recently used first."""
+        return [s.plan for s in self._ss.plans.values()]
+
+    @property
+    def last_sync_log(self) -> Optional[SyncLog]:
+        """The synchronisation log of the last call (with ``sync_log=True``)."""
+        return self._ss.last_sync_log
+
+    def invalidate(self) -> None:
+        """Drop every cached trace, plan and stacked parameter; the next call re-plans."""
+        st = self._ss
+        with st.lock:
+            st.traces.clear()
+            st.plans.clear()
+            st.last = None
+            if st.fusion is not None:
+                st.fusion.invalidate()
+            st.generation = _generation.current()
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        st = self._ss
+        with st.lock:
+            if st.generation != _generation.current():
+                self._revalidate()
+            try:
+                leaves, spec = st.binder.bind(args, kwargs)
+            except TypeError as exc:
+                raise TypeError(f"{type(self.module).__name__}.forward(): {exc}") from None
+            tensors = [leaves[i] for i in spec.tensor_positions]
+            key = (
+                spec.key,
+                tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in tensors),
+                self.module.training,
+                torch.is_grad_enabled(),
+                _autocast_key(),
+            )
+            schedule = st.plans.get_fresh(key)
+            st.calls += 1
+            if schedule is None:
+                return self._first_call(key, spec, tensors)
+            st.last = schedule
+            return self._run(schedule, tensors)
+
+    # --- internals --------------------------------------------------------------------
+
+    def _revalidate(self) -> None:
+        """Some module somewhere was re-wired: drop traces whose modules moved."""
+        st = self._ss
+        stale = [k for k, traced in st.traces.items() if not traced.modules_unchanged()]
+        if stale:
+            log.info("streamsched: %s changed after wrapping; re-tracing", type(self.module).__name__)
+            self.invalidate()
+        elif st.fusion is not None:
+            # A parameter may have been re-assigned: re-stack whatever no longer aliases.
+            st.fusion.check_all(full=True)
+        st.generation = _generation.current()
+
+    def _trace(self, spec: Any) -> Traced:
+        st = self._ss
+        traced = st.traces.get_fresh(spec.key)
+        if traced is None:
+            leaf_types = tuple(self.config.leaf_modules)
+            traced = trace_model(self.module, st.binder, spec, leaf_types)
+            st.traces.put(spec.key, traced)
+        return traced
+
+    def _first_call(self, key: Any, spec: Any, tensors: list[torch.Tensor]) -> Any:
+        st = self._ss
+        try:
+            traced = self._trace(spec)
+        except TraceError:
+            if self.config.strict:
+                raise
+            from .runtime.eager import run_eager_dispatch
+
+            return run_eager_dispatch(self, spec, tensors)
+        metas: dict = {}
+        name = type(self.module).__name__
+
+        def on_error(exc: BaseException, node: Any) -> None:
+            annotate_exception(exc, f"module '{node_label(node)}' of {name}")
+
+        result = run_and_record(traced.graph, traced.root, tensors, on_error, metas)
+        schedule = make_schedule(traced, metas, self.config, tensors, fusion=st.fusion, measured=self._measured_costs())
+        st.plans.put(key, schedule)
+        st.last = schedule
+        return result
+
+    def _measured_costs(self) -> Optional[dict[str, float]]:
+        return None
+
+    def _executor(self, schedule: Schedule, tensors: list[torch.Tensor]) -> Any:
+        st = self._ss
+        name = schedule.plan.executor
+        if name == "serial":
+            return st.serial
+        if name == "threads":
+            if st.threads is None:
+                st.threads = ThreadExecutor()
+            return st.threads
+        device = schedule.plan.device
+        executor = st.streams.get(device)
+        if executor is None:
+            dev = torch.device(device)
+            backend = CudaBackend(dev) if dev.type == "cuda" else SimulatedBackend()
+            executor = StreamExecutor(backend)
+            st.streams[device] = executor
+        return executor
+
+    def _run(self, schedule: Schedule, tensors: list[torch.Tensor]) -> Any:
+        st = self._ss
+        cfg = self.config
+        sync_log = None
+        if cfg.sync_log:
+            sync_log = SyncLog()
+            program = schedule.program
+            sync_log.input_slots = tuple(program.input_slots) + tuple(s for s, _ in program.attr_slots)
+            st.last_sync_log = sync_log
+        chaos = Chaos(cfg.chaos, st.calls) if cfg.chaos is not None else None
+        for stack in schedule.stacks:
+            stack.check()
+        executor = self._executor(schedule, tensors)
+        try:
+            return executor.run(schedule.program, tensors, sync_log, chaos)
+        except Exception as exc:
+            where = failing_node(schedule.program, exc)
+            if where is not None:
+                annotate_exception(exc, f"module '{where}' of {type(self.module).__name__}")
+            raise

@@ -1,0 +1,126 @@
+"""Small facts about fx nodes: what to call them, and whether they are glue.
+
+A *compute* node launches real work (a module call, a matmul, a branch). A *glue* node
+only reshapes or picks apart values (views, ``getitem``, ``x.shape``) and is never worth
+a stream or an event of its own.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+from torch import fx
+
+from .branch import BranchCall
+
+__all__ = ["node_label", "is_glue", "scope_of", "target_name", "VIEW_METHODS"]
+
+VIEW_METHODS = frozenset(
+    {
+        "view",
+        "view_as",
+        "reshape",
+        "reshape_as",
+        "permute",
+        "transpose",
+        "t",
+        "flatten",
+        "unflatten",
+        "squeeze",
+        "unsqueeze",
+        "expand",
+        "expand_as",
+        "narrow",
+        "chunk",
+        "split",
+        "unbind",
+        "size",
+        "dim",
+        "select",
+        "movedim",
+        "__getitem__",
+        "detach",
+        "numel",
+        "stride",
+        "is_contiguous",
+        "type_as",
+        "contiguous",
+    }
+)
+
+VIEW_FUNCTIONS = frozenset(
+    {
+        operator.getitem,
+        getattr,
+        torch.flatten,
+        torch.reshape,
+        torch.permute,
+        torch.transpose,
+        torch.squeeze,
+        torch.unsqueeze,
+        torch.chunk,
+        torch.split,
+        torch.unbind,
+        torch.narrow,
+        torch.select,
+        torch.movedim,
+        torch.t,
+        torch.Tensor.size,
+        torch.Tensor.dim,
+        len,
+    }
+)
+
+
+def target_name(node: fx.Node) -> str:
+    """A short name for what a node does: ``relu``, ``cat``, ``Linear``."""
+    if node.op == "call_module":
+        return str(node.target)
+    if node.op == "call_method":
+        return str(node.target)
+    target = node.target
+    if isinstance(target, BranchCall):
+        return target.task_name
+    return getattr(target, "__name__", None) or type(target).__name__
+
+
+def scope_of(node: fx.Node) -> str:
+    """The path of the innermost module whose forward created this node ("" for the root)."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path = next(reversed(stack))
+    if node.op == "call_module" and path == node.target:
+        # The stack of a leaf call ends with the leaf itself; its scope is the parent.
+        items = list(stack)
+        return items[-2] if len(items) > 1 else ""
+    return path
+
+
+def node_label(node: fx.Node) -> str:
+    """The name users see for a node: a module path, a branch name, or ``scope.op``."""
+    if node.op == "call_module":
+        return str(node.target)
+    if node.op == "call_function" and isinstance(node.target, BranchCall):
+        return node.target.task_name
+    fused = node.meta.get("streamsched_label")
+    if fused:
+        return fused
+    scope = scope_of(node)
+    name = target_name(node)
+    return f"{scope}.{name}" if scope else name
+
+
+def is_glue(node: fx.Node, root: Any = None) -> bool:
+    """Whether the node only views or unpacks values (no kernel worth scheduling)."""
+    if node.op in ("placeholder", "get_attr", "output"):
+        return True
+    if node.op == "call_method":
+        return node.target in VIEW_METHODS
+    if node.op == "call_function":
+        if node.target in VIEW_FUNCTIONS:
+            return True
+        return bool(node.meta.get("streamsched_glue"))
+    return False

@@ -1,0 +1,1 @@
+"""Graph passes: fusion (``fuse``), coarsening (``coarsen``), stream assignment (``assign``)."""

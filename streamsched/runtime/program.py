@@ -1,0 +1,304 @@
+"""A plan compiled to Python: one generated function per task, values in a flat list.
+
+Every graph value lives in a slot of ``env`` (a list). Each task becomes a generated
+function ``task(env)`` that runs its nodes in order, reading and writing slots: no
+interpreter dispatch, no dict lookups, as cheap per node as a hand-written forward.
+
+Each node is one source line of the generated code, so when a node raises, the line in
+the traceback names the node, and the error is re-raised with its module path at no
+cost on the hot path (see :func:`annotate_exception`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import linecache
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from torch import fx
+
+from ..meta import fetch_attr
+from ..nodes import node_label
+
+__all__ = ["CompiledTask", "Program", "compile_program", "annotate_exception"]
+
+_counter = itertools.count()
+
+
+@dataclass
+class CompiledTask:
+    """One task ready to run: its generated function and its synchronisation facts."""
+
+    id: int
+    name: str
+    stream: int
+    fn: Callable[[list], None]
+    waits: tuple[int, ...]
+    records: bool
+    reads: tuple[int, ...]
+    writes: tuple[int, ...]
+    cross_reads: tuple[int, ...]
+    frees: tuple[int, ...] = ()
+    node_names: tuple[str, ...] = ()
+    seq: int = 0
+
+
+@dataclass
+class Program:
+    """Everything an executor needs to run one plan."""
+
+    n_slots: int
+    input_slots: tuple[int, ...]
+    attr_slots: tuple[tuple[int, str], ...]
+    tasks: list[CompiledTask]
+    output: Callable[[list], Any]
+    output_slots: tuple[int, ...]
+    num_streams: int
+    run_serial: Callable[[list], None]
+    root: torch.nn.Module
+    slot_producer: dict[int, int] = field(default_factory=dict)
+    lines: dict[tuple[str, int], str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.tasks_by_id = {t.id: t for t in self.tasks}
+        # Outputs allocated on a side stream need record_stream on the caller's stream.
+        self.side_outputs = tuple(
+            s
+            for s in self.output_slots
+            if s in self.slot_producer and self.tasks_by_id[self.slot_producer[s]].stream != 0
+        )
+
+    def new_env(self, inputs: list[Any]) -> list[Any]:
+        env: list[Any] = [None] * self.n_slots
+        for slot, value in zip(self.input_slots, inputs):
+            env[slot] = value
+        root = self.root
+        for slot, target in self.attr_slots:
+            env[slot] = fetch_attr(root, target)
+        return env
+
+    def streams_used(self) -> list[int]:
+        return sorted({t.stream for t in self.tasks})
+
+
+class _Emitter:
+    """Renders fx arguments as Python expressions over ``env``."""
+
+    def __init__(self, slot: dict[fx.Node, int]):
+        self.slot = slot
+        self.globals: dict[str, Any] = {"slice": slice, "inf": math.inf, "nan": math.nan}
+        self._names: dict[int, str] = {}
+
+    def constant(self, value: Any, hint: str = "c") -> str:
+        key = id(value)
+        name = self._names.get(key)
+        if name is None:
+            name = f"_{hint}{len(self._names)}"
+            self._names[key] = name
+            self.globals[name] = value
+        return name
+
+    def render(self, arg: Any) -> str:
+        if isinstance(arg, fx.Node):
+            return f"env[{self.slot[arg]}]"
+        if isinstance(arg, tuple) and not hasattr(arg, "_fields"):
+            inner = ", ".join(self.render(a) for a in arg)
+            return f"({inner},)" if len(arg) == 1 else f"({inner})"
+        if isinstance(arg, list):
+            return "[" + ", ".join(self.render(a) for a in arg) + "]"
+        if isinstance(arg, dict):
+            items = ", ".join(f"{self.render(k)}: {self.render(v)}" for k, v in arg.items())
+            return "{" + items + "}"
+        if isinstance(arg, slice):
+            return f"slice({self.render(arg.start)}, {self.render(arg.stop)}, {self.render(arg.step)})"
+        if arg is None or isinstance(arg, (bool, int, str)):
+            return repr(arg)
+        if isinstance(arg, float):
+            if math.isinf(arg):
+                return "inf" if arg > 0 else "-inf"
+            if math.isnan(arg):
+                return "nan"
+            return repr(arg)
+        return self.constant(arg)
+
+    def call_args(self, args: tuple, kwargs: dict) -> str:
+        parts = [self.render(a) for a in args]
+        parts += [f"{k}={self.render(v)}" for k, v in kwargs.items()]
+        return ", ".join(parts)
+
+    def statement(self, node: fx.Node, root: torch.nn.Module) -> str:
+        out = f"env[{self.slot[node]}]"
+        if node.op == "call_module":
+            mod = self.constant(root.get_submodule(node.target), "m")
+            return f"{out} = {mod}({self.call_args(node.args, node.kwargs)})"
+        if node.op == "call_function":
+            fn = self.constant(node.target, "f")
+            return f"{out} = {fn}({self.call_args(node.args, node.kwargs)})"
+        if node.op == "call_method":
+            obj = self.render(node.args[0])
+            method = str(node.target)
+            if method.isidentifier():
+                return f"{out} = {obj}.{method}({self.call_args(node.args[1:], node.kwargs)})"
+            getter = self.constant(method, "s")
+            return f"{out} = getattr({obj}, {getter})({self.call_args(node.args[1:], node.kwargs)})"
+        raise ValueError(f"cannot compile fx op {node.op}")
+
+
+def _compile_function(name: str, body: list[str], emitter: _Emitter, filename: str) -> Callable:
+    lines = [f"def {name}(env):"] + [f"    {line}" for line in body or ["pass"]]
+    source = "\n".join(lines) + "\n"
+    code = compile(source, filename, "exec")
+    namespace = dict(emitter.globals)
+    exec(code, namespace)
+    # Make the generated source visible in tracebacks and debuggers.
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    return namespace[name]
+
+
+def compile_program(
+    graph: fx.Graph,
+    root: torch.nn.Module,
+    task_nodes: list[list[fx.Node]],
+    task_names: list[str],
+    stream: list[int],
+    order: list[int],
+    waits: list[list[int]],
+    records: list[bool],
+    num_streams: int,
+) -> Program:
+    """Compile tasks (lists of fx nodes, indexed by task id) into a :class:`Program`.
+
+    ``order`` is the issue order; ``stream``, ``waits`` and ``records`` come from the
+    stream assignment.
+    """
+    slot: dict[fx.Node, int] = {}
+    input_slots = []
+    attr_slots = []
+    for node in graph.nodes:
+        if node.op == "output":
+            continue
+        slot[node] = len(slot)
+        if node.op == "placeholder":
+            input_slots.append(slot[node])
+        elif node.op == "get_attr":
+            attr_slots.append((slot[node], str(node.target)))
+    output_node = next(n for n in graph.nodes if n.op == "output")
+
+    node_task: dict[fx.Node, int] = {}
+    for t, nodes in enumerate(task_nodes):
+        for node in nodes:
+            node_task[node] = t
+
+    emitter = _Emitter(slot)
+    uid = next(_counter)
+    lines: dict[tuple[str, int], str] = {}
+    tasks: list[CompiledTask] = []
+    slot_producer: dict[int, int] = {}
+    seq_counter = [0] * max(num_streams, 1)
+
+    # Last reader of each slot in issue order decides when the serial and streams
+    # executors drop their reference to it (outputs are never dropped).
+    output_slots = tuple(slot[n] for n in output_node.all_input_nodes)
+    last_reader: dict[int, int] = {}
+    for t in order:
+        for node in task_nodes[t]:
+            for inp in node.all_input_nodes:
+                last_reader[slot[inp]] = t
+    # Inputs and attributes are never dropped: the caller's arguments and the module
+    # keep them alive for the whole call anyway, so dropping our reference frees nothing.
+    held = set(output_slots) | set(input_slots) | {s for s, _ in attr_slots}
+    frees_of: dict[int, list[int]] = {}
+    for s, t in last_reader.items():
+        if s not in held:
+            frees_of.setdefault(t, []).append(s)
+
+    serial_body: list[str] = []
+    serial_file = f"<streamsched-program-{uid}>"
+    for t in order:
+        nodes = task_nodes[t]
+        body = []
+        reads: list[int] = []
+        writes = []
+        filename = f"<streamsched-task-{uid}-{t}>"
+        for i, node in enumerate(nodes):
+            body.append(emitter.statement(node, root))
+            lines[(filename, i + 2)] = node_label(node)
+            lines[(serial_file, len(serial_body) + 2)] = node_label(node)
+            serial_body.append(body[-1])
+            writes.append(slot[node])
+            slot_producer[slot[node]] = t
+            for inp in node.all_input_nodes:
+                if node_task.get(inp) != t and slot[inp] not in reads:
+                    reads.append(slot[inp])
+        for s in sorted(frees_of.get(t, ())):
+            serial_body.append(f"env[{s}] = None")
+        fn = _compile_function(f"task_{t}", body, emitter, filename)
+        cross = tuple(r for r in reads if r in slot_producer and stream[slot_producer[r]] != stream[t])
+        seq_counter[stream[t]] += 1
+        tasks.append(
+            CompiledTask(
+                id=t,
+                name=task_names[t],
+                stream=stream[t],
+                fn=fn,
+                waits=tuple(waits[t]),
+                records=records[t],
+                reads=tuple(reads),
+                writes=tuple(writes),
+                cross_reads=cross,
+                frees=tuple(sorted(frees_of.get(t, ()))),
+                node_names=tuple(n.name for n in nodes),
+                seq=seq_counter[stream[t]],
+            )
+        )
+    run_serial = _compile_function("run_serial", serial_body, emitter, serial_file)
+    out_expr = emitter.render(output_node.args[0])
+    out_file = f"<streamsched-output-{uid}>"
+    output = _compile_function("output", [f"return {out_expr}"], emitter, out_file)
+    return Program(
+        n_slots=len(slot),
+        input_slots=tuple(input_slots),
+        attr_slots=tuple(attr_slots),
+        tasks=tasks,
+        output=output,
+        output_slots=output_slots,
+        num_streams=num_streams,
+        run_serial=run_serial,
+        root=root,
+        slot_producer=slot_producer,
+        lines=lines,
+    )
+
+
+def failing_node(program: Program, exc: BaseException) -> Optional[str]:
+    """The label of the generated line an exception came from, if any."""
+    tb = exc.__traceback__
+    found = None
+    while tb is not None:
+        key = (tb.tb_frame.f_code.co_filename, tb.tb_lineno)
+        if key in program.lines:
+            found = program.lines[key]
+        tb = tb.tb_next
+    return found
+
+
+def annotate_exception(exc: BaseException, where: str) -> None:
+    """Add "(in module 'x')" to an exception's message, keeping its type.
+
+    The message is extended in place when it is a single string (so ``str(exc)`` shows
+    it, as users of eager PyTorch expect); otherwise a note is added.
+    """
+    suffix = f"\n  [streamsched] raised in {where}"
+    if getattr(exc, "_streamsched_annotated", False):
+        return
+    try:
+        exc._streamsched_annotated = True  # type: ignore[attr-defined]
+    except AttributeError:
+        return
+    if len(exc.args) == 1 and isinstance(exc.args[0], str) and not isinstance(exc, KeyError):
+        exc.args = (exc.args[0] + suffix,)
+    else:
+        exc.add_note(suffix.strip())

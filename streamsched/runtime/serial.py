@@ -1,0 +1,41 @@
+"""The reference executor: every task in issue order on the caller's stream/thread."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from .chaos import Chaos
+from .program import Program
+from .synclog import SyncLog
+
+__all__ = ["SerialExecutor"]
+
+
+class SerialExecutor:
+    """Runs a program's tasks one after another; with no log, one generated function."""
+
+    name = "serial"
+
+    def run(
+        self, program: Program, inputs: list[Any], log: Optional[SyncLog] = None, chaos: Optional[Chaos] = None
+    ) -> Any:
+        env = program.new_env(inputs)
+        if log is None and chaos is None:
+            program.run_serial(env)
+            return program.output(env)
+        for task in program.tasks:
+            if chaos is not None:
+                chaos.delay(0)
+            task.fn(env)
+            if log is not None:
+                log.launch(0, task.id, task.reads, task.writes)
+            for slot in task.frees:
+                env[slot] = None
+                if log is not None:
+                    log.free(0, slot)
+        if log is not None:
+            log.output(program.output_slots)
+        return program.output(env)
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,218 @@
+"""CUDA streams: the plan's tasks issued from one thread onto a pool of streams.
+
+Per call::
+
+    caller = current stream                         # stream 0 of the plan
+    side streams wait on an event recorded on caller   (fork)
+    for task in issue order:
+        make its stream current
+        wait on the events of producers on other streams (only those the plan lists)
+        run the task's nodes
+        record_stream(s) on every tensor it read that another stream allocated
+        record its event if some other stream (or the join) waits for it
+    caller waits on every side stream                  (join, also on error)
+    record_stream(caller) on outputs allocated on a side stream
+
+Only the plan's waits are issued: the vector-clock pass already dropped every wait that
+an earlier one implies. Streams are created once per module and reused; events once per
+plan (``cudaEventDisableTiming``). The caller's current stream is restored afterwards,
+so the module composes with the caller's own streams, also inside ``torch.cuda.stream``.
+
+The stream operations go through a *backend*. :class:`CudaBackend` drives real CUDA;
+:class:`SimulatedBackend` runs the work immediately on CPU while the executor still
+makes every decision and logs it, which is how the same logic is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from .chaos import Chaos
+from .program import Program
+from .synclog import SyncLog
+
+__all__ = ["StreamExecutor", "CudaBackend", "SimulatedBackend"]
+
+
+def _tensors(value: Any):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+
+
+class SimulatedBackend:
+    """Stream operations as no-ops: work runs at once, in issue order, on the CPU."""
+
+    is_cuda = False
+
+    def streams(self, count: int) -> list[Any]:
+        return list(range(count))
+
+    def events(self, program: Program) -> dict[int, Any]:
+        return {t.id: t.id for t in program.tasks if t.records}
+
+    def current_stream(self) -> Any:
+        return 0
+
+    def set_stream(self, stream: Any) -> None:
+        pass
+
+    def fork(self, caller: Any, side: list[Any]) -> None:
+        pass
+
+    def wait(self, stream: Any, event: Any) -> None:
+        pass
+
+    def record(self, stream: Any, event: Any) -> None:
+        pass
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        pass
+
+    def join(self, caller: Any, side: list[Any]) -> None:
+        pass
+
+    def chaos(self, chaos: Chaos, lane: int) -> None:
+        chaos.delay(lane)
+
+
+class CudaBackend:
+    """Real CUDA streams and events on one device."""
+
+    is_cuda = True
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._pool: list[torch.cuda.Stream] = []
+        self._fork_event: Optional[torch.cuda.Event] = None
+
+    def streams(self, count: int) -> list[Any]:
+        # The pool is created once per module and grows only to the widest plan.
+        while len(self._pool) < count - 1:
+            self._pool.append(torch.cuda.Stream(device=self.device))
+        return [None] + self._pool[: count - 1]
+
+    def events(self, program: Program) -> dict[int, Any]:
+        cache = getattr(program, "_cuda_events", None)
+        if cache is None:
+            cache = {t.id: torch.cuda.Event() for t in program.tasks if t.records}
+            program._cuda_events = cache  # type: ignore[attr-defined]
+        return cache
+
+    def current_stream(self) -> Any:
+        return torch.cuda.current_stream(self.device)
+
+    def set_stream(self, stream: Any) -> None:
+        torch.cuda.set_stream(stream)
+
+    def fork(self, caller: Any, side: list[Any]) -> None:
+        if self._fork_event is None:
+            self._fork_event = torch.cuda.Event()
+        self._fork_event.record(caller)
+        for s in side:
+            s.wait_event(self._fork_event)
+
+    def wait(self, stream: Any, event: Any) -> None:
+        stream.wait_event(event)
+
+    def record(self, stream: Any, event: Any) -> None:
+        event.record(stream)
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        if tensor.is_cuda:
+            tensor.record_stream(stream)
+
+    def join(self, caller: Any, side: list[Any]) -> None:
+        for s in side:
+            caller.wait_stream(s)
+
+    def chaos(self, chaos: Chaos, lane: int) -> None:
+        chaos.gpu_delay(lane)
+
+
+class StreamExecutor:
+    """Issues a plan onto streams; see the module docstring for the exact protocol."""
+
+    name = "streams"
+
+    def __init__(self, backend: Any, ranges: Any = None):
+        self.backend = backend
+        self.ranges = ranges
+
+    def run(
+        self, program: Program, inputs: list[Any], log: Optional[SyncLog] = None, chaos: Optional[Chaos] = None
+    ) -> Any:
+        be = self.backend
+        caller = be.current_stream()
+        pool = be.streams(program.num_streams)
+        streams = [caller] + pool[1:]
+        events = be.events(program)
+        side_ids = [s for s in program.streams_used() if s != 0]
+        side = [streams[s] for s in side_ids]
+        env = program.new_env(inputs)
+        ranges = self.ranges
+
+        be.fork(caller, side)
+        if log is not None:
+            log.fork(side_ids)
+        current = 0
+        try:
+            for task in program.tasks:
+                sid = task.stream
+                stream = streams[sid]
+                if sid != current:
+                    be.set_stream(stream)
+                    current = sid
+                for producer in task.waits:
+                    be.wait(stream, events[producer])
+                    if log is not None:
+                        log.wait(sid, producer)
+                if chaos is not None:
+                    be.chaos(chaos, sid)
+                if ranges is not None:
+                    ranges.push(task)
+                    try:
+                        task.fn(env)
+                    finally:
+                        ranges.pop()
+                else:
+                    task.fn(env)
+                if log is not None:
+                    log.launch(sid, task.id, task.reads, task.writes)
+                for slot in task.cross_reads:
+                    for tensor in _tensors(env[slot]):
+                        be.record_stream(tensor, stream)
+                    if log is not None:
+                        log.record_stream(sid, slot)
+                if task.records:
+                    be.record(stream, events[task.id])
+                    if log is not None:
+                        log.record(sid, task.id)
+                for slot in task.frees:
+                    env[slot] = None
+                    if log is not None:
+                        log.free(sid, slot)
+        finally:
+            if current != 0:
+                be.set_stream(caller)
+            be.join(caller, side)
+            if log is not None:
+                log.join(side_ids)
+        for slot in program.side_outputs:
+            for tensor in _tensors(env[slot]):
+                be.record_stream(tensor, caller)
+            if log is not None:
+                log.record_stream(0, slot)
+        if log is not None:
+            log.output(program.output_slots)
+        return program.output(env)
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,215 @@
+"""CPU lanes: the streams of a plan run on a small pool of threads.
+
+Lane 0 runs in the calling thread (as stream 0 is the caller's stream); lanes 1..k-1
+run on persistent worker threads. Each lane runs its tasks in issue order; a task whose
+producer is on another lane waits on that producer's ``threading.Event``, exactly where
+the CUDA executor would wait on a CUDA event. PyTorch releases the GIL inside its
+kernels, so independent branches overlap on separate cores.
+
+Thread-local PyTorch state (grad mode, inference mode, autocast) is carried from the
+caller into each lane. An exception in any lane stops every lane at its next task; all
+lanes are joined before the earliest failing task's exception (in issue order, as eager
+would have met it first) propagates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from typing import Any, Callable, Optional
+
+import torch
+
+from .chaos import Chaos
+from .program import CompiledTask, Program
+from .synclog import SyncLog
+
+__all__ = ["ThreadExecutor"]
+
+
+class _Worker:
+    def __init__(self, index: int):
+        self.queue: queue.SimpleQueue[Optional[Callable[[], None]]] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name=f"streamsched-lane-{index}", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            job = self.queue.get()
+            if job is None:
+                return
+            job()
+
+
+class _TorchState:
+    """The thread-local PyTorch modes of the calling thread, to re-enter in a lane."""
+
+    def __init__(self) -> None:
+        self.grad = torch.is_grad_enabled()
+        self.inference = torch.is_inference_mode_enabled()
+        self.autocast = []
+        for device in ("cpu", "cuda"):
+            if torch.is_autocast_enabled(device):
+                self.autocast.append((device, torch.get_autocast_dtype(device)))
+
+    def enter(self, stack: contextlib.ExitStack) -> None:
+        if self.inference:
+            stack.enter_context(torch.inference_mode())
+        stack.enter_context(torch.set_grad_enabled(self.grad))
+        for device, dtype in self.autocast:
+            stack.enter_context(torch.autocast(device, dtype=dtype))
+
+
+class _Call:
+    """Shared state of one call across lanes."""
+
+    def __init__(self, env: list, events: dict[int, threading.Event], order: dict[int, int]):
+        self.env = env
+        self.events = events
+        self.order = order
+        self.lock = threading.Lock()
+        self.errors: list[tuple[int, BaseException]] = []
+        self.failed = False
+
+    def fail(self, task_id: int, exc: BaseException) -> None:
+        with self.lock:
+            self.errors.append((self.order.get(task_id, 1 << 30), exc))
+            self.failed = True
+
+
+def _lane_frees(program: Program) -> dict[int, tuple[int, ...]]:
+    """Slots a lane may drop after a task: those read only on that lane, at their last read."""
+    cached = getattr(program, "_lane_frees", None)
+    if cached is not None:
+        return cached
+    readers: dict[int, set[int]] = {}
+    last: dict[int, int] = {}
+    for task in program.tasks:
+        for slot in task.reads:
+            readers.setdefault(slot, set()).add(task.stream)
+            last[slot] = task.id
+    frees: dict[int, list[int]] = {}
+    outputs = set(program.output_slots)
+    for slot, lanes in readers.items():
+        producer = program.slot_producer.get(slot)
+        if producer is None:
+            continue  # an input or attribute: the caller keeps it alive anyway
+        producer_lane = program.tasks_by_id[producer].stream
+        if len(lanes) == 1 and slot not in outputs and producer_lane in lanes:
+            frees.setdefault(last[slot], []).append(slot)
+    result = {t: tuple(s) for t, s in frees.items()}
+    program._lane_frees = result  # type: ignore[attr-defined]
+    return result
+
+
+class ThreadExecutor:
+    """Runs a multi-stream plan on CPU threads, one lane per planned stream."""
+
+    name = "threads"
+
+    def __init__(self) -> None:
+        self._workers: list[_Worker] = []
+        self._lock = threading.Lock()
+
+    def _ensure_workers(self, count: int) -> None:
+        with self._lock:
+            while len(self._workers) < count:
+                self._workers.append(_Worker(len(self._workers) + 1))
+
+    def run(
+        self, program: Program, inputs: list[Any], log: Optional[SyncLog] = None, chaos: Optional[Chaos] = None
+    ) -> Any:
+        lanes: dict[int, list[CompiledTask]] = {}
+        for task in program.tasks:
+            lanes.setdefault(task.stream, []).append(task)
+        env = program.new_env(inputs)
+        events = {t.id: threading.Event() for t in program.tasks if t.records}
+        call = _Call(env, events, {t.id: i for i, t in enumerate(program.tasks)})
+        frees = _lane_frees(program)
+        state = _TorchState()
+        side = [lane for lane in sorted(lanes) if lane != 0]
+        self._ensure_workers(max(side, default=0))
+        done = {lane: threading.Event() for lane in side}
+
+        if log is not None:
+            log.fork(side)
+        for lane in side:
+
+            def job(lane: int = lane) -> None:
+                try:
+                    self._run_lane(call, lane, lanes[lane], frees, state, log, chaos)
+                finally:
+                    done[lane].set()
+
+            self._workers[lane - 1].queue.put(job)
+        try:
+            self._run_lane(call, 0, lanes.get(0, []), frees, None, log, chaos)
+        finally:
+            # Join every lane before returning or raising, whatever happened.
+            for lane in side:
+                done[lane].wait()
+            if log is not None:
+                log.join(side)
+        if call.errors:
+            call.errors.sort(key=lambda item: item[0])
+            raise call.errors[0][1]
+        if log is not None:
+            log.output(program.output_slots)
+        return program.output(env)
+
+    @staticmethod
+    def _run_lane(
+        call: _Call,
+        lane: int,
+        tasks: list[CompiledTask],
+        frees: dict[int, tuple[int, ...]],
+        state: Optional[_TorchState],
+        log: Optional[SyncLog],
+        chaos: Optional[Chaos],
+    ) -> None:
+        env = call.env
+        task = None
+        with contextlib.ExitStack() as stack:
+            if state is not None:
+                state.enter(stack)
+            try:
+                for task in tasks:
+                    for producer in task.waits:
+                        call.events[producer].wait()
+                        if log is not None:
+                            log.wait(lane, producer)
+                    if call.failed:
+                        return
+                    if chaos is not None:
+                        chaos.delay(lane)
+                    task.fn(env)
+                    if log is not None:
+                        log.launch(lane, task.id, task.reads, task.writes)
+                    if task.records:
+                        if log is not None:
+                            log.record(lane, task.id)
+                        call.events[task.id].set()
+                    for slot in frees.get(task.id, ()):
+                        env[slot] = None
+                        if log is not None:
+                            log.free(lane, slot)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by the caller
+                call.fail(task.id if task is not None else -1, exc)
+            finally:
+                # Never leave another lane waiting on an event this lane will not set.
+                for t in tasks:
+                    if t.records and not call.events[t.id].is_set():
+                        call.events[t.id].set()
+
+    def close(self) -> None:
+        with self._lock:
+            for worker in self._workers:
+                worker.queue.put(None)
+            self._workers = []
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass

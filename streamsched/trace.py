@@ -1,0 +1,298 @@
+"""Front end: trace a model into an ``fx.Graph`` of submodule calls.
+
+Leaves (nodes the scheduler treats as one opaque unit of work) are ``torch.nn``
+built-in modules, module classes and functions decorated with ``@streamsched.branch``,
+and any types the user names in ``leaf_modules``. Everything else is traced through.
+
+Arguments are split in two: every tensor leaf of the call's arguments (also inside
+lists, tuples and dicts) becomes a graph input; every other value (``None``, flags,
+sizes) is *specialised*: baked into the trace, as ``torch.compile`` does. A call with
+other static values gets its own trace. This is what makes ``if y is None:`` in a
+forward trace correctly.
+
+A model that cannot be traced raises :class:`~streamsched.errors.TraceError` naming the
+module, the file and line, and the way out (``@streamsched.branch`` or
+``strict=False``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import linecache
+import os
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Optional, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx
+
+from .branch import is_branch_module
+from .errors import TraceError
+
+__all__ = ["CallBinder", "CallSpec", "Traced", "trace_model"]
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_OWN_DIR = os.path.dirname(__file__)
+
+
+@dataclass(frozen=True)
+class CallSpec:
+    """How one call's arguments split into graph inputs (tensors) and static values."""
+
+    treedef: Any
+    tensor_positions: tuple[int, ...]
+    static_leaves: tuple[tuple[int, Any], ...]
+
+    @property
+    def key(self) -> Hashable:
+        return (str(self.treedef), self.tensor_positions, _hashable(self.static_leaves))
+
+
+def _hashable(value: Any) -> Hashable:
+    try:
+        hash(value)
+        return value
+    except TypeError:
+        # An unhashable static value (a list of ints, say): its repr stands for it.
+        return ("repr", repr(value))
+
+
+class CallBinder:
+    """Binds ``forward(*args, **kwargs)`` calls to a flat list of leaves, fast.
+
+    The common call (positional tensors only, as many as ``forward`` has required
+    positional parameters, no defaults to fill) skips ``inspect`` and pytree entirely.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.signature = inspect.signature(type(model).forward)
+        params = list(self.signature.parameters.values())[1:]  # drop self
+        self.signature = self.signature.replace(parameters=params)
+        self._simple_arity = None
+        if all(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty for p in params):
+            self._simple_arity = len(params)
+        self._simple_specs: dict[int, CallSpec] = {}
+
+    def bind(self, args: tuple, kwargs: dict) -> tuple[list[Any], CallSpec]:
+        """Return (leaves, spec) for one call; raises TypeError like Python on bad arguments."""
+        if (
+            not kwargs
+            and self._simple_arity == len(args)
+            and all(type(a) is torch.Tensor or isinstance(a, torch.Tensor) for a in args)
+        ):
+            spec = self._simple_specs.get(len(args))
+            if spec is None:
+                leaves, spec = self._bind_general(args, kwargs)
+                self._simple_specs[len(args)] = spec
+            return list(args), spec
+        return self._bind_general(args, kwargs)
+
+    def _bind_general(self, args: tuple, kwargs: dict) -> tuple[list[Any], CallSpec]:
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        leaves, treedef = pytree.tree_flatten(list(bound.arguments.values()))
+        tensor_positions = tuple(i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor))
+        static = tuple((i, v) for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor))
+        return leaves, CallSpec(treedef, tensor_positions, static)
+
+    def rebuild(self, leaves: Sequence[Any], spec: CallSpec) -> tuple[tuple, dict]:
+        """Inverse of :meth:`bind`: positional and keyword arguments for ``forward``."""
+        values = pytree.tree_unflatten(list(leaves), spec.treedef)
+        bound = inspect.BoundArguments(self.signature, dict(zip(self.signature.parameters, values)))
+        return bound.args, bound.kwargs
+
+
+class _TraceRoot(torch.nn.Module):
+    """A stand-in root that shares the model's submodules, parameters and buffers.
+
+    Tracing it gives node targets with exactly the model's own paths ("towers.0.fc1"),
+    while its ``forward`` takes only the tensor leaves of one call.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.__dict__["_modules"] = model._modules
+        self.__dict__["_parameters"] = model._parameters
+        self.__dict__["_buffers"] = model._buffers
+        self.__dict__["_streamsched_model"] = model
+
+
+class _LeafTracer(fx.Tracer):
+    def __init__(self, leaf_types: tuple[type, ...], model: torch.nn.Module):
+        super().__init__()
+        self.leaf_types = leaf_types
+        self.model = model
+
+    def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
+        if self.leaf_types and isinstance(m, self.leaf_types):
+            return True
+        if is_branch_module(m):
+            return True
+        return super().is_leaf_module(m, module_qualified_name)
+
+    def path_of_module(self, mod: torch.nn.Module) -> str:
+        if mod is self.model:
+            return ""
+        return super().path_of_module(mod)
+
+
+@dataclass
+class Traced:
+    """One trace of a model for one call structure.
+
+    ``root`` resolves ``get_attr`` and ``call_module`` targets (it shares the model's
+    submodules); ``input_names`` name the graph's placeholders in order.
+    """
+
+    graph: fx.Graph
+    root: torch.nn.Module
+    model: torch.nn.Module
+    spec: CallSpec
+    input_names: list[str]
+    module_ids: dict[str, int] = field(default_factory=dict)
+
+    def modules_unchanged(self) -> bool:
+        """Whether every module the graph calls is still the same object at its path."""
+        for path, ident in self.module_ids.items():
+            try:
+                mod = self.model.get_submodule(path) if path else self.model
+            except AttributeError:
+                return False
+            if id(mod) != ident:
+                return False
+        return True
+
+
+def _placeholder_names(binder: CallBinder, spec: CallSpec) -> list[str]:
+    # Name each graph input after the forward parameter it came from.
+    names = []
+    params = list(binder.signature.parameters)
+    leaves = [None] * spec.treedef.num_leaves
+    for pos in spec.tensor_positions:
+        leaves[pos] = pos
+    per_arg = pytree.tree_unflatten(leaves, spec.treedef)
+    for pname, sub in zip(params, per_arg):
+        positions = [p for p in pytree.tree_leaves(sub) if p is not None]
+        if len(positions) == 1 and isinstance(sub, int):
+            names.append(pname)
+        else:
+            names.extend(f"{pname}_{k}" for k in range(len(positions)))
+    return names
+
+
+def _make_forward(n_inputs: int, names: list[str]):
+    # fx reads the arity of the traced forward from its code object, so the function is
+    # generated with one named parameter per graph input.
+    safe = [f"{''.join(c if c.isalnum() else '_' for c in n)}_{i}" for i, n in enumerate(names)]
+    src = (
+        f"def forward(self, {', '.join(safe)}):\n"
+        f"    return _call_model(self, ({', '.join(safe)}{',' if safe else ''}))\n"
+    )
+    namespace: dict[str, Any] = {"_call_model": _call_model}
+    exec(compile(src, "<streamsched-trace-root>", "exec"), namespace)
+    return namespace["forward"]
+
+
+def _call_model(root: _TraceRoot, inputs: tuple) -> Any:
+    binder: CallBinder = root._streamsched_binder
+    spec: CallSpec = root._streamsched_spec
+    leaves: list[Any] = [None] * spec.treedef.num_leaves
+    for pos, value in spec.static_leaves:
+        leaves[pos] = value
+    for pos, value in zip(spec.tensor_positions, inputs):
+        leaves[pos] = value
+    args, kwargs = binder.rebuild(leaves, spec)
+    model = root._streamsched_model
+    return type(model).forward(model, *args, **kwargs)
+
+
+def trace_model(
+    model: torch.nn.Module,
+    binder: CallBinder,
+    spec: CallSpec,
+    leaf_types: tuple[type, ...] = (),
+) -> Traced:
+    """Trace ``model`` for calls shaped like ``spec``.
+
+    Raises :class:`TraceError` (naming module, file and line) when the model's forward
+    does something ``torch.fx`` cannot record.
+    """
+    names = _placeholder_names(binder, spec)
+    root_cls = type(
+        f"{type(model).__name__}Trace",
+        (_TraceRoot,),
+        {"forward": _make_forward(len(names), names)},
+    )
+    root = root_cls(model)
+    root.__dict__["_streamsched_binder"] = binder
+    root.__dict__["_streamsched_spec"] = spec
+    tracer = _LeafTracer(leaf_types, model)
+    try:
+        graph = tracer.trace(root)
+    except TraceError:
+        raise
+    except Exception as exc:  # fx raises many types; all mean "cannot trace"
+        raise TraceError(_describe_trace_failure(model, tracer, exc)) from exc
+
+    module_ids: dict[str, int] = {}
+    for node in graph.nodes:
+        if node.op == "call_module":
+            module_ids[node.target] = id(root.get_submodule(node.target))
+        elif node.op == "call_function" and getattr(node.target, "owner", None) is not None:
+            module_ids[node.target.owner_path] = id(node.target.owner)
+    return Traced(graph, root, model, spec, names, module_ids)
+
+
+def _user_frame(exc: BaseException) -> Optional[traceback.FrameSummary]:
+    """The innermost frame of the traceback that belongs to user code."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    user = [
+        f
+        for f in frames
+        if not f.filename.startswith(_TORCH_DIR)
+        and not f.filename.startswith(_OWN_DIR)
+        and not f.filename.startswith("<")
+    ]
+    return user[-1] if user else None
+
+
+def _frame_module(exc: BaseException, summary: traceback.FrameSummary) -> Optional[torch.nn.Module]:
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_filename == summary.filename and tb.tb_lineno == summary.lineno:
+            owner = tb.tb_frame.f_locals.get("self")
+            if isinstance(owner, torch.nn.Module):
+                return owner
+        tb = tb.tb_next
+    return None
+
+
+def _describe_trace_failure(model: torch.nn.Module, tracer: _LeafTracer, exc: BaseException) -> str:
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    where = ""
+    who = f"{type(model).__name__}.forward"
+    frame = _user_frame(exc)
+    if frame is not None:
+        line = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
+        where = f"\n  at {frame.filename}:{frame.lineno} in {frame.name}: {line}"
+        owner = _frame_module(exc, frame)
+        if owner is not None:
+            try:
+                path = tracer.path_of_module(owner)
+            except NameError:
+                path = None
+            label = f"module '{path}'" if path else "the root module"
+            if owner is model:
+                label = "the root module"
+            who = f"{type(owner).__name__}.{frame.name} ({label})"
+    return (
+        f"streamsched cannot trace {who} of {type(model).__name__}: "
+        f"{type(exc).__name__}: {reason}{where}\n"
+        "How to fix: decorate the function or module class that does this with "
+        "@streamsched.branch (its body then runs as one opaque task and may hold any "
+        "Python), name its class in leaf_modules=(...), or pass strict=False to run the "
+        "model's own forward and schedule only its @streamsched.branch calls."
+    )
