@@ -13,6 +13,7 @@ a model that tracing should treat as opaque tasks.
 
 from __future__ import annotations
 
+from ._native import runtime_info
 from .branch import branch
 from .config import SchedulerConfig
 from .errors import (
@@ -32,6 +33,7 @@ __version__ = "0.1.0"
 __all__ = [
     "StreamScheduledModule",
     "SchedulerConfig",
+    "runtime_info",
     "branch",
     "Plan",
     "PlannedTask",

@@ -129,7 +129,10 @@ def branch(obj: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        proxy = _find_proxy(args) or _find_proxy(kwargs)
+        # `a or b` would call bool() on a Proxy, which fx treats as control flow.
+        proxy = _find_proxy(args)
+        if proxy is None:
+            proxy = _find_proxy(kwargs)
         if proxy is not None:
             tracer = proxy.tracer
             owner = None

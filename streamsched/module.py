@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from . import _generation
+from . import _generation, _native
 from .config import SchedulerConfig, make_config
 from .errors import ConfigError, TraceError
 from .meta import run_and_record
@@ -292,7 +292,7 @@ class StreamScheduledModule(nn.Module):
         if executor is None:
             dev = torch.device(device)
             backend = CudaBackend(dev) if dev.type == "cuda" else SimulatedBackend()
-            executor = StreamExecutor(backend)
+            executor = StreamExecutor(backend, native=_native.native())
             st.streams[device] = executor
         return executor
 

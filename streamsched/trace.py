@@ -17,9 +17,11 @@ module, the file and line, and the way out (``@streamsched.branch`` or
 
 from __future__ import annotations
 
+import functools
 import inspect
 import linecache
 import os
+import threading
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Optional, Sequence
@@ -45,7 +47,7 @@ class CallSpec:
     tensor_positions: tuple[int, ...]
     static_leaves: tuple[tuple[int, Any], ...]
 
-    @property
+    @functools.cached_property
     def key(self) -> Hashable:
         return (str(self.treedef), self.tensor_positions, _hashable(self.static_leaves))
 
@@ -120,10 +122,29 @@ class _TraceRoot(torch.nn.Module):
 
 
 class _LeafTracer(fx.Tracer):
+    """fx's tracer with streamsched's leaves, safe beside other threads.
+
+    While tracing, fx patches ``nn.Module.__call__`` and ``__getattr__`` process-wide.
+    Without the thread check below, a module called by *another* thread during that
+    time (another model serving requests, another caller of this wrapper) would be
+    recorded into this trace or fail; with it, such calls run as if no tracing happened.
+    """
+
     def __init__(self, leaf_types: tuple[type, ...], model: torch.nn.Module):
         super().__init__()
         self.leaf_types = leaf_types
         self.model = model
+        self.thread = threading.get_ident()
+
+    def call_module(self, m: torch.nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
+        if threading.get_ident() != self.thread:
+            return forward(*args, **kwargs)
+        return super().call_module(m, forward, args, kwargs)
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict) -> Any:
+        if threading.get_ident() != self.thread:
+            return attr_val
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
 
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
         if self.leaf_types and isinstance(m, self.leaf_types):

@@ -23,10 +23,12 @@ are held concatenated instead of stacked (``concat=True``).
 from __future__ import annotations
 
 import logging
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
+
+from .._native import native
 
 __all__ = ["GatherStacked", "StackedTensors"]
 
@@ -66,6 +68,7 @@ class StackedTensors:
         self.sizes: Optional[tuple[int, ...]] = tuple(int(t.shape[0]) for t in self.tensors) if concat else None
         self.stack: Optional[torch.Tensor] = None
         self._ptrs: list[int] = []
+        self._guard: Any = None
         self.rebuilds = 0
         if self.alias:
             self._restack()
@@ -87,19 +90,25 @@ class StackedTensors:
                 t.data = view
         self.stack = stack
         self._ptrs = [t.data_ptr() for t in self.tensors]
+        nat = native()
+        self._guard = nat.StackGuard(self.tensors) if nat is not None else None
         self.rebuilds += 1
 
     def check(self, full: bool = False) -> None:
         """Re-stack if any member no longer aliases the stack.
 
-        The cheap check (every call) looks at the first and last member's storage, which
-        catches ``.to()`` / ``.half()`` (they move every member). ``full=True`` (after a
-        module anywhere re-registered a parameter) checks every member's identity too.
+        Every call: with the native runtime, every member's storage (one C++ loop);
+        without it, the first and last member's, which catches ``.to()`` / ``.half()``
+        (they move every member). ``full=True`` (after a module anywhere re-registered a
+        parameter) also checks that each member is still the same object.
         """
         if not self.alias:
             return
         tensors = self.tensors
-        stale = tensors[0].data_ptr() != self._ptrs[0] or tensors[-1].data_ptr() != self._ptrs[-1]
+        if self._guard is not None:
+            stale = not self._guard.valid()
+        else:
+            stale = tensors[0].data_ptr() != self._ptrs[0] or tensors[-1].data_ptr() != self._ptrs[-1]
         if not stale and full:
             stale = any(
                 getattr(m, n) is not t or t.data_ptr() != p for (m, n), t, p in zip(self.owners, tensors, self._ptrs)

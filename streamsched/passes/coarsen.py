@@ -22,7 +22,16 @@ log = logging.getLogger(__name__)
 
 
 def coarsen(tg: TaskGraph, cheap_us: float) -> TaskGraph:
-    """Merge glue tasks and tasks cheaper than ``cheap_us`` into a neighbour."""
+    """Merge glue tasks and tasks cheaper than ``cheap_us`` into a neighbour, repeating
+    until nothing changes (a merge can leave another task with a single producer)."""
+    while True:
+        out = _coarsen_once(tg, cheap_us)
+        if len(out) == len(tg):
+            return out
+        tg = out
+
+
+def _coarsen_once(tg: TaskGraph, cheap_us: float) -> TaskGraph:
     n = len(tg)
     parent = list(range(n))
 

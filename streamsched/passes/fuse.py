@@ -315,6 +315,21 @@ def _signature(node: fx.Node, root: nn.Module, metas: dict[fx.Node, ValueMeta]) 
     )
 
 
+def _origins(node: fx.Node) -> tuple:
+    """For inputs picked out of another value (slices, split parts), that value.
+
+    Members whose inputs are parts of different tensors go to different groups, each
+    reading its parts as one view, rather than one group that copies them together.
+    """
+    out = []
+    for a in node.args:
+        if isinstance(a, fx.Node) and a.op == "call_function" and a.target is operator.getitem:
+            out.append(a.args[0])
+        else:
+            out.append(None)
+    return tuple(out)
+
+
 def _levels(graph: fx.Graph) -> dict[fx.Node, int]:
     level: dict[fx.Node, int] = {}
     for node in graph.nodes:
@@ -385,8 +400,8 @@ class _Rewriter:
         buckets: dict[tuple, list[fx.Node]] = {}
         for node, sig in sigs.items():
             if node not in taken:
-                buckets.setdefault((sig, level[node]), []).append(node)
-        for (_sig, _lv), nodes in buckets.items():
+                buckets.setdefault((sig, level[node], _origins(node)), []).append(node)
+        for nodes in buckets.values():
             if len(nodes) >= self.min_size:
                 proposals.append(("uniform", nodes))
         proposals.sort(key=lambda p: (level[p[1][0]], self.position[p[1][0]]))
@@ -543,7 +558,9 @@ class _Rewriter:
     # -- kernels --------------------------------------------------------------------
 
     def _owners(self, mods: Sequence[nn.Module], name: str) -> list[tuple[nn.Module, str]]:
-        return [(m, name) for m in mods]
+        # "a.weight" lives on submodule "a" as "weight".
+        path, _, leaf = name.rpartition(".")
+        return [(m.get_submodule(path) if path else m, leaf) for m in mods]
 
     def _stack(self, mods: Sequence[nn.Module], name: str, concat: bool = False):
         if getattr(mods[0], name, None) is None:

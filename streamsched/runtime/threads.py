@@ -29,12 +29,14 @@ __all__ = ["ThreadExecutor"]
 
 
 class _Worker:
-    def __init__(self, index: int):
+    def __init__(self, index: int, local: threading.local):
         self.queue: queue.SimpleQueue[Optional[Callable[[], None]]] = queue.SimpleQueue()
+        self.local = local
         self.thread = threading.Thread(target=self._loop, name=f"streamsched-lane-{index}", daemon=True)
         self.thread.start()
 
     def _loop(self) -> None:
+        self.local.in_lane = True
         while True:
             job = self.queue.get()
             if job is None:
@@ -103,23 +105,47 @@ def _lane_frees(program: Program) -> dict[int, tuple[int, ...]]:
     return result
 
 
+class _LanePool:
+    """Worker threads shared by every wrapper in the process, grown to the widest plan.
+
+    One threaded call runs at a time (the lock): lanes of two calls never queue behind
+    each other, so no call can wait on a lane another call is holding. A call made from
+    inside a lane (a wrapped module called by a branch of another) runs its tasks in
+    order on that lane instead of waiting for the pool.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.workers: list[_Worker] = []
+        self.local = threading.local()
+
+    def ensure(self, count: int) -> None:
+        while len(self.workers) < count:
+            self.workers.append(_Worker(len(self.workers) + 1, self.local))
+
+    def in_lane(self) -> bool:
+        return getattr(self.local, "in_lane", False)
+
+
+_POOL = _LanePool()
+
+
 class ThreadExecutor:
     """Runs a multi-stream plan on CPU threads, one lane per planned stream."""
 
     name = "threads"
 
-    def __init__(self) -> None:
-        self._workers: list[_Worker] = []
-        self._lock = threading.Lock()
-
-    def _ensure_workers(self, count: int) -> None:
-        with self._lock:
-            while len(self._workers) < count:
-                self._workers.append(_Worker(len(self._workers) + 1))
-
     def run(
         self, program: Program, inputs: list[Any], log: Optional[SyncLog] = None, chaos: Optional[Chaos] = None
     ) -> Any:
+        if _POOL.in_lane():
+            from .serial import SerialExecutor
+
+            return SerialExecutor().run(program, inputs, log, chaos)
+        with _POOL.lock:
+            return self._run(program, inputs, log, chaos)
+
+    def _run(self, program: Program, inputs: list[Any], log: Optional[SyncLog], chaos: Optional[Chaos]) -> Any:
         lanes: dict[int, list[CompiledTask]] = {}
         for task in program.tasks:
             lanes.setdefault(task.stream, []).append(task)
@@ -129,7 +155,7 @@ class ThreadExecutor:
         frees = _lane_frees(program)
         state = _TorchState()
         side = [lane for lane in sorted(lanes) if lane != 0]
-        self._ensure_workers(max(side, default=0))
+        _POOL.ensure(max(side, default=0))
         done = {lane: threading.Event() for lane in side}
 
         if log is not None:
@@ -142,7 +168,7 @@ class ThreadExecutor:
                 finally:
                     done[lane].set()
 
-            self._workers[lane - 1].queue.put(job)
+            _POOL.workers[lane - 1].queue.put(job)
         try:
             self._run_lane(call, 0, lanes.get(0, []), frees, None, log, chaos)
         finally:
@@ -203,13 +229,4 @@ class ThreadExecutor:
                         call.events[t.id].set()
 
     def close(self) -> None:
-        with self._lock:
-            for worker in self._workers:
-                worker.queue.put(None)
-            self._workers = []
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
+        pass

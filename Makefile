@@ -1,0 +1,68 @@
+# streamsched: the two commands of the README are `make demo` and `make test`.
+# Each creates what it needs on the way: a .venv with PyTorch and the package, and the
+# native extension streamsched._C (built in place, about two minutes the first time).
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check
+TORCH_SPEC ?= torch==2.13.0
+INSTALLED := $(VENV)/.streamsched-installed
+EXT_SOURCES := $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cpp)
+EXT_STAMP := streamsched/.ext-built
+OUT ?= out
+
+.PHONY: all demo test test-fast lint format bench stress ext clean gpu-check info
+
+all: test
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# PyTorch first (the CPU wheel on this machine's disk), then the package and its test
+# extras against it. --no-build-isolation: the build must see the torch just installed,
+# never fetch another one.
+$(INSTALLED): setup.cfg setup.py pyproject.toml | $(PY)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q "setuptools>=64" wheel
+	SKIP_EXT=1 $(PIP) install -q --no-build-isolation -e ".[test,dev]"
+	touch $@
+
+$(EXT_STAMP): $(EXT_SOURCES) setup.py $(INSTALLED)
+	$(PY) setup.py -q build_ext --inplace
+	touch $@
+
+ext: $(EXT_STAMP)
+
+demo: $(EXT_STAMP)
+	$(PY) examples/inception.py
+
+test: $(EXT_STAMP)
+	$(PY) -m pytest -q tests
+
+test-fast: $(EXT_STAMP)
+	$(PY) -m pytest -q -x -m "not slow" tests
+
+lint: $(INSTALLED)
+	$(PY) -m ruff check streamsched tests examples benchmarks
+	$(PY) -m ruff format --check streamsched tests examples benchmarks
+
+format: $(INSTALLED)
+	$(PY) -m ruff format streamsched tests examples benchmarks
+
+bench: $(EXT_STAMP)
+	$(PY) -m streamsched bench --out $(OUT)
+
+stress: $(EXT_STAMP)
+	$(PY) -m streamsched stress
+
+info: $(EXT_STAMP)
+	$(PY) -m streamsched info
+
+# On the GPU machine (see README, "GPU validation"): build with CUDA, run everything
+# including the cuda-marked tests, benchmarks and timelines; results under $(OUT).
+gpu-check:
+	bash .ci/gpu-check.sh $(OUT)
+
+clean:
+	rm -rf build *.egg-info streamsched/_C*.so $(EXT_STAMP) .pytest_cache

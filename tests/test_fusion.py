@@ -1,0 +1,328 @@
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import streamsched as ss
+from streamsched.fusion.kernels import FusedKernel
+from streamsched.models import CriticEnsemble, MultiTaskHeads, ParallelFCN
+
+from .helpers import assert_close, check_against_eager
+
+
+def kernels(sm):
+    return [n.target for n in sm._ss.last.graph.nodes if isinstance(n.target, FusedKernel)]
+
+
+def ops(sm):
+    return [
+        getattr(n.target, "__name__", str(n.target))
+        for n in sm._ss.last.graph.nodes
+        if n.op in ("call_function", "call_method", "call_module")
+    ]
+
+
+class Members(nn.Module):
+    """``n`` copies of ``make()``, each on its own slice (``mode="slice"``), all on the same
+    input (``"shared"``), or on separately computed inputs (``"separate"``); concatenated."""
+
+    def __init__(self, make, n=4, mode="slice", width=8, dim=1):
+        super().__init__()
+        self.members = nn.ModuleList(make() for _ in range(n))
+        self.mode, self.width, self.dim = mode, width, dim
+
+    def forward(self, x):
+        outs = []
+        for i, m in enumerate(self.members):
+            if self.mode == "slice":
+                part = x[(slice(None),) * self.dim + (slice(self.width * i, self.width * (i + 1)),)]
+            elif self.mode == "shared":
+                part = x
+            else:
+                part = x * (i + 1)
+            outs.append(m(part))
+        return torch.cat(outs, dim=self.dim)
+
+
+def test_reference_case_is_two_batched_matmuls_and_a_view():
+    model = ParallelFCN(50)
+    sm = check_against_eager(model, (torch.randn(3, 1000),), atol=1e-5)
+    groups = sm.plan.fused_groups
+    assert [(g.kind, g.size, g.kernel) for g in groups] == [
+        ("Linear", 50, "baddbmm"),
+        ("ReLU", 50, "ReLU once"),
+        ("Linear", 50, "baddbmm"),
+    ]
+    names = ops(sm)
+    assert "unstack" not in names and "stack" not in names and "cat" not in names
+    assert names.count("cat_members") == 1
+
+
+LINEAR = lambda: nn.Sequential(nn.Linear(8, 6), nn.GELU(), nn.Linear(6, 3))  # noqa: E731
+CASES = {
+    "linear": (LINEAR, lambda: torch.randn(5, 32), "slice"),
+    "linear_shared": (LINEAR, lambda: torch.randn(5, 8), "shared"),
+    "linear_separate": (LINEAR, lambda: torch.randn(5, 8), "separate"),
+    "conv1d": (
+        lambda: nn.Sequential(nn.Conv1d(8, 4, 3, padding=1), nn.Tanh()),
+        lambda: torch.randn(2, 32, 10),
+        "slice",
+    ),
+    "conv2d": (
+        lambda: nn.Sequential(nn.Conv2d(8, 4, 3, stride=2), nn.ReLU()),
+        lambda: torch.randn(2, 32, 9, 9),
+        "slice",
+    ),
+    "conv2d_shared": (lambda: nn.Conv2d(8, 4, 1), lambda: torch.randn(2, 8, 5, 5), "shared"),
+    "conv2d_depthwise": (lambda: nn.Conv2d(8, 8, 3, padding=1, groups=8), lambda: torch.randn(2, 8, 5, 5), "shared"),
+    "conv2d_reflect": (
+        lambda: nn.Conv2d(8, 4, 3, padding=1, padding_mode="reflect"),
+        lambda: torch.randn(2, 32, 6, 6),
+        "slice",
+    ),
+    "batchnorm2d": (
+        lambda: nn.Sequential(nn.Conv2d(8, 4, 1), nn.BatchNorm2d(4)),
+        lambda: torch.randn(3, 32, 4, 4),
+        "slice",
+    ),
+    "batchnorm1d": (lambda: nn.Sequential(nn.Linear(8, 4), nn.BatchNorm1d(4)), lambda: torch.randn(6, 32), "slice"),
+    "layernorm": (
+        lambda: nn.Sequential(nn.Linear(8, 6), nn.LayerNorm(6), nn.Tanh()),
+        lambda: torch.randn(5, 32),
+        "slice",
+    ),
+    "nested": (
+        lambda: nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.ReLU()), nn.Linear(8, 2)),
+        lambda: torch.randn(4, 32),
+        "slice",
+    ),
+}
+
+
+@pytest.mark.parametrize("train", [True, False])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_fused_members_equal_the_unfused_model(case, train):
+    make, make_x, mode = CASES[case]
+    model = Members(make, 4, mode).train(train)
+    sm = check_against_eager(model, (make_x().requires_grad_(),), atol=1e-5, calls=3)
+    assert sm.plan.fused_groups, "expected at least one fused group"
+    assert all(g.size == 4 for g in sm.plan.fused_groups)
+
+
+def test_batchnorm_statistics_advance_per_member():
+    model = Members(lambda: nn.BatchNorm1d(8), 3, "slice").train()
+    ref = copy.deepcopy(model)
+    sm = ss.StreamScheduledModule(model)
+    for _ in range(4):
+        x = torch.randn(16, 24) * torch.arange(1, 25)
+        assert_close(sm(x), ref(x))
+    for m_new, m_ref in zip(model.members, ref.members):
+        assert_close(m_new.running_mean, m_ref.running_mean)
+        assert_close(m_new.running_var, m_ref.running_var)
+        assert int(m_new.num_batches_tracked) == int(m_ref.num_batches_tracked) == 4
+    assert sm.plan.fused_groups[0].kind == "BatchNorm1d"
+
+
+def test_dropout_masks_differ_per_member_with_the_right_rate():
+    model = Members(lambda: nn.Dropout(0.5), 16, "shared").train()
+    sm = ss.StreamScheduledModule(model)
+    x = torch.ones(64, 32)
+    sm(x)
+    out = sm(x).view(64, 16, 32)
+    zeros = float((out == 0).float().mean())
+    assert 0.45 < zeros < 0.55
+    assert torch.all(out[out != 0] == 2.0)
+    masks = (out == 0).transpose(0, 1).reshape(16, -1)
+    assert len({tuple(m.tolist()) for m in masks}) == 16
+    assert any(g.kind == "Dropout" for g in sm.plan.fused_groups)
+
+
+def test_groups_of_size_two_and_one_thousand():
+    check_against_eager(Members(LINEAR, 2, "slice"), (torch.randn(3, 16),))
+    sm = check_against_eager(ParallelFCN(1000), (torch.randn(2, 20000),), calls=1)
+    assert sm.plan.fused_groups[0].size == 1000
+
+
+def test_members_sharing_parameters_are_stacked_per_call_and_stay_exact():
+    shared = nn.Linear(8, 8)
+    model = Members(lambda: nn.Sequential(shared, nn.Tanh()), 4, "slice")
+    sm = check_against_eager(model, (torch.randn(3, 32),))
+    assert sm.plan.fused_groups
+
+
+def test_unfusable_member_is_left_alone_and_correct():
+    model = Members(LINEAR, 4, "slice")
+    calls = []
+    model.members[2][0].register_forward_hook(lambda *a: calls.append(1))
+    sm = check_against_eager(model, (torch.randn(3, 32),))
+    first = next(g for g in sm.plan.fused_groups if g.members[0].endswith(".0"))
+    assert first.size == 3 and "members.2.0" not in first.members
+    calls.clear()
+    sm(torch.randn(3, 32))
+    assert calls == [1]  # the hook fires once per call, as in eager
+
+
+def test_inplace_activation_is_fused_only_where_no_one_else_sees_its_input():
+    safe = Members(lambda: nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True)), 4, "slice")
+    sm = check_against_eager(safe, (torch.randn(3, 32),))
+    assert any(g.kind == "ReLU" for g in sm.plan.fused_groups)
+
+    class SharedInplace(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.acts = nn.ModuleList(nn.ReLU(inplace=True) for _ in range(3))
+
+        def forward(self, x):
+            h = x * 1.0
+            return torch.cat([a(h) for a in self.acts], 1)
+
+    sm = check_against_eager(SharedInplace(), (torch.randn(3, 8),), backward=False)
+    assert not any(g.kind == "ReLU" for g in sm.plan.fused_groups)
+
+
+def test_split_chunk_and_unbind_inputs_become_views():
+    class Parts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.ModuleList(nn.Linear(8, 4) for _ in range(4))
+            self.b = nn.ModuleList(nn.Linear(8, 4) for _ in range(4))
+            self.c = nn.ModuleList(nn.Linear(8, 4) for _ in range(3))
+
+        def forward(self, x, y):
+            pa = x.split(8, dim=1)
+            pb = torch.chunk(x, 4, dim=1)
+            pc = y.unbind(1)
+            return (
+                torch.stack([m(pa[i]) for i, m in enumerate(self.a)], 0),
+                torch.cat([m(pb[i]) for i, m in enumerate(self.b)], 1),
+                torch.stack([m(pc[i]) for i, m in enumerate(self.c)], 2),
+            )
+
+    sm = check_against_eager(Parts(), (torch.randn(5, 32), torch.randn(5, 3, 8)))
+    assert [g.size for g in sm.plan.fused_groups] == [4, 4, 3]
+    names = ops(sm)
+    assert "stack" not in names and "unstack" not in names
+
+
+def test_wide_heads_of_different_widths_read_one_tensor_once():
+    model = MultiTaskHeads(widths=(3, 5, 7))
+    model.heads = nn.ModuleDict({f"h{w}": nn.Linear(256, w) for w in (3, 5, 7)})
+    sm = check_against_eager(model, (torch.randn(4, 64),))
+    wide = [g for g in sm.plan.fused_groups if "concatenated" in g.kernel]
+    assert wide and wide[0].size == 3
+
+
+def test_vmap_batches_any_identical_module():
+    @ss.branch
+    class Gated(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+            self.b = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.sigmoid(self.a(x)) * self.b(x)
+
+    sm = check_against_eager(Members(Gated, 4, "slice"), (torch.randn(3, 32),))
+    assert [g.kernel for g in sm.plan.fused_groups] == ["vmap(functional_call)"]
+
+
+def test_parameters_keep_identity_names_and_values():
+    model = ParallelFCN(20)
+    before = {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
+    sm = ss.StreamScheduledModule(model)
+    sm(torch.randn(2, 400))
+    sm(torch.randn(2, 400))
+    after = dict(model.named_parameters())
+    assert list(after) == list(before)
+    for name, (p, value) in before.items():
+        assert after[name] is p and torch.equal(p, value) and p.is_leaf
+    assert list(sm.state_dict()) == list(ParallelFCN(20).state_dict())
+
+
+def _fcn_pair(n=16):
+    model = ParallelFCN(n)
+    return model, copy.deepcopy(model), torch.randn(8, 20 * n)
+
+
+def test_optimizer_step_is_seen_by_the_next_forward():
+    model, ref, x = _fcn_pair()
+    sm = ss.StreamScheduledModule(model)
+    opts = [torch.optim.Adam(m.parameters(), lr=0.1) for m in (model, ref)]
+    for _ in range(3):
+        for opt in opts:
+            opt.zero_grad()
+        sm(x).pow(2).sum().backward()
+        ref(x).pow(2).sum().backward()
+        for opt in opts:
+            opt.step()
+        assert_close(sm(x), ref(x), atol=1e-5)
+
+
+def test_reassigned_and_resized_parameters_are_never_stale():
+    model, ref, x = _fcn_pair()
+    sm = ss.StreamScheduledModule(model)
+    sm(x)
+    sm(x)
+    new = nn.Parameter(torch.randn(10, 20))
+    model.mlps[3].fc1.weight = new
+    ref.mlps[3].fc1.weight = nn.Parameter(new.detach().clone())
+    assert_close(sm(x), ref(x))
+    with torch.no_grad():
+        model.mlps[5].fc2.bias.data = torch.full((1,), 7.0)
+        ref.mlps[5].fc2.bias.data = torch.full((1,), 7.0)
+    assert_close(sm(x), ref(x))
+    sm.load_state_dict(ParallelFCN(16).state_dict())
+    ref.load_state_dict(model.state_dict())
+    assert_close(sm(x), ref(x))
+
+
+def test_to_dtype_on_the_inner_model_restacks():
+    model, ref, x = _fcn_pair()
+    sm = ss.StreamScheduledModule(model)
+    sm(x)
+    sm(x)
+    model.double()
+    ref.double()
+    assert_close(sm(x.double()), ref(x.double()))
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_training_step_grads_zero_grad_and_clipping_match_the_loop(set_to_none):
+    model, ref, x = _fcn_pair(32)
+    sm = ss.StreamScheduledModule(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05)
+    for _ in range(3):
+        opt.zero_grad(set_to_none=set_to_none)
+        opt_ref.zero_grad(set_to_none=set_to_none)
+        sm(x).pow(2).mean().backward()
+        ref(x).pow(2).mean().backward()
+        n_new = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+        n_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+        assert_close(n_new, n_ref, atol=1e-5)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert_close(p.grad, q.grad, atol=1e-5, what=name)
+        opt.step()
+        opt_ref.step()
+    assert_close(sm(x), ref(x), atol=1e-5)
+
+
+def test_ensemble_and_fuse_false():
+    sm = check_against_eager(CriticEnsemble(6), (torch.randn(4, 23),))
+    assert sm.plan.fused_groups
+    off = ss.StreamScheduledModule(CriticEnsemble(6), fuse=False)
+    off(torch.randn(4, 23))
+    assert off.plan.fused_groups == []
+
+
+def test_copy_mode_never_touches_parameter_storage():
+    sm = check_against_eager(ParallelFCN(8), (torch.randn(2, 160),), fuse_params="copy")
+    assert sm.plan.fused_groups
+    fresh = ParallelFCN(8)
+    ptrs = [p.data_ptr() for p in fresh.parameters()]
+    sm = ss.StreamScheduledModule(fresh, fuse_params="copy")
+    sm(torch.randn(2, 160))
+    sm(torch.randn(2, 160))
+    assert [p.data_ptr() for p in fresh.parameters()] == ptrs

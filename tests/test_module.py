@@ -1,0 +1,216 @@
+import copy
+import pickle
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import streamsched as ss
+
+from .helpers import ConvTowers, Towers, assert_close
+
+
+def test_state_dict_and_parameters_are_the_models_own():
+    model = ConvTowers()
+    sm = ss.StreamScheduledModule(model)
+    assert list(sm.state_dict()) == list(model.state_dict())
+    assert [n for n, _ in sm.named_parameters()] == [n for n, _ in model.named_parameters()]
+    assert all(a is b for a, b in zip(sm.parameters(), model.parameters()))
+    assert sm.module is model
+    sm(torch.randn(2, 8, 6, 6))
+    assert list(sm.state_dict()) == list(model.state_dict())
+
+
+def test_load_state_dict_is_used_by_the_next_call():
+    model = Towers(3, 16)
+    sm = ss.StreamScheduledModule(model, executor="threads")
+    x = torch.randn(4, 16)
+    sm(x)
+    other = Towers(3, 16)
+    sm.load_state_dict(other.state_dict())
+    assert_close(sm(x), other(x))
+    sm.load_state_dict(Towers(3, 16).state_dict(), assign=True)
+    assert_close(sm(x), model(x))
+
+
+def test_train_eval_passes_through_and_selects_other_plans():
+    model = ConvTowers()
+    sm = ss.StreamScheduledModule(model)
+    x = torch.randn(2, 8, 6, 6)
+    sm.eval()
+    assert not model.training and all(not m.training for m in model.modules())
+    assert_close(sm(x), model(x))
+    sm.train()
+    assert model.training
+    ref = copy.deepcopy(model)
+    assert_close(sm(x), ref(x))
+    assert len(sm.plans) == 2
+
+
+def test_to_dtype_invalidates_plans():
+    model = Towers(3, 16)
+    sm = ss.StreamScheduledModule(model)
+    x = torch.randn(4, 16)
+    sm(x)
+    sm.double()
+    assert next(model.parameters()).dtype == torch.float64
+    out = sm(x.double())
+    assert out.dtype == torch.float64
+    assert_close(out, model(x.double()))
+
+
+def test_plan_cache_is_bounded():
+    model = Towers(2, 16)
+    sm = ss.StreamScheduledModule(model, plan_cache_size=2)
+    for batch in range(1, 6):
+        x = torch.randn(batch, 16)
+        assert_close(sm(x), model(x))
+    assert len(sm.plans) == 2 and len(sm._ss.traces) <= 2
+
+
+@pytest.mark.parametrize("executor", ["serial", "threads", "streams"])
+def test_bad_inputs_raise_like_eager_with_the_module_path_and_the_wrapper_survives(executor):
+    model = Towers(3, 16)
+    sm = ss.StreamScheduledModule(model, executor=executor)
+    good = torch.randn(4, 16)
+    sm(good)
+    sm(good)
+    cases = [torch.randn(4, 15), torch.randn(4, 16, dtype=torch.float64), torch.randn(4, 16).to(torch.int64)]
+    for bad in cases:
+        with pytest.raises(Exception) as eager:
+            model(bad)
+        with pytest.raises(type(eager.value)) as ours:
+            sm(bad)
+        assert "towers.0.0" in str(ours.value) or "towers" in str(ours.value)
+        assert_close(sm(good), model(good))
+
+
+def test_errors_inside_a_cached_plan_name_the_module():
+    class Picky(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.limit = 10
+
+        @ss.branch
+        def check(self, h):
+            if h.shape[0] > self.limit:
+                raise RuntimeError("batch too large")
+            return h
+
+        def forward(self, x):
+            return self.check(self.fc(x))
+
+    model = Picky()
+    sm = ss.StreamScheduledModule(model)
+    x = torch.randn(4, 4)
+    sm(x)
+    model.limit = 1
+    with pytest.raises(RuntimeError, match="batch too large") as info:
+        sm(x)
+    assert "check" in str(info.value) and "Picky" in str(info.value)
+
+
+def test_nan_and_inf_propagate_like_eager():
+    model = Towers(3, 16)
+    sm = ss.StreamScheduledModule(model)
+    x = torch.randn(4, 16)
+    x[0, 0] = float("nan")
+    x[1, 1] = float("inf")
+    assert_close(sm(x), model(x))
+
+
+def test_empty_batch_and_non_contiguous_input():
+    model = Towers(3, 16)
+    sm = ss.StreamScheduledModule(model)
+    assert sm(torch.randn(0, 16)).shape == (0, 8)
+    x = torch.randn(16, 8).t()
+    assert not x.is_contiguous()
+    assert_close(sm(x), model(x))
+
+
+def test_model_mutated_after_wrapping_is_retraced():
+    model = Towers(3, 16)
+    sm = ss.StreamScheduledModule(model)
+    x = torch.randn(4, 16)
+    sm(x)
+    sm(x)
+    model.towers[1] = nn.Sequential(nn.Linear(16, 16), nn.Sigmoid())
+    assert_close(sm(x), model(x))
+    model.head = nn.Linear(16, 3)
+    assert sm(x).shape == (4, 3)
+    assert_close(sm(x), model(x))
+
+
+def test_model_on_the_meta_device():
+    model = Towers(3, 16).to("meta")
+    sm = ss.StreamScheduledModule(model)
+    out = sm(torch.empty(4, 16, device="meta"))
+    assert out.device.type == "meta" and out.shape == (4, 8)
+
+
+def test_concurrent_callers_get_correct_results():
+    model = Towers(4, 64)
+    sm = ss.StreamScheduledModule(model, executor="threads", num_streams=4, min_task_cost=0.0)
+    inputs = [torch.randn(8, 64) for _ in range(4)]
+    expected = [model(x) for x in inputs]
+    errors = []
+
+    def worker(k):
+        try:
+            for _ in range(20):
+                assert_close(sm(inputs[k]), expected[k])
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
+def test_pickle_and_deepcopy_round_trip():
+    model = Towers(3, 16)
+    sm = ss.StreamScheduledModule(model, executor="threads")
+    x = torch.randn(4, 16)
+    out = sm(x)
+    again = pickle.loads(pickle.dumps(sm))
+    assert again.config == sm.config
+    assert_close(again(x), out)
+    assert_close(copy.deepcopy(sm)(x), out)
+
+
+def test_repr_and_plan_before_first_call():
+    sm = ss.StreamScheduledModule(Towers(2, 8), num_streams=2)
+    assert sm.plan is None
+    assert "model=Towers" in repr(sm) and "num_streams=2" in repr(sm)
+
+
+def test_tracing_does_not_disturb_modules_running_in_other_threads():
+    other = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    x = torch.randn(2, 4)
+    expected = other(x)
+    stop = threading.Event()
+    errors = []
+
+    def run_other():
+        while not stop.is_set():
+            try:
+                assert_close(other(x), expected)
+            except Exception as exc:  # noqa: BLE001
+                errors.append(exc)
+                return
+
+    t = threading.Thread(target=run_other)
+    t.start()
+    try:
+        for width in range(1, 40):  # many traces while the other thread runs
+            sm = ss.StreamScheduledModule(Towers(3, width))
+            sm(torch.randn(2, width))
+    finally:
+        stop.set()
+        t.join()
+    assert errors == []

@@ -1,0 +1,185 @@
+import pytest
+import torch
+from torch import nn
+
+import streamsched as ss
+from streamsched.branch import BranchCall
+
+from .helpers import assert_close, check_against_eager
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.relu(self.fc(x)) * 2
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = Block()
+        self.b = Block()
+
+    def forward(self, x):
+        return self.a(x) + self.b(x)
+
+
+def _plan_names(sm):
+    return [n for t in sm.plan.tasks for n in t.nodes]
+
+
+def test_builtin_modules_are_leaves_and_custom_ones_are_traced_through():
+    sm = ss.StreamScheduledModule(Net(), executor="serial", fuse=False)
+    sm(torch.randn(2, 8))
+    graph = sm._ss.last.graph
+    targets = [n.target for n in graph.nodes if n.op == "call_module"]
+    assert targets == ["a.fc", "b.fc"]
+
+
+def test_leaf_modules_option_makes_a_custom_class_opaque():
+    sm = ss.StreamScheduledModule(Net(), executor="serial", fuse=False, leaf_modules=(Block,))
+    sm(torch.randn(2, 8))
+    targets = [n.target for n in sm._ss.last.graph.nodes if n.op == "call_module"]
+    assert targets == ["a", "b"]
+
+
+@ss.branch
+def data_dependent(x):
+    # Anything goes inside a branch: control flow on values, .item(), Python lists.
+    if x.sum() > 0:
+        return x * 2
+    return [x - 1][0]
+
+
+class WithBranches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    @ss.branch
+    def head(self, h):
+        return h.relu() if float(h.detach().mean()) > -10 else h
+
+    def forward(self, x):
+        return self.head(self.fc(x)) + data_dependent(x)
+
+
+def test_branch_functions_and_methods_are_single_opaque_nodes():
+    model = WithBranches()
+    sm = check_against_eager(model, (torch.randn(4, 8),), executor="serial")
+    branch_nodes = [n for n in sm._ss.last.graph.nodes if isinstance(n.target, BranchCall)]
+    assert sorted(n.target.task_name for n in branch_nodes) == ["data_dependent", "head"]
+    # The data-dependent branch takes the other path on other data, as in eager.
+    x = -torch.ones(4, 8) * 5
+    assert_close(sm(x), model(x))
+
+
+def test_branch_outside_a_wrapper_is_the_plain_function():
+    x = torch.ones(3)
+    assert torch.equal(data_dependent(x), x * 2)
+    assert torch.equal(data_dependent(-x), -x - 1)
+
+
+@ss.branch
+class OpaqueBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x) if x.sum() > 0 else -self.fc(x)
+
+
+def test_branch_decorated_module_class_is_a_leaf():
+    model = nn.Sequential(nn.Linear(8, 8), OpaqueBlock())
+    sm = check_against_eager(model, (torch.randn(3, 8),), executor="serial")
+    assert [n.target for n in sm._ss.last.graph.nodes if n.op == "call_module"] == ["0", "1"]
+
+
+class Untraceable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = Inner()
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+class Inner(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:  # control flow on a traced value
+            return x
+        return -x
+
+
+def test_untraceable_model_names_module_line_and_fix():
+    sm = ss.StreamScheduledModule(Untraceable())
+    with pytest.raises(ss.TraceError) as info:
+        sm(torch.randn(3))
+    msg = str(info.value)
+    assert "Inner.forward" in msg and "module 'inner'" in msg
+    assert "test_trace.py" in msg and "if x.sum() > 0" in msg
+    assert "@streamsched.branch" in msg and "strict=False" in msg
+    # The wrapper is not corrupted: a decorated version of the same part works.
+    ss.branch(Inner)
+    try:
+        out = sm(torch.ones(3))
+        assert torch.equal(out, torch.ones(3))
+    finally:
+        del Inner.__streamsched_branch__
+
+
+class Optional_(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, y=None, scale: float = 1.0, shape=(2, -1)):
+        out = self.fc(x)
+        if y is not None:
+            out = out + y
+        return (out * scale).reshape(shape)
+
+
+def test_non_tensor_arguments_are_specialised_per_value():
+    model = Optional_()
+    sm = ss.StreamScheduledModule(model)
+    x, y = torch.randn(2, 4), torch.randn(2, 4)
+    assert_close(sm(x), model(x))
+    assert_close(sm(x, y), model(x, y))
+    assert_close(sm(x, y=y, scale=3.0), model(x, y=y, scale=3.0))
+    assert_close(sm(x, scale=2.0, shape=(-1,)), model(x, scale=2.0, shape=(-1,)))
+    assert len(sm._ss.traces) == 4
+
+
+class Structured(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, inputs: dict, extra: list):
+        h = self.fc(inputs["a"]) + inputs["b"]
+        return {"sum": h + extra[0], "pair": (h, extra[1] * 2)}
+
+
+def test_nested_inputs_and_outputs():
+    model = Structured()
+    sm = ss.StreamScheduledModule(model)
+    args = ({"a": torch.randn(3, 4), "b": torch.randn(3, 4)}, [torch.randn(3, 4), torch.randn(2)])
+    for _ in range(2):
+        out = sm(*args)
+        ref = model(*args)
+        assert set(out) == {"sum", "pair"} and isinstance(out["pair"], tuple)
+        assert_close(out, ref)
+
+
+def test_bad_call_arguments_raise_type_error_naming_forward():
+    sm = ss.StreamScheduledModule(Net())
+    with pytest.raises(TypeError, match="Net.forward"):
+        sm()
+    with pytest.raises(TypeError, match="Net.forward"):
+        sm(torch.randn(2, 8), torch.randn(2, 8))
+    assert sm(torch.randn(2, 8)).shape == (2, 8)
