@@ -12,7 +12,7 @@ EXT_SOURCES := $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cpp)
 EXT_STAMP := streamsched/.ext-built
 OUT ?= out
 
-.PHONY: all demo test test-fast lint format bench stress ext clean gpu-check info
+.PHONY: all demo test test-fast lint format bench stress ext clean gpu-check gpu-prep info
 
 all: test
 
@@ -63,6 +63,12 @@ info: $(EXT_STAMP)
 # including the cuda-marked tests, benchmarks and timelines; results under $(OUT).
 gpu-check:
 	bash .ci/gpu-check.sh $(OUT)
+
+# On this (development) machine, before asking for a GPU machine: the wheels it lacks
+# (.whl/, Python 3.12) and its prelude (.gpu/); both are git-ignored and travel with the tree.
+gpu-prep:
+	bash ../shared/gpu/wheels.sh hypothesis attrs sortedcontainers
+	mkdir -p .gpu && cp ../shared/gpu/device-prelude.sh .gpu/
 
 clean:
 	rm -rf build *.egg-info streamsched/_C*.so $(EXT_STAMP) .pytest_cache

@@ -11,6 +11,7 @@ place with ``python setup.py build_ext --inplace``).
 
 import glob
 import os
+import shutil
 
 from setuptools import setup
 
@@ -39,7 +40,8 @@ def _extensions():
         ext = CUDAExtension("streamsched._C", sources, extra_compile_args=flags, optional=True)
     else:
         ext = CppExtension("streamsched._C", sources, extra_compile_args=flags, optional=True)
-    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=False)}
+    # ninja compiles the sources in parallel where it is installed (the GPU machines).
+    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)}
 
 
 ext_modules, cmdclass = _extensions()

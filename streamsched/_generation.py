@@ -1,5 +1,6 @@
 """A process-wide counter that moves whenever any module registers a submodule,
-parameter or buffer (``setattr`` of one, ``register_*``, construction of a module).
+parameter or buffer (``setattr`` of one, ``register_*``, construction of a module) or
+deletes an attribute (``del model.head``, ``del model.layers[0]``).
 
 Wrappers compare it with the value they last validated against: unchanged means no
 module anywhere was re-wired, so the per-call check costs one integer comparison.
@@ -29,3 +30,17 @@ _handles = (
     _module.register_module_parameter_registration_hook(_bump),
     _module.register_module_buffer_registration_hook(_bump),
 )
+
+# PyTorch has no hook for removals; wrap __delattr__ (behaviour unchanged) so that
+# deleting a submodule or parameter moves the counter too.
+_original_delattr = _module.Module.__delattr__
+
+
+def _delattr(self, name: str) -> None:
+    _bump()
+    _original_delattr(self, name)
+
+
+if not getattr(_module.Module.__delattr__, "_streamsched", False):
+    _delattr._streamsched = True  # type: ignore[attr-defined]
+    _module.Module.__delattr__ = _delattr  # type: ignore[method-assign]

@@ -15,11 +15,13 @@ in a bounded LRU cache.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import threading
+import time
 from collections import OrderedDict
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
@@ -76,8 +78,54 @@ class _State:
         self.serial = SerialExecutor()
         self.threads: Optional[ThreadExecutor] = None
         self.streams: dict[str, StreamExecutor] = {}
+        self.graphs: dict[str, Any] = {}
         self.last_sync_log: Optional[SyncLog] = None
         self.fusion: Any = None
+        # push(task, stream) / pop(task, stream) around every task, or None (free).
+        self.observer: Any = None
+
+
+class _Trial:
+    """Times a plan's executor against serial on its first scheduled calls (``executor="auto"``).
+
+    The estimate decides whether streams (or CPU lanes) should pay; this checks it on the
+    real machine: the two executors alternate for ``rounds`` calls each, and the faster
+    one (by its best time) stays. Streams are then never kept where they lose.
+    """
+
+    def __init__(self, candidate: str, rounds: int = 3):
+        self.candidates = [candidate, "serial"]
+        self.rounds = rounds
+        self.samples: dict[str, list[float]] = {c: [] for c in self.candidates}
+        self.turn = 0
+
+    def next(self) -> str:
+        name = self.candidates[self.turn % 2]
+        self.turn += 1
+        return name
+
+    def add(self, name: str, seconds: float) -> None:
+        self.samples[name].append(seconds)
+
+    def done(self) -> bool:
+        return all(len(v) >= self.rounds for v in self.samples.values())
+
+    def decide(self, plan: Plan) -> Plan:
+        best = {name: min(v) * 1e6 for name, v in self.samples.items()}
+        candidate = self.candidates[0]
+        keep = candidate if best[candidate] < best["serial"] else "serial"
+        measured = (
+            f"measured {candidate} {best[candidate]:.0f} us vs serial {best['serial']:.0f} us (best of {self.rounds})"
+        )
+        if keep == candidate:
+            return plan.model_copy(update={"reason": f"{plan.reason}; {measured}"})
+        return plan.model_copy(
+            update={
+                "executor": "serial",
+                "reason": f"{candidate} estimated to pay but {measured}: running serially",
+                "notes": [*plan.notes, "tasks run in issue order on the caller's stream"],
+            }
+        )
 
 
 def _autocast_key() -> tuple:
@@ -195,6 +243,22 @@ class StreamScheduledModule(nn.Module):
         """The synchronisation log of the last call (with ``sync_log=True``)."""
         return self._ss.last_sync_log
 
+    @contextlib.contextmanager
+    def observing(self, observer: Any) -> Iterator[Any]:
+        """Call ``observer.push(task, stream)`` and ``observer.pop(task, stream)`` around
+        every task of the calls made inside the block (on the task's lane or stream).
+
+        Timelines and profiles use this; the first call with a new input signature runs
+        unscheduled (it records shapes), so warm up before observing.
+        """
+        st = self._ss
+        previous = st.observer
+        st.observer = observer
+        try:
+            yield observer
+        finally:
+            st.observer = previous
+
     def invalidate(self) -> None:
         """Drop every cached trace, plan and stacked parameter; the next call re-plans."""
         st = self._ss
@@ -204,6 +268,8 @@ class StreamScheduledModule(nn.Module):
             st.last = None
             if st.fusion is not None:
                 st.fusion.invalidate()
+            for graphs in st.graphs.values():
+                graphs.forget()
             st.generation = _generation.current()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -235,7 +301,7 @@ class StreamScheduledModule(nn.Module):
     def _revalidate(self) -> None:
         """Some module somewhere was re-wired: drop traces whose modules moved."""
         st = self._ss
-        stale = [k for k, traced in st.traces.items() if not traced.modules_unchanged()]
+        stale = [k for k, traced in st.traces.items() if isinstance(traced, Traced) and not traced.modules_unchanged()]
         if stale:
             log.info("streamsched: %s changed after wrapping; re-tracing", type(self.module).__name__)
             self.invalidate()
@@ -255,14 +321,17 @@ class StreamScheduledModule(nn.Module):
 
     def _first_call(self, key: Any, spec: Any, tensors: list[torch.Tensor]) -> Any:
         st = self._ss
+        if not self.config.strict and isinstance(st.traces.get_fresh(spec.key), TraceError):
+            return self._eager_dispatch(spec, tensors, st.traces[spec.key])
         try:
             traced = self._trace(spec)
-        except TraceError:
+        except TraceError as exc:
             if self.config.strict:
                 raise
-            from .runtime.eager import run_eager_dispatch
-
-            return run_eager_dispatch(self, spec, tensors)
+            # Remember that this call structure cannot be traced: later calls go
+            # straight to eager dispatch instead of failing to trace again.
+            st.traces.put(spec.key, exc)
+            return self._eager_dispatch(spec, tensors, exc)
         metas: dict = {}
         name = type(self.module).__name__
 
@@ -271,9 +340,38 @@ class StreamScheduledModule(nn.Module):
 
         result = run_and_record(traced.graph, traced.root, tensors, on_error, metas)
         schedule = make_schedule(traced, metas, self.config, tensors, fusion=st.fusion, measured=self._measured_costs())
+        if self.config.executor == "auto" and schedule.plan.executor != "serial":
+            schedule.trial = _Trial(schedule.plan.executor)
         st.plans.put(key, schedule)
         st.last = schedule
         return result
+
+    def _eager_dispatch(self, spec: Any, tensors: list[torch.Tensor], reason: TraceError) -> Any:
+        from .runtime.eager import run_eager_dispatch
+
+        return run_eager_dispatch(self, spec, tensors, reason)
+
+    def _run_trial(self, schedule: Schedule, trial: _Trial, tensors: list[torch.Tensor]) -> Any:
+        name = trial.next()
+        executor = self._ss.serial if name == "serial" else self._executor(schedule, tensors)
+        cuda = schedule.plan.device.startswith("cuda")
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        try:
+            out = executor.run(schedule.program, tensors)
+        except Exception as exc:
+            where = failing_node(schedule.program, exc)
+            if where is not None:
+                annotate_exception(exc, f"module '{where}' of {type(self.module).__name__}")
+            raise
+        if cuda:
+            torch.cuda.synchronize()
+        trial.add(name, time.perf_counter() - start)
+        if trial.done():
+            schedule.plan = trial.decide(schedule.plan)
+            schedule.trial = None
+        return out
 
     def _measured_costs(self) -> Optional[dict[str, float]]:
         return None
@@ -296,6 +394,29 @@ class StreamScheduledModule(nn.Module):
             st.streams[device] = executor
         return executor
 
+    def _graph_executor(self, schedule: Schedule, tensors: list[torch.Tensor]) -> Any:
+        """The CUDA-graph executor for this call, or None when graphs do not apply."""
+        cfg = self.config
+        if cfg.cuda_graph is False or not schedule.plan.device.startswith("cuda"):
+            return None
+        from .runtime.graphs import GraphExecutor
+
+        if not GraphExecutor.captures(tensors):
+            return None
+        st = self._ss
+        device = schedule.plan.device
+        graphs = st.graphs.get(device)
+        if graphs is None:
+            streams = st.streams.get(device)
+            if streams is None:
+                streams = StreamExecutor(CudaBackend(torch.device(device)), native=_native.native())
+                st.streams[device] = streams
+            graphs = GraphExecutor(
+                streams, self.module, cfg.graph_cache_size, cfg.clone_outputs, strict=cfg.cuda_graph is True
+            )
+            st.graphs[device] = graphs
+        return graphs
+
     def _run(self, schedule: Schedule, tensors: list[torch.Tensor]) -> Any:
         st = self._ss
         cfg = self.config
@@ -308,9 +429,15 @@ class StreamScheduledModule(nn.Module):
         chaos = Chaos(cfg.chaos, st.calls) if cfg.chaos is not None else None
         for stack in schedule.stacks:
             stack.check()
-        executor = self._executor(schedule, tensors)
+        trial = schedule.trial
+        if trial is not None and sync_log is None and chaos is None and st.observer is None:
+            return self._run_trial(schedule, trial, tensors)
+        graphs = self._graph_executor(schedule, tensors)
+        executor = graphs if graphs is not None else self._executor(schedule, tensors)
         try:
-            return executor.run(schedule.program, tensors, sync_log, chaos)
+            if graphs is not None:
+                return graphs.run(schedule.program, tensors, sync_log, chaos, st.observer, schedule.stacks)
+            return executor.run(schedule.program, tensors, sync_log, chaos, st.observer)
         except Exception as exc:
             where = failing_node(schedule.program, exc)
             if where is not None:

@@ -45,6 +45,8 @@ class Schedule:
     task_graph: TaskGraph
     stacks: list[Any] = field(default_factory=list)
     """Stacked parameters the fused kernels read; checked before every call."""
+    trial: Any = None
+    """With ``executor="auto"``: the timing of this plan's executor against serial, until decided."""
 
 
 def copy_graph(graph: fx.Graph, metas: dict[fx.Node, ValueMeta]) -> tuple[fx.Graph, dict[fx.Node, ValueMeta]]:
@@ -176,6 +178,15 @@ def make_schedule(
         assignment.est_parallel_us = est_serial
         assignment.est_serial_us = est_serial
 
+    if config.cuda_graph is not False:
+        if device.type == "cuda":
+            notes.append(
+                "CUDA graph: inference calls replay one captured graph of this schedule"
+                + (" (from its second call)" if config.cuda_graph == "auto" else "")
+                + "; calls that need gradients run on plain streams"
+            )
+        else:
+            notes.append(f"cuda_graph is ignored: the tensors are on {device}")
     critical = tg.critical_path()
     program = compile_program(
         graph,

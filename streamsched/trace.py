@@ -173,9 +173,12 @@ class Traced:
     spec: CallSpec
     input_names: list[str]
     module_ids: dict[str, int] = field(default_factory=dict)
+    structure: tuple = ()
 
     def modules_unchanged(self) -> bool:
-        """Whether every module the graph calls is still the same object at its path."""
+        """Whether the model still has exactly the modules it had when traced (same
+        objects at the same paths): an added, removed or replaced module means the
+        forward may take another path, so the trace is stale."""
         for path, ident in self.module_ids.items():
             try:
                 mod = self.model.get_submodule(path) if path else self.model
@@ -183,7 +186,7 @@ class Traced:
                 return False
             if id(mod) != ident:
                 return False
-        return True
+        return _structure(self.model) == self.structure
 
 
 def _placeholder_names(binder: CallBinder, spec: CallSpec) -> list[str]:
@@ -263,7 +266,11 @@ def trace_model(
             module_ids[node.target] = id(root.get_submodule(node.target))
         elif node.op == "call_function" and getattr(node.target, "owner", None) is not None:
             module_ids[node.target.owner_path] = id(node.target.owner)
-    return Traced(graph, root, model, spec, names, module_ids)
+    return Traced(graph, root, model, spec, names, module_ids, _structure(model))
+
+
+def _structure(model: torch.nn.Module) -> tuple:
+    return tuple((name, id(m)) for name, m in model.named_modules(remove_duplicate=False))
 
 
 def _user_frame(exc: BaseException) -> Optional[traceback.FrameSummary]:

@@ -214,3 +214,31 @@ def test_tracing_does_not_disturb_modules_running_in_other_threads():
         stop.set()
         t.join()
     assert errors == []
+
+
+def test_auto_keeps_a_parallel_executor_only_where_it_measures_faster(monkeypatch):
+    import time
+
+    from streamsched.module import _Trial
+    from streamsched.runtime.threads import ThreadExecutor
+
+    model = Towers(4, 512)
+    x = torch.randn(256, 512)
+    sm = ss.StreamScheduledModule(model)
+    sm(x)
+    planned = sm.plan.executor
+    if planned == "serial":
+        # Force the situation: the estimate says threads pay.
+        sm._ss.last.plan = sm.plan.model_copy(update={"executor": "threads"})
+        sm._ss.last.trial = _Trial("threads")
+    slow = ThreadExecutor.run
+
+    def slower(self, *args, **kwargs):
+        time.sleep(0.05)  # a planted slow path: the parallel executor now loses
+        return slow(self, *args, **kwargs)
+
+    monkeypatch.setattr(ThreadExecutor, "run", slower)
+    for _ in range(8):
+        assert_close(sm(x), model(x), atol=1e-5)
+    assert sm.plan.executor == "serial"
+    assert "running serially" in sm.plan.reason and "measured" in sm.plan.reason

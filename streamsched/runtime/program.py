@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import linecache
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -258,7 +259,7 @@ def compile_program(
     out_expr = emitter.render(output_node.args[0])
     out_file = f"<streamsched-output-{uid}>"
     output = _compile_function("output", [f"return {out_expr}"], emitter, out_file)
-    return Program(
+    program = Program(
         n_slots=len(slot),
         input_slots=tuple(input_slots),
         attr_slots=tuple(attr_slots),
@@ -271,6 +272,17 @@ def compile_program(
         slot_producer=slot_producer,
         lines=lines,
     )
+    # The generated source stays readable in tracebacks for as long as the program
+    # lives, and no longer: plans come and go (LRU), linecache must not grow with them.
+    filenames = {f for f, _ in lines} | {serial_file, out_file}
+    filenames |= {f"<streamsched-task-{uid}-{t}>" for t in order}
+    weakref.finalize(program, _forget_sources, tuple(filenames))
+    return program
+
+
+def _forget_sources(filenames: tuple[str, ...]) -> None:
+    for name in filenames:
+        linecache.cache.pop(name, None)
 
 
 def failing_node(program: Program, exc: BaseException) -> Optional[str]:

@@ -17,16 +17,28 @@ class SerialExecutor:
     name = "serial"
 
     def run(
-        self, program: Program, inputs: list[Any], log: Optional[SyncLog] = None, chaos: Optional[Chaos] = None
+        self,
+        program: Program,
+        inputs: list[Any],
+        log: Optional[SyncLog] = None,
+        chaos: Optional[Chaos] = None,
+        observer: Any = None,
     ) -> Any:
         env = program.new_env(inputs)
-        if log is None and chaos is None:
+        if log is None and chaos is None and observer is None:
             program.run_serial(env)
             return program.output(env)
         for task in program.tasks:
             if chaos is not None:
                 chaos.delay(0)
-            task.fn(env)
+            if observer is not None:
+                observer.push(task, 0)
+                try:
+                    task.fn(env)
+                finally:
+                    observer.pop(task, 0)
+            else:
+                task.fn(env)
             if log is not None:
                 log.launch(0, task.id, task.reads, task.writes)
             for slot in task.frees:

@@ -147,9 +147,8 @@ class StreamExecutor:
 
     name = "streams"
 
-    def __init__(self, backend: Any, ranges: Any = None, native: Any = None):
+    def __init__(self, backend: Any, native: Any = None):
         self.backend = backend
-        self.ranges = ranges
         self.native = native
         if native is not None and backend.is_cuda and not native.cuda_compiled():
             self.native = None  # a CPU-only build cannot drive CUDA streams
@@ -185,10 +184,12 @@ class StreamExecutor:
             program._native_runtime = rt  # type: ignore[attr-defined]
         return rt
 
-    def _run_native(self, program: Program, inputs: list[Any], log: Optional[SyncLog], chaos: Optional[Chaos]) -> Any:
+    def _run_native(
+        self, program: Program, inputs: list[Any], log: Optional[SyncLog], chaos: Optional[Chaos], observer: Any
+    ) -> Any:
         rt = self._runtime(program)
         env = program.new_env(inputs)
-        ranges = self.ranges
+        ranges = observer
         be = self.backend
         rt.begin(log is not None)
         completed = False
@@ -198,11 +199,11 @@ class StreamExecutor:
                 if chaos is not None:
                     be.chaos(chaos, task.stream)
                 if ranges is not None:
-                    ranges.push(task)
+                    ranges.push(task, task.stream)
                     try:
                         task.fn(env)
                     finally:
-                        ranges.pop()
+                        ranges.pop(task, task.stream)
                 else:
                     task.fn(env)
                 rt.leave(index, env)
@@ -214,10 +215,17 @@ class StreamExecutor:
         return program.output(env)
 
     def run(
-        self, program: Program, inputs: list[Any], log: Optional[SyncLog] = None, chaos: Optional[Chaos] = None
+        self,
+        program: Program,
+        inputs: list[Any],
+        log: Optional[SyncLog] = None,
+        chaos: Optional[Chaos] = None,
+        observer: Any = None,
     ) -> Any:
+        """Run one call; ``observer.push(task, stream)``/``pop`` bracket each task on its
+        stream (NVTX ranges, timelines)."""
         if self.native is not None:
-            return self._run_native(program, inputs, log, chaos)
+            return self._run_native(program, inputs, log, chaos, observer)
         be = self.backend
         caller = be.current_stream()
         pool = be.streams(program.num_streams)
@@ -226,7 +234,7 @@ class StreamExecutor:
         side_ids = [s for s in program.streams_used() if s != 0]
         side = [streams[s] for s in side_ids]
         env = program.new_env(inputs)
-        ranges = self.ranges
+        ranges = observer
 
         be.fork(caller, side)
         if log is not None:
@@ -246,11 +254,11 @@ class StreamExecutor:
                 if chaos is not None:
                     be.chaos(chaos, sid)
                 if ranges is not None:
-                    ranges.push(task)
+                    ranges.push(task, task.stream)
                     try:
                         task.fn(env)
                     finally:
-                        ranges.pop()
+                        ranges.pop(task, task.stream)
                 else:
                     task.fn(env)
                 if log is not None:

@@ -136,16 +136,25 @@ class ThreadExecutor:
     name = "threads"
 
     def run(
-        self, program: Program, inputs: list[Any], log: Optional[SyncLog] = None, chaos: Optional[Chaos] = None
+        self,
+        program: Program,
+        inputs: list[Any],
+        log: Optional[SyncLog] = None,
+        chaos: Optional[Chaos] = None,
+        observer: Any = None,
     ) -> Any:
+        """Run one call; ``observer.push(task, lane)``/``pop`` bracket each task in its lane
+        thread (so an observer must be thread-safe)."""
         if _POOL.in_lane():
             from .serial import SerialExecutor
 
-            return SerialExecutor().run(program, inputs, log, chaos)
+            return SerialExecutor().run(program, inputs, log, chaos, observer)
         with _POOL.lock:
-            return self._run(program, inputs, log, chaos)
+            return self._run(program, inputs, log, chaos, observer)
 
-    def _run(self, program: Program, inputs: list[Any], log: Optional[SyncLog], chaos: Optional[Chaos]) -> Any:
+    def _run(
+        self, program: Program, inputs: list[Any], log: Optional[SyncLog], chaos: Optional[Chaos], observer: Any
+    ) -> Any:
         lanes: dict[int, list[CompiledTask]] = {}
         for task in program.tasks:
             lanes.setdefault(task.stream, []).append(task)
@@ -164,13 +173,13 @@ class ThreadExecutor:
 
             def job(lane: int = lane) -> None:
                 try:
-                    self._run_lane(call, lane, lanes[lane], frees, state, log, chaos)
+                    self._run_lane(call, lane, lanes[lane], frees, state, log, chaos, observer)
                 finally:
                     done[lane].set()
 
             _POOL.workers[lane - 1].queue.put(job)
         try:
-            self._run_lane(call, 0, lanes.get(0, []), frees, None, log, chaos)
+            self._run_lane(call, 0, lanes.get(0, []), frees, None, log, chaos, observer)
         finally:
             # Join every lane before returning or raising, whatever happened.
             for lane in side:
@@ -193,6 +202,7 @@ class ThreadExecutor:
         state: Optional[_TorchState],
         log: Optional[SyncLog],
         chaos: Optional[Chaos],
+        observer: Any = None,
     ) -> None:
         env = call.env
         task = None
@@ -209,7 +219,14 @@ class ThreadExecutor:
                         return
                     if chaos is not None:
                         chaos.delay(lane)
-                    task.fn(env)
+                    if observer is not None:
+                        observer.push(task, lane)
+                        try:
+                            task.fn(env)
+                        finally:
+                            observer.pop(task, lane)
+                    else:
+                        task.fn(env)
                     if log is not None:
                         log.launch(lane, task.id, task.reads, task.writes)
                     if task.records:

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The GPU validation run, in one call on a GPU machine (see docs/gpu.md):
+#   source .gpu/device-prelude.sh && make gpu-check
+# Builds streamsched._C with CUDA, runs every test (the cuda-marked ones included), the
+# CUDA tests again under PyTorch's stream sanitizer, the GPU benchmarks and a timeline;
+# writes everything under $OUT (at most 8 files: a summary, logs and results packed in
+# one archive, the timeline picture) and prints a short table last. Each stage has a
+# time budget so the whole run stays under 10 minutes.
+set -uo pipefail
+OUT_DIR="${1:-${OUT:-out/gpu}}"
+mkdir -p "$OUT_DIR/all"
+ALL="$OUT_DIR/all"
+export PYTHONUNBUFFERED=1 STREAMSCHED_REQUIRE_EXT=1 MAX_JOBS="${MAX_JOBS:-16}"
+PY="${PYTHON:-python3}"
+status() { printf '%-28s %s\n' "$1" "$2" | tee -a "$ALL/status.txt"; }
+stage() {  # stage NAME SECONDS COMMAND...
+  local name=$1 budget=$2; shift 2
+  local start=$SECONDS
+  timeout "$budget" "$@" > "$ALL/$name.log" 2>&1
+  local rc=$?
+  status "$name" "rc=$rc $((SECONDS - start))s"
+  tail -n 3 "$ALL/$name.log"
+  return $rc
+}
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv > "$ALL/nvidia-smi.csv" 2>&1
+stage build 300 env USE_CUDA=1 "$PY" setup.py build_ext --inplace
+stage info 60 "$PY" -m streamsched info --json
+cp "$ALL/info.log" "$ALL/env.json" 2>/dev/null
+stage tests 420 "$PY" -m pytest -q -p no:cacheprovider -x tests -o addopts="" --durations=15
+stage sanitizer 240 env TORCH_CUDA_SANITIZER=1 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests \
+  -k "not graph and not capture and not peak_memory" -o addopts=""
+stage bench 420 "$PY" -m streamsched bench --device cuda --out "$ALL/bench"
+stage overhead 120 "$PY" benchmarks/overhead_bench.py --device cuda --out "$ALL/overhead.json"
+stage prefetch 120 "$PY" benchmarks/prefetch_bench.py --out "$ALL/prefetch.json"
+stage timeline 120 "$PY" -m streamsched timeline streamsched.models:Inception3 --input-shape 1,3,299,299 \
+  --device cuda --out "$ALL/inception_b1"
+
+{
+  echo "# GPU check $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo; echo '```'; cat "$ALL/nvidia-smi.csv"; echo '```'
+  echo; echo "## Stages"; echo '```'; cat "$ALL/status.txt"; echo '```'
+  echo; echo "## Tests"; echo '```'; tail -n 25 "$ALL/tests.log"; echo '```'
+  echo; echo "## Sanitizer"; echo '```'; tail -n 10 "$ALL/sanitizer.log"; echo '```'
+  if [ -f "$ALL/bench/bench.md" ]; then echo; echo "## Benchmarks"; cat "$ALL/bench/bench.md"; fi
+  echo; echo "## Timeline"; echo '```'; tail -n 15 "$ALL/timeline.log"; echo '```'
+} > "$OUT_DIR/summary.md"
+cp "$ALL"/inception_b1.png "$OUT_DIR/" 2>/dev/null
+tar -czf "$OUT_DIR/results.tar.gz" -C "$OUT_DIR" all && rm -rf "$ALL"
+echo
+cat "$OUT_DIR/summary.md" | head -n 80
