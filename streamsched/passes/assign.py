@@ -114,26 +114,35 @@ def _pack_chains(
         else 0
     )
     stream_of = [-1] * len(chains)
-    busy: list[list[tuple[float, float]]] = [[] for _ in range(bound)]
+    # Greedy interval packing (chains in order of start): a chain goes to the stream that
+    # became free most recently before it starts (best fit, leaving earlier-free streams
+    # for chains that start earlier), else to the stream that frees soonest. An unused
+    # stream counts as free from the beginning. O(chains x bound).
+    free_at = [float("-inf")] * bound
+    used = [False] * bound
     if chains:
         stream_of[main] = 0
-        busy[0].append(window[main])
-
-    def overlap(s: int, w: tuple[float, float]) -> float:
-        return sum(max(0.0, min(w[1], b[1]) - max(w[0], b[0])) for b in busy[s])
+        free_at[0] = window[main][1]
+        used[0] = True
 
     for c in sorted(range(len(chains)), key=lambda c: (window[c][0], -cost[c], c)):
         if stream_of[c] != -1:
             continue
+        begin, end = window[c]
         if cost[c] < min_task_cost or bound == 1:
             # Not worth an event: run beside the chain that feeds it (or the main one).
             feeders = [chain_of[p] for p in tg.preds[chains[c][0]] if stream_of[chain_of[p]] != -1]
-            stream_of[c] = stream_of[feeders[0]] if feeders else 0
-            busy[stream_of[c]].append(window[c])
-            continue
-        best = min(range(bound), key=lambda s: (overlap(s, window[c]), len(busy[s]) == 0, s))
-        stream_of[c] = best
-        busy[best].append(window[c])
+            target = stream_of[feeders[0]] if feeders else 0
+        else:
+            fitting = [s for s in range(bound) if free_at[s] <= begin]
+            if fitting:
+                # Prefer a stream already in use (fewer streams), then the tightest fit.
+                target = max(fitting, key=lambda s: (used[s], free_at[s], -s))
+            else:
+                target = min(range(bound), key=lambda s: (free_at[s], s))
+        stream_of[c] = target
+        free_at[target] = max(free_at[target], end)
+        used[target] = True
     return stream_of
 
 
