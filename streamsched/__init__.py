@@ -26,6 +26,7 @@ from .errors import (
     TraceError,
 )
 from .module import StreamScheduledModule
+from .observe import Timeline, timeline
 from .plan import FusedGroupInfo, Plan, PlannedTask
 
 __version__ = "0.1.0"
@@ -34,6 +35,8 @@ __all__ = [
     "StreamScheduledModule",
     "SchedulerConfig",
     "runtime_info",
+    "timeline",
+    "Timeline",
     "branch",
     "Plan",
     "PlannedTask",

@@ -83,6 +83,8 @@ class _State:
         self.fusion: Any = None
         # push(task, stream) / pop(task, stream) around every task, or None (free).
         self.observer: Any = None
+        self.nvtx: Any = None
+        self.profile: Any = None
 
 
 class _Trial:
@@ -339,7 +341,12 @@ class StreamScheduledModule(nn.Module):
             annotate_exception(exc, f"module '{node_label(node)}' of {name}")
 
         result = run_and_record(traced.graph, traced.root, tensors, on_error, metas)
-        schedule = make_schedule(traced, metas, self.config, tensors, fusion=st.fusion, measured=self._measured_costs())
+        measured = self._measured_costs(tensors)
+        schedule = make_schedule(traced, metas, self.config, tensors, fusion=st.fusion, measured=measured)
+        if measured:
+            schedule.plan = schedule.plan.model_copy(
+                update={"notes": [*schedule.plan.notes, f"task costs measured: profile {self.config.profile}"]}
+            )
         if self.config.executor == "auto" and schedule.plan.executor != "serial":
             schedule.trial = _Trial(schedule.plan.executor)
         st.plans.put(key, schedule)
@@ -373,8 +380,23 @@ class StreamScheduledModule(nn.Module):
             schedule.trial = None
         return out
 
-    def _measured_costs(self) -> Optional[dict[str, float]]:
-        return None
+    def _measured_costs(self, tensors: list[torch.Tensor]) -> Optional[dict[str, float]]:
+        """Task costs from ``config.profile`` (checked against this model, input and device)."""
+        if self.config.profile is None:
+            return None
+        from .errors import ProfileMismatchError
+        from .planner import _device_of, signature_text
+        from .profiles import check_profile, load_profile, profile_costs
+
+        st = self._ss
+        if st.profile is None:
+            st.profile = load_profile(self.config.profile)
+        device = _device_of(tensors, self.module)
+        try:
+            check_profile(st.profile, type(self.module).__name__, signature_text(tensors), str(device))
+        except ProfileMismatchError as exc:
+            raise ProfileMismatchError(f"{exc} (profile {self.config.profile})") from None
+        return profile_costs(st.profile)
 
     def _executor(self, schedule: Schedule, tensors: list[torch.Tensor]) -> Any:
         st = self._ss
@@ -393,6 +415,20 @@ class StreamScheduledModule(nn.Module):
             executor = StreamExecutor(backend, native=_native.native())
             st.streams[device] = executor
         return executor
+
+    def _nvtx(self, schedule: Schedule) -> Any:
+        """The NVTX range observer, on CUDA plans, while a tool is there to see the ranges
+        (Nsight Systems attached, or the torch profiler recording): free otherwise."""
+        if not self.config.nvtx or not schedule.plan.device.startswith("cuda"):
+            return None
+        st = self._ss
+        if st.nvtx is None:
+            from .observe.nvtx_ranges import NvtxRanges
+
+            st.nvtx = NvtxRanges.create() or False
+        if st.nvtx and st.nvtx.wanted():
+            return st.nvtx
+        return None
 
     def _graph_executor(self, schedule: Schedule, tensors: list[torch.Tensor]) -> Any:
         """The CUDA-graph executor for this call, or None when graphs do not apply."""
@@ -437,7 +473,7 @@ class StreamScheduledModule(nn.Module):
         try:
             if graphs is not None:
                 return graphs.run(schedule.program, tensors, sync_log, chaos, st.observer, schedule.stacks)
-            return executor.run(schedule.program, tensors, sync_log, chaos, st.observer)
+            return executor.run(schedule.program, tensors, sync_log, chaos, st.observer or self._nvtx(schedule))
         except Exception as exc:
             where = failing_node(schedule.program, exc)
             if where is not None:

@@ -167,8 +167,13 @@ def make_schedule(
                 if id(stack) not in seen:
                     seen.add(id(stack))
                     stacks.append(stack)
-    tg = TaskGraph.from_fx(graph, root, metas, dev, measured)
+    tg = TaskGraph.from_fx(graph, root, metas, dev)
     tg = coarsen(tg, cheap_us=dev.launch_us * 1.5)
+    if measured:
+        # Profiles time whole tasks, named after coarsening (which decided on the
+        # estimates, so the same tasks come out): apply the measurements here.
+        for task in tg.tasks:
+            task.cost = measured.get(task.name, task.cost)
     bound = config.resolved_streams(max(1, tg.width()))
     assignment = assign_streams(tg, bound, float(config.min_task_cost), dev.launch_us)
     executor, reason = _choose_executor(config, device, assignment)

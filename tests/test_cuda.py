@@ -38,15 +38,15 @@ def test_native_runtime_drives_cuda():
 @pytest.mark.parametrize("fuse", [True, False])
 def test_streams_outputs_and_grads_equal_eager(name, fuse):
     model, inputs = cuda_models()[name]
-    sm = check_against_eager(model, inputs, executor="streams", fuse=fuse, num_streams=4, min_task_cost=0.0,
-                             atol=1e-4)
+    sm = check_against_eager(model, inputs, executor="streams", fuse=fuse, num_streams=4, min_task_cost=0.0, atol=1e-4)
     assert sm.plan.executor == "streams" and sm.plan.device.startswith("cuda")
 
 
 def test_inception_streams_use_several_streams_and_match_eager():
     model = Inception3().eval().to(DEV)
-    sm = check_against_eager(model, (torch.randn(1, 3, 299, 299, device=DEV),), backward=False, atol=1e-3,
-                             executor="streams")
+    sm = check_against_eager(
+        model, (torch.randn(1, 3, 299, 299, device=DEV),), backward=False, atol=1e-3, executor="streams"
+    )
     assert sm.plan.num_streams > 1
 
 
@@ -72,8 +72,9 @@ def test_caller_stream_is_respected_and_restored():
 @pytest.mark.parametrize("seed", range(5))
 def test_chaos_delays_never_change_results(seed):
     model = ConvTowers().to(DEV).eval()
-    sm = ss.StreamScheduledModule(model, executor="streams", num_streams=4, min_task_cost=0.0, chaos=seed,
-                                  sync_log=True)
+    sm = ss.StreamScheduledModule(
+        model, executor="streams", num_streams=4, min_task_cost=0.0, chaos=seed, sync_log=True
+    )
     for _ in range(20):
         x = torch.randn(4, 8, 32, 32, device=DEV)
         assert_close(sm(x), model(x), atol=1e-4)
@@ -213,3 +214,16 @@ def test_training_runs_on_streams_when_graphs_are_on():
     model = CriticEnsemble(8).to(DEV)
     sm = check_against_eager(model, (torch.randn(16, 23, device=DEV),), cuda_graph=True, atol=1e-4)
     assert any("CUDA graph" in note for note in sm.plan.notes)
+
+
+def test_task_ranges_appear_in_the_torch_profiler():
+    model = Towers(3, 256).to(DEV)
+    sm = ss.StreamScheduledModule(model, executor="streams", num_streams=3, min_task_cost=0.0, fuse=False)
+    x = torch.randn(32, 256, device=DEV)
+    sm(x)
+    sm(x)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        sm(x)
+    names = {e.key for e in prof.key_averages()}
+    expected = {f"{t.name} [s{t.stream}]" for t in sm.plan.tasks}
+    assert expected <= names, expected - names

@@ -1,0 +1,363 @@
+"""``python -m streamsched``: the environment, a model's plan, its timeline, its profile.
+
+::
+
+    python -m streamsched info [--json]
+    python -m streamsched plan streamsched.models:Inception3 --input-shape 1,3,299,299 [num_streams=4 ...]
+    python -m streamsched timeline streamsched.models:Inception3 --input-shape 1,3,299,299 --out out/inception
+    python -m streamsched profile streamsched.models:Inception3 --input-shape 1,3,299,299 --out prof.json
+    python -m streamsched bench [...]        # streamsched.bench
+    python -m streamsched stress [...]       # streamsched.stress
+
+``MODULE:FACTORY`` names a callable that returns the ``nn.Module`` to wrap (a class with
+default arguments, or a function); ``key=value`` arguments are
+:class:`~streamsched.SchedulerConfig` options. A bad argument is reported in one line on
+stderr with exit status 2; a model that fails to run, with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import difflib
+import importlib
+import json
+import sys
+from typing import Any, Callable, Optional, Sequence
+
+__all__ = ["main", "build_parser", "parse_shape", "parse_options", "load_factory"]
+
+PROG = "python -m streamsched"
+_DTYPES = ("float32", "float64", "float16", "bfloat16")
+_DELEGATES = {
+    "bench": "streamsched.bench",
+    "stress": "streamsched.stress",
+}
+
+
+class UsageError(Exception):
+    """A bad command-line argument: reported on stderr, exit status 2."""
+
+
+class RunError(Exception):
+    """The model could not be built or run: reported on stderr, exit status 1."""
+
+
+# --- argument parsing ----------------------------------------------------------------------
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """``"1,3,299,299"`` (or ``"1x3x299x299"``) -> ``(1, 3, 299, 299)``."""
+    parts = text.replace("x", ",").split(",")
+    try:
+        shape = tuple(int(p) for p in parts)
+    except ValueError:
+        shape = ()
+    if not shape or any(d < 1 for d in shape):
+        raise argparse.ArgumentTypeError(
+            f"bad input shape {text!r}: expected positive integers separated by commas, like 1,3,299,299"
+        )
+    return shape
+
+
+def _coerce(raw: str) -> Any:
+    lowered = raw.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered in ("none", "null"):
+        return None
+    for kind in (int, float):
+        try:
+            return kind(raw)
+        except ValueError:
+            pass
+    return raw
+
+
+def parse_options(items: Sequence[str]) -> dict[str, Any]:
+    """``["num_streams=4", "fuse=false", "executor=threads"]`` -> ``{"num_streams": 4, "fuse": False,
+    "executor": "threads"}`` (ints, floats, ``true``/``false`` and ``none`` are converted)."""
+    options: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise UsageError(f"scheduler options are written key=value (for example num_streams=4), got {item!r}")
+        options[key] = _coerce(raw)
+    return options
+
+
+def load_factory(target: str) -> Callable[[], Any]:
+    """Import ``MODULE:FACTORY`` (``FACTORY`` may be dotted: ``module:Class.build``)."""
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        raise UsageError(f"expected MODULE:FACTORY (for example streamsched.models:Inception3), got {target!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UsageError(f"cannot import module {module_name!r}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - the user's module failed while importing
+        raise UsageError(f"importing module {module_name!r} failed: {type(exc).__name__}: {exc}") from None
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            names = [n for n in dir(obj) if not n.startswith("_")]
+            close = difflib.get_close_matches(part, names, n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise UsageError(f"{module_name}:{attr}: {obj.__name__ if obj is module else attr} has no {part!r}{hint}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise UsageError(f"{target} is a {type(obj).__name__}, not a callable that returns an nn.Module")
+    return obj
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "target", metavar="MODULE:FACTORY", help="callable returning the nn.Module, e.g. streamsched.models:Inception3"
+    )
+    parser.add_argument(
+        "--input-shape",
+        dest="shapes",
+        metavar="SHAPE",
+        type=parse_shape,
+        action="append",
+        required=True,
+        help="shape of one input tensor, e.g. 1,3,299,299 (repeat for each input of forward)",
+    )
+    parser.add_argument("--dtype", choices=_DTYPES, default="float32", help="dtype of inputs and model (float32)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (cpu)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--eval", dest="train", action="store_false", help="eval mode under no_grad (the default)")
+    mode.add_argument("--train", dest="train", action="store_true", help="training mode, autograd on")
+    parser.set_defaults(train=False)
+    parser.add_argument("--seed", type=int, default=0, help="seed for the model's weights and the inputs (0)")
+    parser.add_argument(
+        "options",
+        metavar="option=value",
+        nargs="*",
+        help="SchedulerConfig options, e.g. num_streams=4 executor=threads",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser, one subcommand per job."""
+    return _parsers()[0]
+
+
+def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    from . import __version__
+
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="streamsched: run the independent branches of a PyTorch model side by side; see what ran where.",
+    )
+    parser.add_argument("--version", action="version", version=f"streamsched {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    info = commands.add_parser("info", help="this machine: Python, PyTorch, CPU, GPUs (NVML), native runtime")
+    info.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    plan = commands.add_parser("plan", help="plan a model and print the plan")
+    _add_model_arguments(plan)
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.add_argument("--all-tasks", action="store_true", help="list every task (not only the first 40)")
+
+    tl = commands.add_parser("timeline", help="measure when each task ran: Chrome trace (.json) and Gantt chart (.png)")
+    _add_model_arguments(tl)
+    tl.add_argument("--out", required=True, metavar="PATH", help="writes PATH.json and PATH.png")
+    tl.add_argument("--runs", type=int, default=3, help="observed calls; the fastest is kept (3)")
+    tl.add_argument("--warmup", type=int, default=2, help="calls before observing; the first one plans (2)")
+
+    prof = commands.add_parser("profile", help="measure per-task costs into a schedule profile (JSON)")
+    _add_model_arguments(prof)
+    prof.add_argument("--out", required=True, metavar="PATH.json", help="where to write the profile")
+    prof.add_argument("--runs", type=int, default=5, help="observed calls; each task's median is kept (5)")
+
+    for name, module in _DELEGATES.items():
+        commands.add_parser(name, help=f"run {module} (arguments are passed through; `{name} --help` for its own)")
+    return parser, {"info": info, "plan": plan, "timeline": tl, "profile": prof}
+
+
+# --- commands ------------------------------------------------------------------------------
+
+
+def _cmd_info(ns: argparse.Namespace) -> int:
+    from .envinfo import environment_report, format_report
+
+    report = environment_report()
+    print(json.dumps(report, indent=2) if ns.json else format_report(report))
+    return 0
+
+
+class _Prepared:
+    """The wrapped model, a source of fresh inputs, and the grad mode to call it in."""
+
+    def __init__(self, ns: argparse.Namespace):
+        import torch
+
+        from .errors import ConfigError
+        from .module import StreamScheduledModule
+
+        try:
+            device = torch.device(ns.device)
+        except RuntimeError as exc:
+            raise UsageError(f"bad --device {ns.device!r}: {exc}") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise UsageError(f"--device {ns.device}: CUDA is not available here (torch {torch.__version__})")
+        options = parse_options(ns.options)
+        factory = load_factory(ns.target)
+        self.dtype = getattr(torch, ns.dtype)
+        self.device = device
+        self.shapes = ns.shapes
+        self.generator = torch.Generator().manual_seed(ns.seed)
+        torch.manual_seed(ns.seed)
+        try:
+            model = factory()
+        except Exception as exc:  # noqa: BLE001 - the user's factory failed
+            raise RunError(f"{ns.target}() failed: {type(exc).__name__}: {exc}") from None
+        if not isinstance(model, torch.nn.Module):
+            raise UsageError(f"{ns.target}() returned a {type(model).__name__}, not an nn.Module")
+        self.name = type(model).__name__
+        model = model.to(device=device, dtype=self.dtype).train(ns.train)
+        try:
+            self.sm = StreamScheduledModule(model, **options)
+        except ConfigError as exc:
+            raise UsageError(str(exc)) from None
+        self.grad = torch.enable_grad if ns.train else torch.no_grad
+
+    def inputs(self) -> list[Any]:
+        import torch
+
+        return [
+            torch.randn(shape, generator=self.generator, dtype=torch.float32).to(self.device, self.dtype)
+            for shape in self.shapes
+        ]
+
+    def describe(self) -> str:
+        shapes = ", ".join("x".join(map(str, s)) for s in self.shapes)
+        return f"{self.name} on {str(self.dtype).replace('torch.', '')}[{shapes}] ({self.device})"
+
+    @contextlib.contextmanager
+    def running(self, what: str):
+        """Report a failure of the model (or of a config that only shows at plan time) in one line."""
+        from .errors import ConfigError, ProfileMismatchError
+
+        with self.grad():
+            try:
+                yield
+            except (ConfigError, ProfileMismatchError) as exc:
+                raise UsageError(str(exc)) from None
+            except Exception as exc:  # noqa: BLE001 - reported, not re-raised: a CLI prints one line
+                raise RunError(f"{what} {self.describe()} failed: {type(exc).__name__}: {exc}") from None
+
+
+def _cmd_plan(ns: argparse.Namespace) -> int:
+    prepared = _Prepared(ns)
+    sm = prepared.sm
+    with prepared.running("planning"):
+        sm(*prepared.inputs())  # records shapes and plans
+        sm(*prepared.inputs())  # runs the plan
+    plan = sm.plan
+    if ns.json:
+        print(plan.to_json())
+    elif ns.all_tasks:
+        print(plan.summary() + "\n" + plan.table(limit=None))
+    else:
+        print(plan)
+    return 0
+
+
+def _positive(value: int, flag: str) -> int:
+    if value < 1:
+        raise UsageError(f"{flag} must be at least 1, got {value}")
+    return value
+
+
+def _cmd_timeline(ns: argparse.Namespace) -> int:
+    from .observe.timeline import timeline
+
+    runs, warmup = _positive(ns.runs, "--runs"), _positive(ns.warmup, "--warmup")
+    prepared = _Prepared(ns)
+    with prepared.running("timing"):
+        result = timeline(prepared.sm, *prepared.inputs(), runs=runs, warmup=warmup)
+    written = result.save(ns.out)
+    print(result.summary())
+    print("wrote " + ", ".join(str(p) for p in written) + "  (open the .json in https://ui.perfetto.dev)")
+    return 0
+
+
+def _cmd_profile(ns: argparse.Namespace) -> int:
+    from .profiles import measure_profile
+
+    runs = _positive(ns.runs, "--runs")
+    prepared = _Prepared(ns)
+    with prepared.running("profiling"):
+        profile = measure_profile(prepared.sm, *prepared.inputs(), runs=runs)
+    path = profile.save(ns.out)
+    total = sum(profile.task_us.values())
+    print(
+        f"profile of {profile.model} {profile.signature} on {profile.device} ({profile.device_name}), "
+        f"executor {profile.executor}: {len(profile.task_us)} tasks, {total / 1000:.2f} ms of task time "
+        f"(median of {profile.runs} runs)"
+    )
+    for name, us in sorted(profile.task_us.items(), key=lambda kv: -kv[1])[:5]:
+        print(f"  {us:10.1f} us  {name}")
+    print(f"wrote {path}  (use it with SchedulerConfig(profile={str(path)!r}))")
+    return 0
+
+
+def _exit_status(code: Any) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _delegate(command: str, argv: list[str]) -> int:
+    module_name = _DELEGATES[command]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        print(f"{PROG} {command}: error: {module_name} is not available: {exc}", file=sys.stderr)
+        return 1
+    entry = getattr(module, "main", None)
+    if not callable(entry):
+        print(f"{PROG} {command}: error: {module_name} has no main(argv) function", file=sys.stderr)
+        return 1
+    try:
+        return _exit_status(entry(argv))
+    except SystemExit as exc:
+        return _exit_status(exc.code)
+
+
+_COMMANDS = {"info": _cmd_info, "plan": _cmd_plan, "timeline": _cmd_timeline, "profile": _cmd_profile}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run one command line (``sys.argv[1:]`` by default); return the exit status."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in _DELEGATES:
+        # Everything after the command belongs to the delegate, --help included.
+        return _delegate(args[0], args[1:])
+    parser, subparsers = _parsers()
+    try:
+        if args and args[0] in _COMMANDS:
+            # Intermixed parsing lets key=value options follow the flags (argparse's plain
+            # parse would leave them unrecognised once --input-shape came in between).
+            ns = subparsers[args[0]].parse_intermixed_args(args[1:])
+            ns.command = args[0]
+        else:
+            ns = parser.parse_args(args)
+    except SystemExit as exc:  # --help, --version, or a usage error argparse already printed
+        return _exit_status(exc.code)
+    command = ns.command
+    try:
+        return _COMMANDS[command](ns)
+    except UsageError as exc:
+        print(f"{PROG} {command}: error: {exc}", file=sys.stderr)
+        return 2
+    except RunError as exc:
+        print(f"{PROG} {command}: error: {exc}", file=sys.stderr)
+        return 1

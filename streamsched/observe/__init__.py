@@ -1,0 +1,19 @@
+"""Seeing the schedule: NVTX ranges for Nsight Systems, measured timelines (Chrome trace
+and Gantt chart).
+
+Both are *observers*: objects with ``push(task, stream)`` and ``pop(task, stream)``, which
+the executors call right before and right after each task, on the thread (and with the
+CUDA stream current) that runs it. ``sm.observing(observer)`` installs one for the calls
+made inside the block.
+
+Example::
+
+    >>> from streamsched.observe import timeline
+    >>> tl = timeline(sm, x, path="out/model")      # doctest: +SKIP
+    >>> print(tl.summary())                          # doctest: +SKIP
+"""
+
+from .nvtx_ranges import NvtxRanges
+from .timeline import IdleGap, TaskSpan, Timeline, timeline
+
+__all__ = ["NvtxRanges", "Timeline", "TaskSpan", "IdleGap", "timeline"]
