@@ -20,8 +20,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import streamsched as ss  # noqa: E402
 from _timing import time_variants  # noqa: E402
+
+import streamsched as ss  # noqa: E402
 from streamsched.models import Inception3  # noqa: E402
 
 
@@ -38,8 +39,10 @@ def main() -> None:
     torch.manual_seed(0)
     model = Inception3().eval().to(device)
     sm = ss.StreamScheduledModule(model)
-    print(f"streamsched {ss.__version__}: runtime {ss.runtime_info()['runtime']}, torch {torch.__version__}, "
-          f"device {device}, {torch.get_num_threads()} CPU threads")
+    print(
+        f"streamsched {ss.__version__}: runtime {ss.runtime_info()['runtime']}, torch {torch.__version__}, "
+        f"device {device}, {torch.get_num_threads()} CPU threads"
+    )
     print(f"Inception-v3, batch {args.batch}, input {size}x{size}")
 
     with torch.no_grad():
@@ -49,8 +52,9 @@ def main() -> None:
             errors.append(float((sm(x) - model(x)).abs().max()))
         print(sm.plan.summary())
         x = torch.randn(args.batch, 3, size, size, device=device)
-        times = time_variants({"eager": lambda: model(x), "streamsched": lambda: sm(x)}, device,
-                              rounds=args.rounds, inner=3)
+        times = time_variants(
+            {"eager": lambda: model(x), "streamsched": lambda: sm(x)}, device, rounds=args.rounds, inner=3
+        )
     print(f"max abs error vs eager: {max(errors):.2e} over 3 random inputs")
     print(f"eager       {times['eager']:8.2f} ms per forward (median of {args.rounds} rounds)")
     print(f"streamsched {times['streamsched']:8.2f} ms per forward -> {times['eager'] / times['streamsched']:.2f}x")

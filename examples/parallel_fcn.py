@@ -19,8 +19,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import streamsched as ss  # noqa: E402
 from _timing import time_variants  # noqa: E402
+
+import streamsched as ss  # noqa: E402
 from streamsched.models import GroupedConvFCN, ParallelFCN, StackedFCN  # noqa: E402
 
 
@@ -42,8 +43,10 @@ def main() -> None:
     with torch.no_grad():
         sm(x)
     first = time.perf_counter() - start
-    print(f"{args.members} MLPs, batch {args.batch}, {device}, {torch.get_num_threads()} threads; "
-          f"first call (trace + fuse + plan) {first:.2f} s")
+    print(
+        f"{args.members} MLPs, batch {args.batch}, {device}, {torch.get_num_threads()} threads; "
+        f"first call (trace + fuse + plan) {first:.2f} s"
+    )
     print(sm.plan.summary())
 
     with torch.no_grad():
@@ -57,14 +60,23 @@ def main() -> None:
             def run():
                 opt.zero_grad()
                 m(x).square().mean().backward()
+
             return run
 
         times = time_variants({"loop": step(model), "streamsched": step(sm)}, device, rounds=5, inner=2)
     else:
         with torch.no_grad():
-            times = time_variants({"loop": lambda: model(x), "streamsched": lambda: sm(x),
-                                   "grouped conv": lambda: grouped(x), "stacked bmm": lambda: stacked(x)},
-                                  device, rounds=7, inner=5)
+            times = time_variants(
+                {
+                    "loop": lambda: model(x),
+                    "streamsched": lambda: sm(x),
+                    "grouped conv": lambda: grouped(x),
+                    "stacked bmm": lambda: stacked(x),
+                },
+                device,
+                rounds=7,
+                inner=5,
+            )
     base = times["loop"]
     for name, ms in times.items():
         print(f"  {name:12s} {ms:9.3f} ms   {base / ms:8.1f}x the loop")

@@ -28,6 +28,7 @@ from .errors import (
 from .module import StreamScheduledModule
 from .observe import Timeline, timeline
 from .plan import FusedGroupInfo, Plan, PlannedTask
+from .prefetch import Prefetcher
 
 __version__ = "0.1.0"
 
@@ -36,6 +37,7 @@ __all__ = [
     "SchedulerConfig",
     "runtime_info",
     "timeline",
+    "Prefetcher",
     "Timeline",
     "branch",
     "Plan",

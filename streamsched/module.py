@@ -274,6 +274,10 @@ class StreamScheduledModule(nn.Module):
                 graphs.forget()
             st.generation = _generation.current()
 
+    # The schedule is plain Python over generated code; dynamo tracing it only finds graph
+    # breaks (and replays the fused-parameter re-pointing as an in-place op). To compile,
+    # compile the branches: a torch.compile'd submodule runs as one opaque task.
+    @torch.compiler.disable
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         st = self._ss
         with st.lock:

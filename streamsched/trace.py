@@ -151,6 +151,9 @@ class _LeafTracer(fx.Tracer):
             return True
         if is_branch_module(m):
             return True
+        # fx cannot trace a compiled module; its compiled code runs as one opaque task.
+        if _is_compiled_module(m):
+            return True
         return super().is_leaf_module(m, module_qualified_name)
 
     def path_of_module(self, mod: torch.nn.Module) -> str:
@@ -187,6 +190,14 @@ class Traced:
             if id(mod) != ident:
                 return False
         return _structure(self.model) == self.structure
+
+
+def _is_compiled_module(m: torch.nn.Module) -> bool:
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except ImportError:  # pragma: no cover - very old torch
+        return False
+    return isinstance(m, OptimizedModule)
 
 
 def _placeholder_names(binder: CallBinder, spec: CallSpec) -> list[str]:

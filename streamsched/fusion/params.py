@@ -49,7 +49,9 @@ class GatherStacked(torch.autograd.Function):
             parts = grad.unbind(0)
         else:
             parts = grad.split(ctx.sizes, 0)
-        return (None, None, *parts)
+        # A slice can be contiguous with an odd stride on a size-1 dim ([1, k], strides (1, 1));
+        # view() restates the canonical layout at no cost (DDP compares strides literally).
+        return (None, None, *(p.view(p.shape) if p.is_contiguous() else p for p in parts))
 
 
 class StackedTensors:
@@ -77,7 +79,9 @@ class StackedTensors:
 
     def _restack(self) -> None:
         self.tensors = [getattr(m, n) for m, n in self.owners]
-        with torch.no_grad():
+        # The stack becomes the members' storage for good: made under inference_mode it
+        # would turn the model's parameters into inference tensors, unusable for training.
+        with torch.inference_mode(False), torch.no_grad():
             detached = [t.detach() for t in self.tensors]
             stack = torch.cat(detached, 0) if self.concat else torch.stack(detached, 0)
             offset = 0

@@ -591,6 +591,9 @@ class _Rewriter:
         if anchor.op == "call_module":
             mods = [self.root.get_submodule(m.target) for m in members]
             mkind = _module_kind(mods[0])
+            if mkind == "conv" and self._compute_bound_on_cpu(anchor, mods[0]):
+                log.debug("fuse: %s does real work per member on CPU; a grouped conv would be slower", names[0])
+                return None
             single_input = len(anchor.args) == 1 and not anchor.kwargs
             if mkind in ("linear", "conv", "batchnorm", "layernorm", "elementwise") and not single_input:
                 return None
@@ -678,6 +681,15 @@ class _Rewriter:
         random = fn in RANDOM_FUNCTIONS
         kernel = ElementwiseKernel(fn, name, names, len(members), operands, dict(anchor.kwargs), out_shape, random)
         return self._emit(kernel, members, inputs, kind)
+
+    def _compute_bound_on_cpu(self, node: fx.Node, module: nn.Module) -> bool:
+        # A CPU launch costs microseconds, a convolution over a feature map far more:
+        # batching members saves nothing there, and grouped kernels plus the stacked input
+        # copy were measured slower (NASNet, RandWire cells). On GPUs batching pays.
+        if self.device.name != "cpu":
+            return False
+        work = estimate_node_cost(node, module, self.metas, self.device) - self.device.launch_us
+        return work > 20 * self.device.launch_us
 
     def _copied(self, sources: list[_Source]) -> bool:
         return any(s.node.target is torch.stack and s.node in self.inserted for s in sources)

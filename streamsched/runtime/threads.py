@@ -15,6 +15,7 @@ would have met it first) propagates.
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import threading
 from typing import Any, Callable, Optional
@@ -118,6 +119,13 @@ class _LanePool:
         self.lock = threading.Lock()
         self.workers: list[_Worker] = []
         self.local = threading.local()
+        # A forked child has none of the parent's threads: let it start workers of its own.
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=self._forget_workers)
+
+    def _forget_workers(self) -> None:
+        self.lock = threading.Lock()
+        self.workers = []
 
     def ensure(self, count: int) -> None:
         while len(self.workers) < count:

@@ -1,0 +1,174 @@
+"""How long planning takes: stream assignment of large random DAGs, and the whole first
+call (trace + record shapes + fuse + plan) of the 1000-MLP reference model.
+
+    python benchmarks/planning_bench.py [--out DIR|FILE.json] [--repeats 5] [--sizes 1000,5000,10000] [--threads N]
+
+Graphs are sparse random DAGs built with ``TaskGraph.from_edges``: each task takes 1-3
+predecessors among earlier tasks, either from the previous 64 tasks ("local", the shape
+of a real model's graph: branches that fork and join nearby) or from anywhere before it
+("uniform", long-range edges), with random costs. Planned with
+``assign_streams(graph, bound=8)``: transitive reduction, matching-based chain cover,
+packing onto 8 streams, issue order and waits. Each figure is the median of
+``--repeats`` runs on a fresh graph object (so no cached reachability is reused).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+import streamsched as ss
+from streamsched.bench.report import environment, json_output_path
+from streamsched.graph import TaskGraph
+from streamsched.models import ParallelFCN
+from streamsched.passes.assign import assign_streams
+
+BOUND = 8
+
+
+def random_dag(n: int, window: Optional[int], seed: int) -> tuple[list[tuple[int, int]], list[float]]:
+    """Edges (ids in topological order) and costs of a sparse random DAG on ``n`` tasks:
+    1-3 predecessors per task, drawn from the previous ``window`` tasks (all earlier
+    tasks when ``window`` is None)."""
+    if n < 1:
+        raise ValueError(f"planning_bench: a DAG needs at least one task, got n={n}")
+    rng = random.Random(seed)
+    edges = []
+    for v in range(1, n):
+        lo = 0 if window is None else max(0, v - window)
+        k = min(rng.randint(1, 3), v - lo)
+        edges.extend((u, v) for u in rng.sample(range(lo, v), k))
+    costs = [rng.uniform(1.0, 100.0) for _ in range(n)]
+    return edges, costs
+
+
+def time_assignment(n: int, window: Optional[int], repeats: int) -> dict[str, Any]:
+    edges, costs = random_dag(n, window, seed=n)
+    build, assign, total = [], [], []
+    result = None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        graph = TaskGraph.from_edges(n, edges, costs)
+        built = time.perf_counter()
+        result = assign_streams(graph, BOUND)
+        done = time.perf_counter()
+        build.append(built - start)
+        assign.append(done - built)
+        total.append(done - start)
+    assert result is not None
+    return {
+        "nodes": n,
+        "edges": len(edges),
+        "window": window,
+        "bound": BOUND,
+        "streams_used": result.num_streams,
+        "cross_stream_waits": sum(len(w) for w in result.waits),
+        "build_s": statistics.median(build),
+        "assign_s": statistics.median(assign),
+        "total_s": statistics.median(total),
+        "samples_total_s": total,
+    }
+
+
+def time_first_call(members: int, batch: int, repeats: int, fuse: bool) -> dict[str, Any]:
+    """The first call of a fresh wrapper (each on a fresh copy of the model: fusion
+    re-homes parameters, so wrappers must not share one)."""
+    torch.manual_seed(0)
+    model = ParallelFCN(members).eval()
+    x = torch.randn(batch, 20 * members)
+    seconds, steady = [], []
+    plan = None
+    with torch.no_grad():
+        for _ in range(repeats):
+            sm = ss.StreamScheduledModule(copy.deepcopy(model), fuse=fuse)
+            start = time.perf_counter()
+            out = sm(x)
+            seconds.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            sm(x)
+            steady.append(time.perf_counter() - start)
+            plan = sm.plan
+        err = float((out - model(x)).abs().max())
+    assert plan is not None
+    return {
+        "model": f"ParallelFCN({members})",
+        "batch": batch,
+        "fuse": fuse,
+        "tasks": len(plan.tasks),
+        "fused_groups": len(plan.fused_groups),
+        "executor": plan.executor,
+        "first_call_s": statistics.median(seconds),
+        "samples_first_call_s": seconds,
+        "second_call_s": statistics.median(steady),
+        "max_abs_err_vs_eager": err,
+    }
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=None, help="folder for planning_bench.json, or a .json path")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--sizes", default="1000,5000,10000", help="DAG sizes (comma-separated)")
+    parser.add_argument("--members", type=int, default=1000, help="MLPs of the first-call model")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for the run")
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error(f"--threads must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    try:
+        sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
+    except ValueError:
+        parser.error(f"--sizes must be comma-separated integers, got {args.sizes!r}")
+
+    graphs = []
+    print(f"assign_streams(bound={BOUND}) on sparse random DAGs, median of {args.repeats} runs")
+    print(f"{'nodes':>7} {'edges':>7} {'preds from':>12} {'build s':>9} {'assign s':>9} {'total s':>9} {'waits':>6}")
+    for n in sizes:
+        for window in (64, None):
+            r = time_assignment(n, window, args.repeats)
+            graphs.append(r)
+            where = "last 64" if window else "anywhere"
+            print(
+                f"{n:7d} {r['edges']:7d} {where:>12} {r['build_s']:9.3f} {r['assign_s']:9.3f} "
+                f"{r['total_s']:9.3f} {r['cross_stream_waits']:6d}"
+            )
+
+    first_calls = []
+    print(f"\nfirst call (trace + record shapes + fuse + plan), median of {min(args.repeats, 3)} runs")
+    for fuse in (True, False):
+        r = time_first_call(args.members, 1, min(args.repeats, 3), fuse)
+        first_calls.append(r)
+        print(
+            f"  {r['model']}, batch 1, fuse={fuse}: {r['first_call_s']:.3f} s "
+            f"({r['tasks']} tasks, {r['fused_groups']} fused groups, executor {r['executor']}; "
+            f"second call {r['second_call_s'] * 1e3:.2f} ms; max abs err {r['max_abs_err_vs_eager']:.1e})"
+        )
+
+    if args.out is not None:
+        path = json_output_path(args.out, "planning_bench.json")
+        report = {
+            "schema": "streamsched.planning_bench/1",
+            "environment": environment(torch.device("cpu")),
+            "repeats": args.repeats,
+            "assign_streams": graphs,
+            "first_call": first_calls,
+        }
+        path.write_text(json.dumps(report, indent=1) + "\n")
+        print(f"\nwrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""One training case: a full step (forward, MSE loss, backward, SGD step over the
+original model's parameters), the plain model against streamsched.
+
+Correctness is checked on gradients: before any step, every variant runs one forward
+and backward on the same weights and input, and every parameter's ``.grad`` must equal
+eager's within :data:`GRAD_ATOL`; a missing gradient is an infinite error.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import StreamScheduledModule
+from .cases import CaseSpec
+from .correctness import compare, tolerance
+from .inference import MeasureOptions, free_memory, time_rows
+from .results import CaseResult, Row
+from .variant import SuiteContext, first_line
+
+__all__ = ["GRAD_ATOL", "TRAIN_CONFIGS", "run_training_case", "grad_error"]
+
+GRAD_ATOL = 1e-5
+"""Largest absolute difference of any gradient element from eager's."""
+
+TRAIN_CONFIGS: list[tuple[str, dict[str, Any]]] = [
+    ("streamsched", {}),
+    ("streamsched, no fusion", {"fuse": False}),
+]
+
+
+def grad_error(model: nn.Module, reference: dict[str, torch.Tensor]) -> tuple[float, str | None]:
+    """Largest ``|grad - reference grad|`` over all parameters, and the first parameter
+    whose gradient is missing (or mis-shaped), if any."""
+    worst = 0.0
+    grads = dict(model.named_parameters())
+    for name, ref in reference.items():
+        p = grads.get(name)
+        if p is None or p.grad is None:
+            return math.inf, f"no .grad for {name}"
+        if p.grad.shape != ref.shape:
+            return math.inf, f"{name}.grad has shape {tuple(p.grad.shape)}, expected {tuple(ref.shape)}"
+        worst = max(worst, float((p.grad.double() - ref.double()).abs().max()))
+    return worst, None
+
+
+def run_training_case(spec: CaseSpec, ctx: SuiteContext, opts: MeasureOptions) -> CaseResult:
+    device = ctx.device
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    base = spec.build().to(device).train()
+    (x,) = spec.make_inputs(device, generator)
+    with torch.no_grad():
+        target = torch.randn(base(x).shape, generator=generator).to(device)
+
+    def loss_of(model: nn.Module) -> tuple[torch.Tensor, Any]:
+        out = model(x)
+        return F.mse_loss(out, target), out
+
+    eager_model = copy.deepcopy(base)
+    variants: list[tuple[str, nn.Module, Row]] = [("eager", eager_model, Row("eager", "ok"))]
+    for name, config in TRAIN_CONFIGS:
+        row = Row(name, "ok", info={"config": config})
+        try:
+            sm = StreamScheduledModule(copy.deepcopy(base), **config)
+            (loss, _), row.setup_s = ctx.timed(lambda sm=sm: loss_of(sm))
+            row.setup_what = "first call (trace + fuse + plan), forward only"
+            loss.backward()
+            plan = sm.plan
+            if plan is not None:
+                row.info.update(executor=plan.executor, tasks=len(plan.tasks), fused_groups=len(plan.fused_groups))
+        except Exception as exc:  # noqa: BLE001 - a failing variant is a row
+            row.status, row.reason, row.detail = "error", "first call failed", first_line(exc, 400)
+            sm = None
+        variants.append((name, sm, row))
+
+    # Reference gradients, then every variant's on the same (unchanged) weights.
+    eager_model.zero_grad(set_to_none=True)
+    ref_loss, ref_out = loss_of(eager_model)
+    ref_loss.backward()
+    ref_grads = {n: p.grad.detach().clone() for n, p in eager_model.named_parameters() if p.grad is not None}
+    out_tol = tolerance(ref_out, opts.rtol)
+    for _, model, row in variants:
+        if row.status != "ok":
+            continue
+        model.zero_grad(set_to_none=True)
+        loss, out = loss_of(model)
+        loss.backward()
+        g_err, g_reason = grad_error(model.module if isinstance(model, StreamScheduledModule) else model, ref_grads)
+        o = compare(out, ref_out)
+        row.max_abs_err, row.tolerance = g_err, GRAD_ATOL
+        row.info["output_max_abs_err"] = o.max_abs_err if math.isfinite(o.max_abs_err) else None
+        row.info["output_tolerance"] = out_tol
+        if g_err > GRAD_ATOL:
+            row.status = "WRONG"
+            row.reason = g_reason or f"max abs gradient error {g_err:.2e} > {GRAD_ATOL:.0e}"
+        elif o.max_abs_err > out_tol:
+            row.status = "WRONG"
+            row.reason = o.reason or f"max abs output error {o.max_abs_err:.2e} > tolerance {out_tol:.1e}"
+        model.zero_grad(set_to_none=True)
+
+    def step_of(model: nn.Module) -> Callable[[], None]:
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+        def step() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            loss, _ = loss_of(model)
+            loss.backward()
+            optimizer.step()
+
+        return step
+
+    rows = [row for _, _, row in variants]
+    calls = {name: step_of(model) for name, model, row in variants if model is not None}
+    time_rows(rows, calls, ctx, opts)
+    del variants, calls, base, eager_model
+    free_memory(device)
+    return CaseResult(
+        id=spec.id,
+        family=spec.family,
+        label=spec.label,
+        kind="training step (forward + backward + SGD)",
+        params=dict(spec.params),
+        input_shapes=[list(s) for s in spec.input_shapes],
+        rounds=opts.rounds,
+        warmup=opts.warmup,
+        correctness=(
+            f"max abs error of every parameter's .grad vs eager after one forward+backward on the same weights "
+            f"(tolerance {GRAD_ATOL:.0e}); the output error is in info"
+        ),
+        rows=rows,
+    )
