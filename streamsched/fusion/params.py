@@ -45,13 +45,13 @@ class GatherStacked(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        if ctx.sizes is None:
-            parts = grad.unbind(0)
-        else:
-            parts = grad.split(ctx.sizes, 0)
-        # A slice can be contiguous with an odd stride on a size-1 dim ([1, k], strides (1, 1));
-        # view() restates the canonical layout at no cost (DDP compares strides literally).
-        return (None, None, *(p.view(p.shape) if p.is_contiguous() else p for p in parts))
+        # A contiguous gradient can carry odd strides on size-1 dims ([N, 1, k] with strides
+        # (k, 1, 1)), which its slices inherit and DDP compares literally; one view() of the
+        # whole restates canonical strides for every slice at no cost.
+        if grad.is_contiguous():
+            grad = grad.view(grad.shape)
+        parts = grad.unbind(0) if ctx.sizes is None else grad.split(ctx.sizes, 0)
+        return (None, None, *parts)
 
 
 class StackedTensors:
