@@ -72,6 +72,8 @@ class _State:
         self.traces: _LRU = _LRU(config.plan_cache_size)
         self.plans: _LRU = _LRU(config.plan_cache_size)
         self.last: Optional[Schedule] = None
+        # (key, schedule) of the most recent traced call: the common case skips the LRU.
+        self.hot: Optional[tuple] = None
         self.lock = threading.RLock()
         self.generation = _generation.current()
         self.calls = 0
@@ -130,7 +132,12 @@ class _Trial:
         )
 
 
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
+
+
 def _autocast_key() -> tuple:
+    if _any_autocast is not None and not _any_autocast():
+        return ()
     key = []
     for device in ("cuda", "cpu"):
         if torch.is_autocast_enabled(device):
@@ -268,6 +275,7 @@ class StreamScheduledModule(nn.Module):
             st.traces.clear()
             st.plans.clear()
             st.last = None
+            st.hot = None
             if st.fusion is not None:
                 st.fusion.invalidate()
             for graphs in st.graphs.values():
@@ -295,11 +303,17 @@ class StreamScheduledModule(nn.Module):
                 torch.is_grad_enabled(),
                 _autocast_key(),
             )
-            schedule = st.plans.get_fresh(key)
+            hot = st.hot
+            if hot is not None and hot[0] == key:
+                # The same signature as the previous call: no LRU bookkeeping.
+                schedule = hot[1]
+            else:
+                schedule = st.plans.get_fresh(key)
             st.calls += 1
             if schedule is None:
                 return self._first_call(key, spec, tensors)
             st.last = schedule
+            st.hot = (key, schedule)
             return self._run(schedule, tensors)
 
     # --- internals --------------------------------------------------------------------

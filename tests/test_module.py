@@ -242,3 +242,18 @@ def test_auto_keeps_a_parallel_executor_only_where_it_measures_faster(monkeypatc
         assert_close(sm(x), model(x), atol=1e-5)
     assert sm.plan.executor == "serial"
     assert "running serially" in sm.plan.reason and "measured" in sm.plan.reason
+
+
+def test_parameters_read_by_the_graph_itself_are_always_current():
+    model = nn.Linear(4, 3)  # traced through: its weight and bias are graph attributes
+    sm = ss.StreamScheduledModule(model)
+    x = torch.randn(2, 4)
+    sm(x)
+    sm(x)
+    model.weight = nn.Parameter(torch.randn(3, 4))
+    assert_close(sm(x), model(x))
+    with torch.no_grad():
+        model.bias.add_(1.0)
+    assert_close(sm(x), model(x))
+    model.register_buffer("unused", torch.ones(1))
+    assert_close(sm(x), model(x))

@@ -21,7 +21,6 @@ from typing import Any, Callable, Optional
 import torch
 from torch import fx
 
-from ..meta import fetch_attr
 from ..nodes import node_label
 
 __all__ = ["CompiledTask", "Program", "compile_program", "annotate_exception"]
@@ -60,6 +59,7 @@ class Program:
     num_streams: int
     run_serial: Callable[[list], None]
     root: torch.nn.Module
+    load: Callable[[list], list]
     slot_producer: dict[int, int] = field(default_factory=dict)
     lines: dict[tuple[str, int], str] = field(default_factory=dict)
 
@@ -73,13 +73,8 @@ class Program:
         )
 
     def new_env(self, inputs: list[Any]) -> list[Any]:
-        env: list[Any] = [None] * self.n_slots
-        for slot, value in zip(self.input_slots, inputs):
-            env[slot] = value
-        root = self.root
-        for slot, target in self.attr_slots:
-            env[slot] = fetch_attr(root, target)
-        return env
+        """A fresh value list holding the inputs and the current parameters and buffers."""
+        return self.load(inputs)
 
     def streams_used(self) -> list[int]:
         return sorted({t.stream for t in self.tasks})
@@ -146,6 +141,39 @@ class _Emitter:
             getter = self.constant(method, "s")
             return f"{out} = getattr({obj}, {getter})({self.call_args(node.args[1:], node.kwargs)})"
         raise ValueError(f"cannot compile fx op {node.op}")
+
+
+def _compile_loader(
+    n_slots: int,
+    input_slots: list[int],
+    attr_slots: list[tuple[int, str]],
+    root: torch.nn.Module,
+    emitter: _Emitter,
+    filename: str,
+) -> Callable[[list], list]:
+    """``load(inputs) -> env``: inputs and attributes in their slots, in one generated function.
+
+    Parameters and buffers are read from their owning module's own ``_parameters`` /
+    ``_buffers`` dict on every call: a dict lookup, and always the current tensor (a
+    re-assigned parameter replaces the dict entry; a replaced module re-traces).
+    """
+    lines = [f"env = [None] * {n_slots}"]
+    lines += [f"env[{s}] = inputs[{i}]" for i, s in enumerate(input_slots)]
+    for s, target in attr_slots:
+        path, _, name = target.rpartition(".")
+        owner = root.get_submodule(path) if path else root
+        if name in owner._parameters:
+            lines.append(f"env[{s}] = {emitter.constant(owner._parameters, 'p')}[{name!r}]")
+        elif name in owner._buffers:
+            lines.append(f"env[{s}] = {emitter.constant(owner._buffers, 'b')}[{name!r}]")
+        else:
+            lines.append(f"env[{s}] = getattr({emitter.constant(owner, 'o')}, {name!r})")
+    lines.append("return env")
+    source = "def load(inputs):\n" + "".join(f"    {line}\n" for line in lines)
+    namespace = dict(emitter.globals)
+    exec(compile(source, filename, "exec"), namespace)
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    return namespace["load"]
 
 
 def _compile_function(name: str, body: list[str], emitter: _Emitter, filename: str) -> Callable:
@@ -256,6 +284,8 @@ def compile_program(
             )
         )
     run_serial = _compile_function("run_serial", serial_body, emitter, serial_file)
+    load_file = f"<streamsched-load-{uid}>"
+    load = _compile_loader(len(slot), input_slots, attr_slots, root, emitter, load_file)
     out_expr = emitter.render(output_node.args[0])
     out_file = f"<streamsched-output-{uid}>"
     output = _compile_function("output", [f"return {out_expr}"], emitter, out_file)
@@ -269,12 +299,13 @@ def compile_program(
         num_streams=num_streams,
         run_serial=run_serial,
         root=root,
+        load=load,
         slot_producer=slot_producer,
         lines=lines,
     )
     # The generated source stays readable in tracebacks for as long as the program
     # lives, and no longer: plans come and go (LRU), linecache must not grow with them.
-    filenames = {f for f, _ in lines} | {serial_file, out_file}
+    filenames = {f for f, _ in lines} | {serial_file, out_file, load_file}
     filenames |= {f"<streamsched-task-{uid}-{t}>" for t in order}
     weakref.finalize(program, _forget_sources, tuple(filenames))
     return program
