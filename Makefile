@@ -22,10 +22,10 @@ $(PY):
 # PyTorch first (the CPU wheel on this machine's disk), then the package and its test
 # extras against it. --no-build-isolation: the build must see the torch just installed,
 # never fetch another one.
-$(INSTALLED): setup.cfg setup.py pyproject.toml | $(PY)
+$(INSTALLED): setup.cfg setup.py pyproject.toml Makefile | $(PY)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q "setuptools>=64" wheel
-	SKIP_EXT=1 $(PIP) install -q --no-build-isolation -e ".[test,dev]"
+	SKIP_EXT=1 $(PIP) install -q --no-build-isolation -e ".[test,dev,plot]"
 	touch $@
 
 $(EXT_STAMP): $(EXT_SOURCES) setup.py $(INSTALLED)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -24,6 +25,11 @@ REPO = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 INCEPTION = ["streamsched.models:Inception3", "--input-shape", "1,3,75,75"]
 TOWERS = ["tests.helpers:Towers", "--input-shape", "4,64"]
+
+
+needs_matplotlib = pytest.mark.skipif(
+    importlib.util.find_spec("matplotlib") is None, reason="matplotlib (the plot extra) is not installed"
+)
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -226,6 +232,7 @@ def test_parse_shape_and_options():
 # --- timeline and profile ------------------------------------------------------------------------
 
 
+@needs_matplotlib
 def test_timeline_command_writes_trace_and_chart(capsys, tmp_path):
     out_path = tmp_path / "towers"
     code, out, err = run(capsys, "timeline", *TOWERS, "--out", str(out_path), "--runs", "2", "executor=threads")

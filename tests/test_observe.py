@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 import threading
@@ -27,6 +28,11 @@ from .helpers import ConvTowers, Towers, assert_close
 
 EXECUTORS = ["serial", "threads", "streams"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+needs_matplotlib = pytest.mark.skipif(
+    importlib.util.find_spec("matplotlib") is None, reason="matplotlib (the plot extra) is not installed"
+)
 
 
 class RecordingDomain:
@@ -296,6 +302,7 @@ def test_timeline_round_trips_through_json_and_summarises():
     assert tl.runs == 2 and tl.model == "ConvTowers" and tl.executor == "threads"
 
 
+@needs_matplotlib
 def test_save_writes_chrome_trace_and_png(tmp_path):
     sm, tl = _measure("threads")
     written = tl.save(tmp_path / "sub" / "conv.json")  # the suffix is ignored
@@ -306,6 +313,7 @@ def test_save_writes_chrome_trace_and_png(tmp_path):
     assert png.startswith(PNG_MAGIC) and len(png) > 1000
 
 
+@needs_matplotlib
 def test_timeline_with_path_saves_both_files(tmp_path):
     model = Towers(3, 32)
     sm = ss.StreamScheduledModule(model, executor="serial")
