@@ -32,6 +32,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from .. import __version__, runtime_info
+from ..envinfo import cpu_name
 from .results import CaseResult
 
 __all__ = ["SCHEMA", "environment", "build_report", "markdown", "write_report", "json_output_path"]
@@ -39,23 +40,12 @@ __all__ = ["SCHEMA", "environment", "build_report", "markdown", "write_report", 
 SCHEMA = "streamsched.bench/1"
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def environment(device: torch.device) -> dict[str, Any]:
     """Where and with what the numbers were taken."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     else:
-        name = _cpu_name()
+        name = cpu_name()
     return {
         "device": str(device),
         "device_name": name,

@@ -316,6 +316,18 @@ def _forget_sources(filenames: tuple[str, ...]) -> None:
         linecache.cache.pop(name, None)
 
 
+def run_task(task: CompiledTask, env: list, observer: Any, stream: int) -> None:
+    """Run one task, bracketed by ``observer.push``/``pop`` (on this thread) when there is one."""
+    if observer is None:
+        task.fn(env)
+        return
+    observer.push(task, stream)
+    try:
+        task.fn(env)
+    finally:
+        observer.pop(task, stream)
+
+
 def failing_node(program: Program, exc: BaseException) -> Optional[str]:
     """The label of the generated line an exception came from, if any."""
     tb = exc.__traceback__

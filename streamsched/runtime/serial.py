@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from .chaos import Chaos
-from .program import Program
+from .program import Program, run_task
 from .synclog import SyncLog
 
 __all__ = ["SerialExecutor"]
@@ -31,14 +31,7 @@ class SerialExecutor:
         for task in program.tasks:
             if chaos is not None:
                 chaos.delay(0)
-            if observer is not None:
-                observer.push(task, 0)
-                try:
-                    task.fn(env)
-                finally:
-                    observer.pop(task, 0)
-            else:
-                task.fn(env)
+            run_task(task, env, observer, 0)
             if log is not None:
                 log.launch(0, task.id, task.reads, task.writes)
             for slot in task.frees:

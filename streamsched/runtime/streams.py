@@ -30,7 +30,7 @@ from typing import Any, Optional
 import torch
 
 from .chaos import Chaos
-from .program import Program
+from .program import Program, run_task
 from .synclog import SyncEntry, SyncLog
 
 __all__ = ["StreamExecutor", "CudaBackend", "SimulatedBackend"]
@@ -198,14 +198,7 @@ class StreamExecutor:
                 rt.enter(index)
                 if chaos is not None:
                     be.chaos(chaos, task.stream)
-                if ranges is not None:
-                    ranges.push(task, task.stream)
-                    try:
-                        task.fn(env)
-                    finally:
-                        ranges.pop(task, task.stream)
-                else:
-                    task.fn(env)
+                run_task(task, env, ranges, task.stream)
                 rt.leave(index, env)
             completed = True
         finally:
@@ -253,14 +246,7 @@ class StreamExecutor:
                         log.wait(sid, producer)
                 if chaos is not None:
                     be.chaos(chaos, sid)
-                if ranges is not None:
-                    ranges.push(task, task.stream)
-                    try:
-                        task.fn(env)
-                    finally:
-                        ranges.pop(task, task.stream)
-                else:
-                    task.fn(env)
+                run_task(task, env, ranges, task.stream)
                 if log is not None:
                     log.launch(sid, task.id, task.reads, task.writes)
                 for slot in task.cross_reads:

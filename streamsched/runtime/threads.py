@@ -15,34 +15,17 @@ would have met it first) propagates.
 from __future__ import annotations
 
 import contextlib
-import os
-import queue
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
 from .chaos import Chaos
-from .program import CompiledTask, Program
+from .lanes import LanePool
+from .program import CompiledTask, Program, run_task
 from .synclog import SyncLog
 
 __all__ = ["ThreadExecutor"]
-
-
-class _Worker:
-    def __init__(self, index: int, local: threading.local):
-        self.queue: queue.SimpleQueue[Optional[Callable[[], None]]] = queue.SimpleQueue()
-        self.local = local
-        self.thread = threading.Thread(target=self._loop, name=f"streamsched-lane-{index}", daemon=True)
-        self.thread.start()
-
-    def _loop(self) -> None:
-        self.local.in_lane = True
-        while True:
-            job = self.queue.get()
-            if job is None:
-                return
-            job()
 
 
 class _TorchState:
@@ -106,36 +89,11 @@ def _lane_frees(program: Program) -> dict[int, tuple[int, ...]]:
     return result
 
 
-class _LanePool:
-    """Worker threads shared by every wrapper in the process, grown to the widest plan.
-
-    One threaded call runs at a time (the lock): lanes of two calls never queue behind
-    each other, so no call can wait on a lane another call is holding. A call made from
-    inside a lane (a wrapped module called by a branch of another) runs its tasks in
-    order on that lane instead of waiting for the pool.
-    """
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.workers: list[_Worker] = []
-        self.local = threading.local()
-        # A forked child has none of the parent's threads: let it start workers of its own.
-        if hasattr(os, "register_at_fork"):
-            os.register_at_fork(after_in_child=self._forget_workers)
-
-    def _forget_workers(self) -> None:
-        self.lock = threading.Lock()
-        self.workers = []
-
-    def ensure(self, count: int) -> None:
-        while len(self.workers) < count:
-            self.workers.append(_Worker(len(self.workers) + 1, self.local))
-
-    def in_lane(self) -> bool:
-        return getattr(self.local, "in_lane", False)
-
-
-_POOL = _LanePool()
+# One threaded call runs at a time (the pool's lock): lanes of two calls never queue
+# behind each other, so no call can wait on a lane another call is holding. A call made
+# from inside a lane (a wrapped module called by a branch of another) runs its tasks in
+# order on that lane instead of waiting for the pool.
+_POOL = LanePool("streamsched-lane")
 
 
 class ThreadExecutor:
@@ -185,7 +143,7 @@ class ThreadExecutor:
                 finally:
                     done[lane].set()
 
-            _POOL.workers[lane - 1].queue.put(job)
+            _POOL.submit(lane, job)
         try:
             self._run_lane(call, 0, lanes.get(0, []), frees, None, log, chaos, observer)
         finally:
@@ -227,14 +185,7 @@ class ThreadExecutor:
                         return
                     if chaos is not None:
                         chaos.delay(lane)
-                    if observer is not None:
-                        observer.push(task, lane)
-                        try:
-                            task.fn(env)
-                        finally:
-                            observer.pop(task, lane)
-                    else:
-                        task.fn(env)
+                    run_task(task, env, observer, lane)
                     if log is not None:
                         log.launch(lane, task.id, task.reads, task.writes)
                     if task.records:
