@@ -17,7 +17,6 @@ from ._native import runtime_info
 from .branch import branch
 from .config import SchedulerConfig
 from .errors import (
-    ConcurrentCallError,
     ConfigError,
     ExtensionError,
     PlanError,
@@ -48,7 +47,6 @@ __all__ = [
     "TraceError",
     "PlanError",
     "ExtensionError",
-    "ConcurrentCallError",
     "ProfileMismatchError",
     "__version__",
 ]

@@ -19,7 +19,7 @@ import torch
 
 from .errors import ExtensionError
 
-__all__ = ["native", "runtime_info", "require_native"]
+__all__ = ["native", "runtime_info"]
 
 _module: Optional[ModuleType] = None
 _reason = ""
@@ -53,12 +53,6 @@ if _module is None:
 
 def native() -> Optional[ModuleType]:
     """The loaded ``streamsched._C`` module, or ``None``."""
-    return _module
-
-
-def require_native() -> ModuleType:
-    if _module is None:
-        raise ExtensionError(f"the native runtime is not available: {_reason}")
     return _module
 
 

@@ -8,7 +8,6 @@ where precision matters, a measured profile replaces it (``SchedulerConfig.profi
 from __future__ import annotations
 
 import math
-import operator
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -103,7 +102,7 @@ def estimate_node_cost(
     device: DeviceModel,
 ) -> float:
     """Estimated microseconds for one node; glue nodes cost (almost) nothing."""
-    if is_glue(node) or node.target in (operator.getitem,):
+    if is_glue(node):
         return 0.1
     in_metas = [metas[n] for n in node.all_input_nodes if n in metas]
     out_meta = metas.get(node, ())

@@ -33,9 +33,5 @@ class ExtensionError(StreamSchedError, ImportError):
     """The compiled extension ``streamsched._C`` is required but cannot be loaded."""
 
 
-class ConcurrentCallError(StreamSchedError, RuntimeError):
-    """Two threads called the same wrapped module at the same time."""
-
-
 class ProfileMismatchError(StreamSchedError, ValueError):
     """A stored schedule profile was made for another model, input or device."""

@@ -378,7 +378,7 @@ class StreamScheduledModule(nn.Module):
 
     def _run_trial(self, schedule: Schedule, trial: _Trial, tensors: list[torch.Tensor]) -> Any:
         name = trial.next()
-        executor = self._ss.serial if name == "serial" else self._executor(schedule, tensors)
+        executor = self._ss.serial if name == "serial" else self._executor(schedule)
         cuda = schedule.plan.device.startswith("cuda")
         if cuda:
             torch.cuda.synchronize()
@@ -416,7 +416,7 @@ class StreamScheduledModule(nn.Module):
             raise ProfileMismatchError(f"{exc} (profile {self.config.profile})") from None
         return profile_costs(st.profile)
 
-    def _executor(self, schedule: Schedule, tensors: list[torch.Tensor]) -> Any:
+    def _executor(self, schedule: Schedule) -> Any:
         st = self._ss
         name = schedule.plan.executor
         if name == "serial":
@@ -487,7 +487,7 @@ class StreamScheduledModule(nn.Module):
         if trial is not None and sync_log is None and chaos is None and st.observer is None:
             return self._run_trial(schedule, trial, tensors)
         graphs = self._graph_executor(schedule, tensors)
-        executor = graphs if graphs is not None else self._executor(schedule, tensors)
+        executor = graphs if graphs is not None else self._executor(schedule)
         try:
             if graphs is not None:
                 return graphs.run(schedule.program, tensors, sync_log, chaos, st.observer, schedule.stacks)

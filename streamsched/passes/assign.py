@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from ..graph import TaskGraph
 from ..matching import maximum_matching
 
-__all__ = ["Assignment", "assign_streams", "chain_cover", "compute_waits", "count_cross_waits"]
+__all__ = ["Assignment", "assign_streams", "chain_cover", "compute_waits"]
 
 
 @dataclass
@@ -215,10 +215,6 @@ def compute_waits(
         if s != 0:
             records[t] = True
     return waits, records
-
-
-def count_cross_waits(preds: list[set[int]], stream: list[int]) -> int:
-    return sum(1 for v, ps in enumerate(preds) for u in ps if stream[u] != stream[v])
 
 
 def assign_streams(
