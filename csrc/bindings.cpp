@@ -1,12 +1,13 @@
 #include <pybind11/stl.h>
 
+#include "grad_handoff.h"
 #include "runtime.h"
 
 namespace py = pybind11;
 using namespace streamsched;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "streamsched native runtime: per-task stream bookkeeping and fused-parameter guards";
+  m.doc() = "streamsched native runtime: per-task stream bookkeeping and fused-parameter guards, the one-call gradient hand-off";
 
   m.def("cuda_compiled", &cuda_compiled, "Whether this build includes the CUDA backend.");
 
@@ -44,4 +45,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<std::vector<at::Tensor>>(), py::arg("tensors"))
       .def("valid", &StackGuard::valid)
       .def("reset", &StackGuard::reset, py::arg("tensors"));
+
+  py::class_<GradHandOff>(m, "GradHandOff")
+      .def(py::init<std::vector<at::Tensor>, std::vector<int64_t>>(), py::arg("members"),
+           py::arg("sizes") = std::vector<int64_t>{})
+      .def("hooked", &GradHandOff::hooked, "Whether any member has a gradient hook a direct write would skip.")
+      .def("accumulate", &GradHandOff::accumulate, py::arg("grad"),
+           "Fill or accumulate every member's .grad from the stacked gradient; true if one add_ did it.");
 }

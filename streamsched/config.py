@@ -75,6 +75,18 @@ class SchedulerConfig(BaseModel):
     storage). ``"copy"`` leaves parameters alone and stacks them on every call: slower,
     for frameworks that manage parameter storage themselves (FSDP)."""
 
+    grad_handoff: Literal["autograd", "direct"] = "autograd"
+    """How a fused group's stacked gradient reaches its members' ``.grad``.
+    ``"autograd"`` gives every member parameter its own autograd edge: exact for every
+    way of asking for gradients, about 3 µs per member parameter per backward.
+    ``"direct"`` writes all members' ``.grad`` in one native call (one ``add_`` when
+    accumulating), several times cheaper for thousands of members, and is meant for
+    ``loss.backward()`` training loops: fused members' parameters are not in the autograd
+    graph, so ``torch.autograd.grad`` or ``backward(inputs=...)`` naming them does not
+    reach them. Members with gradient hooks (``register_hook``, DDP) take the autograd
+    path automatically; without the native extension ``"direct"`` acts as
+    ``"autograd"``."""
+
     cuda_graph: Union[StrictBool, Literal["auto"]] = False
     """Capture the whole multi-stream schedule into one CUDA graph and replay it.
     ``"auto"`` captures where it can and falls back to plain streams (with one warning

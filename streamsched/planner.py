@@ -167,6 +167,17 @@ def make_schedule(
                 if id(stack) not in seen:
                     seen.add(id(stack))
                     stacks.append(stack)
+        if config.grad_handoff == "direct" and stacks:
+            if any(s.alias and s.grad_handoff == "unavailable" for s in stacks):
+                notes.append(
+                    "grad_handoff='direct' needs the native extension (streamsched._C); "
+                    "fused members' gradients go through autograd"
+                )
+            else:
+                notes.append(
+                    "grad_handoff='direct': fused members' .grad are written in one native call per "
+                    "stacked tensor (members with gradient hooks go through autograd)"
+                )
     tg = TaskGraph.from_fx(graph, root, metas, dev)
     tg = coarsen(tg, cheap_us=dev.launch_us * 1.5)
     if measured:

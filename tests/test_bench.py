@@ -108,7 +108,12 @@ def test_peers_of_the_reference_case_compute_the_same_function(tmp_path):
     assert rows["streamsched serial, no fusion"]["info"]["fused_groups"] == 0
     assert rows["streamsched threads"]["info"]["executor"] == "threads"
     train = report["cases"][1]
-    assert {row["name"] for row in train["rows"]} == {"eager", "streamsched", "streamsched, no fusion"}
+    assert {row["name"] for row in train["rows"]} == {
+        "eager",
+        "streamsched",
+        "streamsched, grad_handoff=direct",
+        "streamsched, no fusion",
+    }
     for row in train["rows"]:
         assert row["max_abs_err"] <= 1e-5 and row["tolerance"] == 1e-5
 

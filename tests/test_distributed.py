@@ -51,6 +51,9 @@ MODELS = {
 CONFIGS = [
     ("pfcn-fused-threads", "pfcn", {"executor": "threads", "fuse": True}, {}),
     ("pfcn-fused-serial-bucket_view", "pfcn", {"executor": "serial"}, {"gradient_as_bucket_view": True}),
+    # DDP's reducer hooks every parameter's gradient accumulator: the direct hand-off
+    # must see that and leave the gradients to autograd.
+    ("pfcn-direct-handoff-serial", "pfcn", {"executor": "serial", "grad_handoff": "direct"}, {}),
     ("ensemble-fused-streams", "ensemble", {"executor": "streams", "fuse": True}, {}),
     ("towers-unfused-threads", "towers", {"executor": "threads", "fuse": False, "min_task_cost": 0.0}, {}),
 ]
@@ -126,6 +129,7 @@ def train_rank(rank: int, name: str, config: dict, ddp_options: dict, device: st
         "executor": sm.plan.executor,
         "num_streams": sm.plan.num_streams,
         "fused_groups": len(sm.plan.fused_groups),
+        "grad_handoffs": sorted({s.grad_handoff for s in sm._ss.fusion._stacks.values()}),
     }
 
 
@@ -211,6 +215,7 @@ def assert_equals_single_process(per_rank: list[dict[str, Any]], name: str, conf
         assert result["executor"] == config["executor"]
         if config.get("fuse", True):
             assert result["fused_groups"] > 0, "the fused configuration must actually fuse"
+            assert result["grad_handoffs"] == ["autograd"], "DDP's hooks must keep gradients on autograd"
         else:
             assert result["num_streams"] > 1, "the unfused configuration must run branches side by side"
         for step, (g_rank, g_ref) in enumerate(zip(result["grads"], reference["grads"])):

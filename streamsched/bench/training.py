@@ -30,6 +30,7 @@ GRAD_ATOL = 1e-5
 
 TRAIN_CONFIGS: list[tuple[str, dict[str, Any]]] = [
     ("streamsched", {}),
+    ("streamsched, grad_handoff=direct", {"grad_handoff": "direct"}),
     ("streamsched, no fusion", {"fuse": False}),
 ]
 

@@ -39,6 +39,7 @@ class FusionContext:
     def __init__(self, model: nn.Module):
         self.model = model
         self.alias = True
+        self.direct_grads = False
         self._stacks: dict[tuple, StackedTensors] = {}
         self._claimed: dict[int, tuple] = {}
 
@@ -62,7 +63,7 @@ class FusionContext:
                 else "parameters do not own their storage"
             )
             log.debug("fusion: %d x %s stacked per call (%s)", len(tensors), owners[0][1], reason)
-        stack = StackedTensors(owners, concat=concat, alias=alias)
+        stack = StackedTensors(owners, concat=concat, alias=alias, direct_grads=self.direct_grads)
         self._stacks[key] = stack
         if alias:
             for t in tensors:
@@ -73,6 +74,11 @@ class FusionContext:
         from ..passes.fuse import fuse_graph
 
         self.alias = config.fuse_params == "alias"
+        direct = config.grad_handoff == "direct"
+        if direct != self.direct_grads:
+            # Stacks made for the other hand-off must not be reused by this plan.
+            self.invalidate()
+        self.direct_grads = direct
         return fuse_graph(graph, root, metas, self, device, config.fuse_min_size)
 
     def check_all(self, full: bool = False) -> None:

@@ -8,7 +8,10 @@ stacked tensor (``alias`` mode): ``stack[i]`` *is* member ``i``'s weight. So:
 - ``optimizer.step()``, ``load_state_dict()`` and ``torch.nn.init`` write in place into
   the stack, and the next forward sees the new values;
 - gradients flow back through :class:`GatherStacked`, whose backward hands ``grad[i]``
-  to member ``i``, so each original parameter's ``.grad`` is filled as in the loop.
+  to member ``i``, so each original parameter's ``.grad`` is filled as in the loop; or,
+  with ``grad_handoff="direct"``, through :class:`HandOffStacked`, whose backward fills
+  every member's ``.grad`` in one native call (``csrc/grad_handoff.cpp``) instead of
+  one autograd edge and one ``AccumulateGrad`` per member.
 
 Anything that gives a member new storage (``.to()``, ``p.data = ...``, re-assigning the
 attribute) breaks the alias; :meth:`StackedTensors.check` notices and re-stacks before
@@ -30,7 +33,7 @@ from torch import nn
 
 from .._native import native
 
-__all__ = ["GatherStacked", "StackedTensors"]
+__all__ = ["GatherStacked", "HandOffStacked", "StackedTensors"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +57,26 @@ class GatherStacked(torch.autograd.Function):
         return (None, None, *parts)
 
 
+class HandOffStacked(torch.autograd.Function):
+    """``stack`` as a differentiable value whose gradient goes straight to the members.
+
+    The members are not inputs (no edge per member): ``anchor``, a private 0-dim leaf,
+    only makes the output require grad. The backward runs in a plain ``backward()``
+    (nothing can name ``anchor`` as an input) and writes each member's ``.grad`` as
+    ``AccumulateGrad`` would, in one native call.
+    """
+
+    @staticmethod
+    def forward(ctx, stack: torch.Tensor, anchor: torch.Tensor, handoff: Any):
+        ctx.handoff = handoff
+        return stack.view_as(stack)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.handoff.accumulate(grad)
+        return None, None, None
+
+
 class StackedTensors:
     """N member tensors (``getattr(module, name)`` for each owner) as one tensor.
 
@@ -62,15 +85,24 @@ class StackedTensors:
     when ``grad`` is true.
     """
 
-    def __init__(self, owners: Sequence[tuple[nn.Module, str]], concat: bool = False, alias: bool = True):
+    def __init__(
+        self,
+        owners: Sequence[tuple[nn.Module, str]],
+        concat: bool = False,
+        alias: bool = True,
+        direct_grads: bool = False,
+    ):
         self.owners = list(owners)
         self.concat = concat
         self.alias = alias
+        self.direct_grads = direct_grads
         self.tensors: list[torch.Tensor] = [getattr(m, n) for m, n in self.owners]
         self.sizes: Optional[tuple[int, ...]] = tuple(int(t.shape[0]) for t in self.tensors) if concat else None
         self.stack: Optional[torch.Tensor] = None
         self._ptrs: list[int] = []
         self._guard: Any = None
+        self._handoff: Any = None
+        self._anchor: Optional[torch.Tensor] = None
         self.rebuilds = 0
         if self.alias:
             self._restack()
@@ -96,6 +128,9 @@ class StackedTensors:
         self._ptrs = [t.data_ptr() for t in self.tensors]
         nat = native()
         self._guard = nat.StackGuard(self.tensors) if nat is not None else None
+        if self.direct_grads and nat is not None:
+            self._handoff = nat.GradHandOff(self.tensors, list(self.sizes or ()))
+            self._anchor = torch.zeros((), device=stack.device, requires_grad=True)
         self.rebuilds += 1
 
     def check(self, full: bool = False) -> None:
@@ -130,8 +165,22 @@ class StackedTensors:
         stack = self.stack
         assert stack is not None
         if grad and any(t.requires_grad for t in (self.tensors[0], self.tensors[-1])):
+            if self._handoff is not None and not self._handoff.hooked():
+                return HandOffStacked.apply(stack, self._anchor, self._handoff)
             return GatherStacked.apply(stack, self.sizes, *self.tensors)
         return stack
+
+    @property
+    def grad_handoff(self) -> str:
+        """How gradients reach the members now: ``"direct"`` (one native call),
+        ``"autograd"`` (an edge per member: the default, copy mode, or members with
+        gradient hooks), or ``"unavailable"`` (``direct`` asked for without the native
+        extension)."""
+        if self._handoff is not None:
+            return "autograd" if self._handoff.hooked() else "direct"
+        if self.direct_grads and self.alias and native() is None:
+            return "unavailable"
+        return "autograd"
 
     def __len__(self) -> int:
         return len(self.owners)
