@@ -15,8 +15,9 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_variants(variants: dict[str, Callable[[], object]], device: torch.device, rounds: int = 7,
-                  inner: int = 10, warmup: int = 3) -> dict[str, float]:
+def time_variants(
+    variants: dict[str, Callable[[], object]], device: torch.device, rounds: int = 7, inner: int = 10, warmup: int = 3
+) -> dict[str, float]:
     """Median milliseconds per call of each variant, measured in interleaved rounds."""
     for fn in variants.values():
         for _ in range(warmup):
