@@ -2,6 +2,7 @@
 
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
@@ -114,6 +115,16 @@ bool GradHandOff::fast_path_applies(const at::Tensor& grad) const {
 }
 
 bool GradHandOff::accumulate(const at::Tensor& grad) {
+  // Run from a plain backward(), the engine executes every node (no exec_info). Under
+  // autograd.grad() or backward(inputs=...) our node runs only because the caller named
+  // the member it keeps an edge to: members' gradients were asked for, which this mode
+  // cannot deliver through autograd. Say so rather than leave them out.
+  const auto* exec_info = autograd::get_current_graph_task_exec_info();
+  if (exec_info != nullptr && !exec_info->empty()) {
+    throw std::runtime_error(
+        "grad_handoff='direct' writes fused members' .grad directly, so their parameters cannot be named in "
+        "torch.autograd.grad() or backward(inputs=...); use grad_handoff='autograd' (the default) for that");
+  }
   const bool grad_mode = at::GradMode::is_enabled();  // create_graph=True
   if (!grad_mode && fast_path_applies(grad)) {
     // Every .grad is still its slice of the buffer we filled: one add for all.

@@ -13,7 +13,10 @@
 //   defined, grad mode     -> out-of-place add (create_graph keeps the graph)
 // Members that do not require grad are skipped, as autograd would.
 //
-// It does not fire hooks: members with tensor hooks, post-accumulate hooks or hooks on
+// It runs from a plain backward() only: the autograd function calling it keeps one edge
+// to a member (a canary), so autograd.grad() or backward(inputs=...) naming that member
+// reaches accumulate(), which then refuses with an error instead of leaving gradients
+// out. It does not fire hooks: members with tensor hooks, post-accumulate hooks or hooks on
 // their AccumulateGrad node (DDP's reducer registers those) must take the autograd
 // path; hooked() tells the caller.
 

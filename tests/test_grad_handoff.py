@@ -170,16 +170,27 @@ def test_concatenated_and_shared_input_groups():
         assert_grads_equal(model, ref)
 
 
-def test_autograd_grad_naming_members_needs_the_default():
+def test_naming_members_in_autograd_grad_or_backward_inputs_is_refused_loudly():
     model = ParallelFCN(4)
     sm, _ = pair(model, torch.randn(2, 80))
-    out = sm(torch.randn(2, 80)).sum()
-    with pytest.raises(RuntimeError, match="not have been used in the graph"):
-        torch.autograd.grad(out, list(model.parameters()))
+    params = list(model.parameters())
+    for ask in (
+        lambda out: torch.autograd.grad(out, params),
+        lambda out: torch.autograd.grad(out, params, allow_unused=True),
+        lambda out: out.backward(inputs=params),
+    ):
+        with pytest.raises(RuntimeError, match="grad_handoff='direct'.*grad_handoff='autograd'"):
+            ask(sm(torch.randn(2, 80)).sum())
+    # The wrapper is fine afterwards, and asking about the input alone is not refused.
+    x = torch.randn(2, 80, requires_grad=True)
+    (gx,) = torch.autograd.grad(sm(x).square().sum(), x)
+    x_ref = x.detach().clone().requires_grad_()
+    (gx_ref,) = torch.autograd.grad(model(x_ref).square().sum(), x_ref)
+    assert_close(gx, gx_ref)
+    # The default hand-off answers all of them.
     exact = ss.StreamScheduledModule(ParallelFCN(4))
     exact(torch.randn(2, 80))
-    out = exact(torch.randn(2, 80)).sum()
-    grads = torch.autograd.grad(out, list(exact.module.parameters()))
+    grads = torch.autograd.grad(exact(torch.randn(2, 80)).sum(), list(exact.module.parameters()))
     assert all(g is not None for g in grads)
 
 

@@ -60,14 +60,16 @@ class GatherStacked(torch.autograd.Function):
 class HandOffStacked(torch.autograd.Function):
     """``stack`` as a differentiable value whose gradient goes straight to the members.
 
-    The members are not inputs (no edge per member): ``anchor``, a private 0-dim leaf,
-    only makes the output require grad. The backward runs in a plain ``backward()``
-    (nothing can name ``anchor`` as an input) and writes each member's ``.grad`` as
-    ``AccumulateGrad`` would, in one native call.
+    Of the members, only ``canary`` is an input: it makes the output require grad, and
+    its edge lets ``autograd.grad()`` / ``backward(inputs=...)`` naming it reach the
+    backward, which then raises rather than silently leaving members out. In a plain
+    ``backward()`` the canary receives no gradient through the edge; the native
+    hand-off writes every member's ``.grad``, the canary's included, as
+    ``AccumulateGrad`` would.
     """
 
     @staticmethod
-    def forward(ctx, stack: torch.Tensor, anchor: torch.Tensor, handoff: Any):
+    def forward(ctx, stack: torch.Tensor, canary: torch.Tensor, handoff: Any):
         ctx.handoff = handoff
         return stack.view_as(stack)
 
@@ -102,7 +104,6 @@ class StackedTensors:
         self._ptrs: list[int] = []
         self._guard: Any = None
         self._handoff: Any = None
-        self._anchor: Optional[torch.Tensor] = None
         self.rebuilds = 0
         if self.alias:
             self._restack()
@@ -130,7 +131,6 @@ class StackedTensors:
         self._guard = nat.StackGuard(self.tensors) if nat is not None else None
         if self.direct_grads and nat is not None:
             self._handoff = nat.GradHandOff(self.tensors, list(self.sizes or ()))
-            self._anchor = torch.zeros((), device=stack.device, requires_grad=True)
         self.rebuilds += 1
 
     def check(self, full: bool = False) -> None:
@@ -164,9 +164,10 @@ class StackedTensors:
             return torch.cat(current, 0) if self.concat else torch.stack(current, 0)
         stack = self.stack
         assert stack is not None
-        if grad and any(t.requires_grad for t in (self.tensors[0], self.tensors[-1])):
+        first, last = self.tensors[0], self.tensors[-1]
+        if grad and (first.requires_grad or last.requires_grad):
             if self._handoff is not None and not self._handoff.hooked():
-                return HandOffStacked.apply(stack, self._anchor, self._handoff)
+                return HandOffStacked.apply(stack, first if first.requires_grad else last, self._handoff)
             return GatherStacked.apply(stack, self.sizes, *self.tensors)
         return stack
 
