@@ -6,11 +6,15 @@ the loop (eager), streamsched on the *unmodified* loop model, and the two hand r
 people write (two grouped Conv1d; two baddbmm on pre-stacked weights).
 
     python examples/parallel_fcn.py [--members 1000] [--batch 1] [--train]
+
+``--train`` times a training step (forward, backward, SGD step) of the loop, of
+streamsched, and of streamsched with ``grad_handoff="direct"``.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
 import time
@@ -54,16 +58,30 @@ def main() -> None:
         for name, out in [("streamsched", sm(x)), ("grouped conv", grouped(x)), ("stacked bmm", stacked(x))]:
             print(f"  max abs error of {name:12s} vs loop: {float((out - ref).abs().max()):.2e}")
     if args.train:
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        # Each variant trains its own copy (two wrappers must not share one model's storage).
+        loop_model = copy.deepcopy(model)
+        direct = ss.StreamScheduledModule(copy.deepcopy(model), grad_handoff="direct")
 
-        def step(m):
+        def step(m, params):
+            opt = torch.optim.SGD(params, lr=1e-3)
+
             def run():
                 opt.zero_grad()
                 m(x).square().mean().backward()
+                opt.step()
 
             return run
 
-        times = time_variants({"loop": step(model), "streamsched": step(sm)}, device, rounds=5, inner=2)
+        times = time_variants(
+            {
+                "loop": step(loop_model, loop_model.parameters()),
+                "streamsched": step(sm, model.parameters()),
+                "direct grads": step(direct, direct.module.parameters()),
+            },
+            device,
+            rounds=5,
+            inner=2,
+        )
     else:
         with torch.no_grad():
             times = time_variants(
