@@ -16,7 +16,8 @@
 // It runs from a plain backward() only: the autograd function calling it keeps one edge
 // to a member (a canary), so autograd.grad() or backward(inputs=...) naming that member
 // reaches accumulate(), which then refuses with an error instead of leaving gradients
-// out. It does not fire hooks: members with tensor hooks, post-accumulate hooks or hooks on
+// out. (The canary's edge also carries zeros in a plain backward, so that its
+// AccumulateGrad, a leaf, makes the engine order this stream before the caller's.) It does not fire hooks: members with tensor hooks, post-accumulate hooks or hooks on
 // their AccumulateGrad node (DDP's reducer registers those) must take the autograd
 // path; hooked() tells the caller.
 

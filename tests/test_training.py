@@ -366,6 +366,31 @@ def test_cuda_grads_are_ready_on_the_caller_stream_after_backward(name, exact_fl
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("name", ["ensemble", "pfcn"])
+def test_cuda_direct_grad_handoff_is_ready_on_the_caller_stream(name, exact_float32):
+    # The direct hand-off writes .grad from its own node's stream; the canary's edge must
+    # make the engine join that stream to the caller's before backward() returns.
+    case = CASES[name]
+    reference, sm = cuda_pair(case, fuse=True, grad_handoff="direct", chaos=1)
+    caller = torch.cuda.Stream()
+    with torch.cuda.stream(caller):
+        for call in range(4):
+            zero_grads(reference, sm)
+            x = case.inputs().cuda()
+            out_e = reference(x)
+            target = case.target(out_e).cuda()
+            case.loss(out_e, target).backward()
+            case.loss(sm(x), target).backward()
+            g_w = {n: g.to("cpu") for n, g in param_grads(sm.module).items()}
+            g_e = {n: g.to("cpu") for n, g in param_grads(reference).items()}
+            assert g_w.keys() == g_e.keys()
+            for n in g_e:
+                assert_close(g_w[n], g_e[n], atol=1e-4, rtol=1e-4, what=f"grad {n} on the caller stream (call {call})")
+    assert sm.plan.fused_groups
+    assert {s.grad_handoff for s in sm._ss.fusion._stacks.values()} == {"direct"}
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
 @pytest.mark.parametrize("name", ["nasnet", "ensemble", "towers", "pfcn"])

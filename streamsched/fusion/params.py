@@ -63,20 +63,23 @@ class HandOffStacked(torch.autograd.Function):
     Of the members, only ``canary`` is an input: it makes the output require grad, and
     its edge lets ``autograd.grad()`` / ``backward(inputs=...)`` naming it reach the
     backward, which then raises rather than silently leaving members out. In a plain
-    ``backward()`` the canary receives no gradient through the edge; the native
-    hand-off writes every member's ``.grad``, the canary's included, as
-    ``AccumulateGrad`` would.
+    ``backward()`` the native hand-off writes every member's ``.grad`` (the canary's
+    included) as ``AccumulateGrad`` would, and the canary's edge carries zeros: its
+    ``AccumulateGrad`` is a leaf of the engine, so the engine orders this node's stream
+    (whose kernels wrote the gradients) before the caller's when ``backward()`` returns,
+    as it does for every gradient on CUDA.
     """
 
     @staticmethod
     def forward(ctx, stack: torch.Tensor, canary: torch.Tensor, handoff: Any):
         ctx.handoff = handoff
+        ctx.canary_shape = canary.shape
         return stack.view_as(stack)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         ctx.handoff.accumulate(grad)
-        return None, None, None
+        return None, grad.new_zeros(()).expand(ctx.canary_shape), None
 
 
 class StackedTensors:
