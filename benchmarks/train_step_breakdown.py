@@ -113,7 +113,8 @@ def main() -> None:
         )
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"environment": environment_report(), "options": vars(args), "median_ms": rows, "samples_s": samples}, f)
+            report = {"environment": environment_report(), "options": vars(args), "median_ms": rows}
+            json.dump({**report, "samples_s": samples}, f)
         print(f"wrote {args.out}")
 
 
