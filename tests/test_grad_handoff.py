@@ -232,3 +232,23 @@ def test_native_hand_off_of_concatenated_members_and_hook_detection():
     assert handoff.hooked()
     handle.remove()
     assert not handoff.hooked()
+
+
+def test_restacked_members_after_to_dtype_and_load_state_dict_keep_exact_grads():
+    model = ParallelFCN(8)
+    x = torch.randn(3, 160)
+    sm, ref = pair(model, x)
+    sm(x).sum().backward()
+    model.double()
+    ref.double()
+    sm.load_state_dict(ParallelFCN(8).double().state_dict())
+    ref.load_state_dict(model.state_dict())
+    for m in (model, ref):
+        m.zero_grad(set_to_none=True)
+    for _ in range(2):
+        x = torch.randn(3, 160, dtype=torch.float64)
+        sm(x).square().sum().backward()
+        ref(x).square().sum().backward()
+    assert all(p.grad.dtype == torch.float64 for p in model.parameters())
+    assert_grads_equal(model, ref, atol=1e-10)
+    assert {s.grad_handoff for s in stacks(sm)} == {"direct"}
