@@ -829,14 +829,19 @@ def test_missing_fork_or_hand_off_in_the_log_is_reported(executor):
 
 
 def call_in_forked_child(sm, x, seconds: float) -> bool:
-    """Call ``sm(x)`` in a forked child process; whether it finished within ``seconds``."""
+    """Call ``sm(x)`` in a forked child process; whether it finished within ``seconds``,
+    with the result equal to the plain model's and every lane pool inline in the child."""
+    from streamsched.runtime.eager.lanes import _LANES
+    from streamsched.runtime.threads import _POOL
+
     context = multiprocessing.get_context("fork")
     done = context.Event()
 
     def child():
         torch.set_num_threads(1)  # OpenMP's own thread pool does not survive a fork either
-        sm(x)
-        done.set()
+        out = sm(x)
+        if _LANES.forked_child and _POOL.forked_child and torch.allclose(out, sm.module(x), atol=1e-6):
+            done.set()
 
     process = context.Process(target=child, daemon=True)
     process.start()

@@ -5,8 +5,12 @@ stream on a lane of its own, and eager dispatch puts each launched branch on the
 busy lane. A lane runs its jobs one after another, so a job that waits only on jobs
 submitted before it can never wait forever on its own lane.
 
-A forked child has none of its parent's threads; the pool notices (``os.register_at_fork``)
-and starts workers of its own in the child.
+A forked child has none of its parent's threads, and the native libraries it inherited
+(OpenMP, BLAS, oneDNN) carry the parent's thread state through the fork: calling them
+from several new threads at once is not safe there (a forked child of a long test run
+crashed in concurrent matmuls). The pool notices the fork (``os.register_at_fork``) and
+marks itself ``forked_child``; both executors then run everything inline in the child,
+as plain PyTorch would.
 """
 
 from __future__ import annotations
@@ -30,10 +34,12 @@ class LanePool:
         self._unfinished: list[int] = []
         self._next = 0
         self._local = threading.local()
+        self.forked_child = False
         if hasattr(os, "register_at_fork"):
             os.register_at_fork(after_in_child=self._forget_workers)
 
     def _forget_workers(self) -> None:
+        self.forked_child = True
         self.lock = threading.Lock()
         self._count_lock = threading.Lock()
         self._queues = []

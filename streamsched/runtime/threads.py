@@ -111,7 +111,7 @@ class ThreadExecutor:
     ) -> Any:
         """Run one call; ``observer.push(task, lane)``/``pop`` bracket each task in its lane
         thread (so an observer must be thread-safe)."""
-        if _POOL.in_lane():
+        if _POOL.in_lane() or _POOL.forked_child:
             from .serial import SerialExecutor
 
             return SerialExecutor().run(program, inputs, log, chaos, observer)

@@ -131,7 +131,7 @@ class _EagerCall:
             lanes = _bound(self.config, "cuda") - 1
             if lanes >= 1:
                 return self._launch_on_stream(launch, _cuda_streams(device), lanes, fn, args, kwargs)
-        elif self.mode.cpu == "lanes":
+        elif self.mode.cpu == "lanes" and not _LANES.forked_child:
             return self._launch_on_lane(launch, fn, args, kwargs)
         elif self.mode.cpu == "streams":
             return self._launch_on_stream(launch, _SIMULATED, self.mode.bound - 1, fn, args, kwargs)
