@@ -81,11 +81,12 @@ class SchedulerConfig(BaseModel):
     way of asking for gradients, about 3 µs per member parameter per backward.
     ``"direct"`` writes all members' ``.grad`` in one native call (one ``add_`` when
     accumulating), several times cheaper for thousands of members, and is meant for
-    ``loss.backward()`` training loops: fused members' parameters are not in the autograd
-    graph, so ``torch.autograd.grad`` or ``backward(inputs=...)`` naming them does not
+    ``loss.backward()`` training loops: of each fused group only the first trainable
+    member stays in the autograd graph, so ``torch.autograd.grad`` or
+    ``backward(inputs=...)`` naming it raises, and naming only other members does not
     reach them. Members with gradient hooks (``register_hook``, DDP) take the autograd
     path automatically; without the native extension ``"direct"`` acts as
-    ``"autograd"``."""
+    ``"autograd"``. Only ``fuse_params="alias"`` stacks are affected."""
 
     cuda_graph: Union[StrictBool, Literal["auto"]] = False
     """Capture the whole multi-stream schedule into one CUDA graph and replay it.

@@ -167,8 +167,8 @@ def make_schedule(
                 if id(stack) not in seen:
                     seen.add(id(stack))
                     stacks.append(stack)
-        if config.grad_handoff == "direct" and stacks:
-            if any(s.alias and s.grad_handoff == "unavailable" for s in stacks):
+        if config.grad_handoff == "direct" and any(s.alias for s in stacks):
+            if any(s.grad_handoff == "unavailable" for s in stacks):
                 notes.append(
                     "grad_handoff='direct' needs the native extension (streamsched._C); "
                     "fused members' gradients go through autograd"

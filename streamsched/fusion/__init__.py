@@ -74,11 +74,7 @@ class FusionContext:
         from ..passes.fuse import fuse_graph
 
         self.alias = config.fuse_params == "alias"
-        direct = config.grad_handoff == "direct"
-        if direct != self.direct_grads:
-            # Stacks made for the other hand-off must not be reused by this plan.
-            self.invalidate()
-        self.direct_grads = direct
+        self.direct_grads = config.grad_handoff == "direct"
         return fuse_graph(graph, root, metas, self, device, config.fuse_min_size)
 
     def check_all(self, full: bool = False) -> None:
