@@ -45,6 +45,34 @@ def grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def assert_sgd_steps_match_the_loop(
+    sm: nn.Module,
+    model: nn.Module,
+    ref: nn.Module,
+    inputs: list[torch.Tensor],
+    set_to_none: bool,
+    grads_equal: Any,
+    clip_atol: float = 1e-5,
+    **sgd: Any,
+) -> None:
+    """One SGD step per input on ``sm`` (wrapping ``model``) and on ``ref`` (the loop) in
+    lockstep: ``zero_grad(set_to_none)``, backward of ``mean(out ** 2)``,
+    ``clip_grad_norm_`` (the norms must agree), ``grads_equal(model, ref)``, step."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, **sgd)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05, **sgd)
+    for x in inputs:
+        opt.zero_grad(set_to_none=set_to_none)
+        opt_ref.zero_grad(set_to_none=set_to_none)
+        sm(x).pow(2).mean().backward()
+        ref(x).pow(2).mean().backward()
+        n_new = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+        n_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+        assert_close(n_new, n_ref, atol=clip_atol)
+        grads_equal(model, ref)
+        opt.step()
+        opt_ref.step()
+
+
 def check_against_eager(
     model: nn.Module, inputs: tuple, calls: int = 2, backward: bool = True, atol: float = 1e-5, **config: Any
 ) -> ss.StreamScheduledModule:

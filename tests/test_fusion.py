@@ -8,7 +8,7 @@ import streamsched as ss
 from streamsched.fusion.kernels import FusedKernel
 from streamsched.models import CriticEnsemble, MultiTaskHeads, ParallelFCN
 
-from .helpers import assert_close, check_against_eager
+from .helpers import assert_close, assert_sgd_steps_match_the_loop, check_against_eager
 
 
 def kernels(sm):
@@ -292,20 +292,12 @@ def test_to_dtype_on_the_inner_model_restacks():
 def test_training_step_grads_zero_grad_and_clipping_match_the_loop(set_to_none):
     model, ref, x = _fcn_pair(32)
     sm = ss.StreamScheduledModule(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05)
-    for _ in range(3):
-        opt.zero_grad(set_to_none=set_to_none)
-        opt_ref.zero_grad(set_to_none=set_to_none)
-        sm(x).pow(2).mean().backward()
-        ref(x).pow(2).mean().backward()
-        n_new = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
-        n_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
-        assert_close(n_new, n_ref, atol=1e-5)
+
+    def grads_equal(model, ref):
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
             assert_close(p.grad, q.grad, atol=1e-5, what=name)
-        opt.step()
-        opt_ref.step()
+
+    assert_sgd_steps_match_the_loop(sm, model, ref, [x] * 3, set_to_none, grads_equal)
     assert_close(sm(x), ref(x), atol=1e-5)
 
 

@@ -15,7 +15,7 @@ import streamsched as ss
 from streamsched._native import native
 from streamsched.models import CriticEnsemble, MultiTaskHeads, ParallelFCN
 
-from .helpers import assert_close, flatten
+from .helpers import assert_close, assert_sgd_steps_match_the_loop, flatten
 
 pytestmark = pytest.mark.skipif(native() is None, reason="the direct hand-off needs streamsched._C")
 
@@ -53,20 +53,11 @@ def test_training_steps_match_the_loop_with_zero_grad_and_clipping(set_to_none):
     model = ParallelFCN(24)
     x = torch.randn(6, 20 * 24)
     sm, ref = pair(model, x)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
-    for _ in range(4):
-        x = torch.randn(6, 20 * 24)
-        opt.zero_grad(set_to_none=set_to_none)
-        opt_ref.zero_grad(set_to_none=set_to_none)
-        sm(x).pow(2).mean().backward()
-        ref(x).pow(2).mean().backward()
-        n_new = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
-        n_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
-        assert_close(n_new, n_ref, atol=1e-6)
-        assert_grads_equal(model, ref)
-        opt.step()
-        opt_ref.step()
+    inputs = [torch.randn(6, 20 * 24) for _ in range(4)]
+    assert_sgd_steps_match_the_loop(
+        sm, model, ref, inputs, set_to_none, assert_grads_equal, clip_atol=1e-6, momentum=0.9
+    )
+    x = inputs[-1]
     assert {s.grad_handoff for s in stacks(sm)} == {"direct"}
     assert any("grad_handoff='direct'" in note for note in sm.plan.notes)
     assert_close(sm(x), ref(x), atol=1e-5)

@@ -340,14 +340,9 @@ def test_cuda_streams_backward_equals_eager(name, fuse, exact_float32):
         assert sm.plan.num_streams > 1
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("name", ["nasnet", "conv_towers", "ensemble"])
-def test_cuda_grads_are_ready_on_the_caller_stream_after_backward(name, exact_float32):
-    # Spin kernels (chaos) delay the side streams at random: if the backward of work issued
-    # on a side stream were not joined to the caller's stream, reading .grad right after
-    # backward() on the caller's stream would see unfinished values.
-    case = CASES[name]
-    reference, sm = cuda_pair(case, fuse=False, chaos=1)
+def assert_grads_ready_on_a_caller_stream(case: Case, reference, sm) -> None:
+    """Train on a caller stream of our own and read every .grad there right after
+    backward(): work of other streams not joined to it would show as wrong values."""
     caller = torch.cuda.Stream()
     with torch.cuda.stream(caller):
         for call in range(4):
@@ -360,8 +355,20 @@ def test_cuda_grads_are_ready_on_the_caller_stream_after_backward(name, exact_fl
             # Read on the caller's stream (the copy to host orders after its work only).
             g_w = {n: g.to("cpu") for n, g in param_grads(sm.module).items()}
             g_e = {n: g.to("cpu") for n, g in param_grads(reference).items()}
+            assert g_w.keys() == g_e.keys()
             for n in g_e:
                 assert_close(g_w[n], g_e[n], atol=1e-4, rtol=1e-4, what=f"grad {n} on the caller stream (call {call})")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["nasnet", "conv_towers", "ensemble"])
+def test_cuda_grads_are_ready_on_the_caller_stream_after_backward(name, exact_float32):
+    # Spin kernels (chaos) delay the side streams at random: if the backward of work issued
+    # on a side stream were not joined to the caller's stream, reading .grad right after
+    # backward() on the caller's stream would see unfinished values.
+    case = CASES[name]
+    reference, sm = cuda_pair(case, fuse=False, chaos=1)
+    assert_grads_ready_on_a_caller_stream(case, reference, sm)
     assert sm.plan.num_streams > 1
 
 
@@ -372,20 +379,7 @@ def test_cuda_direct_grad_handoff_is_ready_on_the_caller_stream(name, exact_floa
     # make the engine join that stream to the caller's before backward() returns.
     case = CASES[name]
     reference, sm = cuda_pair(case, fuse=True, grad_handoff="direct", chaos=1)
-    caller = torch.cuda.Stream()
-    with torch.cuda.stream(caller):
-        for call in range(4):
-            zero_grads(reference, sm)
-            x = case.inputs().cuda()
-            out_e = reference(x)
-            target = case.target(out_e).cuda()
-            case.loss(out_e, target).backward()
-            case.loss(sm(x), target).backward()
-            g_w = {n: g.to("cpu") for n, g in param_grads(sm.module).items()}
-            g_e = {n: g.to("cpu") for n, g in param_grads(reference).items()}
-            assert g_w.keys() == g_e.keys()
-            for n in g_e:
-                assert_close(g_w[n], g_e[n], atol=1e-4, rtol=1e-4, what=f"grad {n} on the caller stream (call {call})")
+    assert_grads_ready_on_a_caller_stream(case, reference, sm)
     assert sm.plan.fused_groups
     assert {s.grad_handoff for s in sm._ss.fusion._stacks.values()} == {"direct"}
 
