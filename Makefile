@@ -14,6 +14,25 @@ OUT ?= out
 
 .PHONY: all demo test test-fast lint format bench stress ext clean gpu-check gpu-prep info
 
+# A second environment with the CUDA 13.0 build of PyTorch and torchvision (both on this
+# machine's disk; no GPU needed to install or import them). The CUDA extension is compiled
+# against it (`make cuda-build`) and the real-model suite runs in it (`make test-models`:
+# timm imports torchvision, which needs its matching torch).
+CUDA_VENV  ?= .venv-cuda
+CUDA_PY    := $(CUDA_VENV)/bin/python
+CUDA_PIP   := $(CUDA_PY) -m pip --disable-pip-version-check
+CUDA_TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
+CUDA_INSTALLED := $(CUDA_VENV)/.streamsched-installed
+
+$(CUDA_PY):
+	$(PYTHON) -m venv $(CUDA_VENV)
+
+$(CUDA_INSTALLED): setup.cfg setup.py pyproject.toml Makefile | $(CUDA_PY)
+	$(CUDA_PY) -c "import torch, torchvision" 2>/dev/null || $(CUDA_PIP) install -q $(CUDA_TORCH_SPEC)
+	$(CUDA_PIP) install -q "setuptools>=64" wheel ninja
+	SKIP_EXT=1 $(CUDA_PIP) install -q --no-build-isolation -e ".[test]"
+	touch $@
+
 all: test
 
 $(PY):
