@@ -18,6 +18,7 @@ Example::
 from __future__ import annotations
 
 import difflib
+import inspect
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
@@ -105,9 +106,12 @@ class SchedulerConfig(BaseModel):
     so Nsight Systems shows the schedule. Costs nothing measurable when no profiler is
     attached; ``NVTX_DISABLE=1`` turns it off everywhere."""
 
-    leaf_modules: tuple[type, ...] = ()
-    """Module types to treat as opaque tasks instead of tracing through them (in addition
-    to ``torch.nn`` built-ins and classes decorated with ``@streamsched.branch``)."""
+    leaf_modules: tuple[Any, ...] = ()
+    """Module types and functions to treat as opaque tasks instead of tracing through them
+    (in addition to ``torch.nn`` built-ins, classes decorated with ``@streamsched.branch``
+    and the modules and functions a library registers as untraceable, such as timm's).
+    A function named here runs as one task wherever a module's ``forward`` calls it by a
+    global name, so library code the user cannot decorate can still be made opaque."""
 
     strict: StrictBool = True
     """When ``True``, a model that cannot be traced raises an error that says where and how
@@ -151,15 +155,19 @@ class SchedulerConfig(BaseModel):
 
     @field_validator("leaf_modules", mode="before")
     @classmethod
-    def _leaf_modules_are_module_types(cls, value: Any) -> tuple[type, ...]:
-        if isinstance(value, type):
+    def _leaf_modules_are_module_types(cls, value: Any) -> tuple[Any, ...]:
+        if isinstance(value, type) or inspect.isfunction(value) or inspect.isbuiltin(value):
             value = (value,)
         if not isinstance(value, (list, tuple, set, frozenset)):
-            raise ValueError(f"leaf_modules must be a tuple of nn.Module subclasses, got {type(value).__name__}")
+            raise ValueError(
+                f"leaf_modules must be a tuple of nn.Module subclasses or functions, got {type(value).__name__}"
+            )
         out = []
         for item in value:
-            if not (isinstance(item, type) and issubclass(item, torch.nn.Module)):
-                raise ValueError(f"leaf_modules must hold nn.Module subclasses, got {item!r}")
+            is_module_type = isinstance(item, type) and issubclass(item, torch.nn.Module)
+            is_function = inspect.isfunction(item) or inspect.isbuiltin(item)
+            if not (is_module_type or is_function):
+                raise ValueError(f"leaf_modules must hold nn.Module subclasses or functions, got {item!r}")
             out.append(item)
         return tuple(out)
 

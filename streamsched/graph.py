@@ -85,12 +85,15 @@ class TaskGraph:
         metas: dict[fx.Node, ValueMeta],
         device: DeviceModel,
         measured: Optional[dict[str, float]] = None,
+        after: Optional[dict[str, set[str]]] = None,
     ) -> TaskGraph:
         """One task per call node; placeholders, attributes and the output are not tasks.
 
         ``measured`` maps node labels to measured microseconds (from a profile); they
-        replace the estimate where present.
+        replace the estimate where present. ``after`` maps a node's name to the names of
+        nodes it must follow beyond its data inputs (in-place effects on shared storage).
         """
+        task_of_name: dict[str, int] = {}
         tasks: list[Task] = []
         node_task: dict[fx.Node, int] = {}
         preds: list[set[int]] = []
@@ -104,7 +107,11 @@ class TaskGraph:
             tid = len(tasks)
             tasks.append(Task(tid, [node], cost, glue=is_glue(node)))
             node_task[node] = tid
-            preds.append({node_task[i] for i in node.all_input_nodes if i in node_task})
+            task_of_name[node.name] = tid
+            deps = {node_task[i] for i in node.all_input_nodes if i in node_task}
+            if after:
+                deps |= {task_of_name[n] for n in after.get(node.name, ()) if n in task_of_name}
+            preds.append(deps)
         return cls(tasks, preds)
 
     # --- queries ------------------------------------------------------------------

@@ -89,12 +89,15 @@ def run_and_record(
     inputs: list[Any],
     on_error: Callable[[BaseException, fx.Node], None],
     record: Optional[dict[fx.Node, ValueMeta]] = None,
+    effects: Any = None,
 ) -> Any:
     """Run ``graph`` node by node on real inputs, recording each value's description.
 
     Values are dropped after their last use, as ``torch.fx.Interpreter`` does, so the
     first call's peak memory is that of eager execution. ``on_error`` is called with the
     exception and the failing node before it propagates (to add the module path).
+    ``effects`` (an active :class:`~streamsched.effects.EffectRecorder`) is told which
+    node runs, so it attributes each storage access to its node.
     """
     nodes = list(graph.nodes)
     last_use: dict[fx.Node, fx.Node] = {}
@@ -113,6 +116,8 @@ def run_and_record(
         return fx.node.map_arg(a, lambda n: env[n])
 
     for node in nodes:
+        if effects is not None:
+            effects.begin(node.name)
         try:
             if node.op == "placeholder":
                 value = next(it)
@@ -133,6 +138,9 @@ def run_and_record(
         except Exception as exc:
             on_error(exc, node)
             raise
+        finally:
+            if effects is not None:
+                effects.end()
         env[node] = value
         if record is not None:
             record[node] = describe(value)

@@ -28,6 +28,7 @@ from torch import nn
 
 from . import _generation, _native
 from .config import SchedulerConfig, make_config
+from .effects import EffectRecorder, Effects, storage_key
 from .errors import ConfigError, TraceError
 from .meta import run_and_record
 from .nodes import node_label
@@ -87,6 +88,17 @@ class _State:
         self.observer: Any = None
         self.nvtx: Any = None
         self.profile: Any = None
+        # Every module's training flag, interned as a small int for the plan key;
+        # recomputed only when the generation moved (``.train()``, ``.eval()``).
+        self.modes: dict[tuple, int] = {}
+        self.mode_id = self.mode_of(model)
+
+    def mode_of(self, model: nn.Module) -> int:
+        flags = tuple(m.training for m in model.modules())
+        mode = self.modes.get(flags)
+        if mode is None:
+            mode = self.modes[flags] = len(self.modes)
+        return mode
 
 
 class _Trial:
@@ -133,6 +145,16 @@ class _Trial:
 
 
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+def _alias_pattern(tensors: list[torch.Tensor]) -> tuple:
+    """Which inputs share storage: for each input, the index of the first input with its storage."""
+    first: dict[int, int] = {}
+    return tuple(first.setdefault(t.untyped_storage()._cdata, i) for i, t in enumerate(tensors))
 
 
 def _autocast_key() -> tuple:
@@ -299,7 +321,7 @@ class StreamScheduledModule(nn.Module):
             key = (
                 spec.key,
                 tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in tensors),
-                self.module.training,
+                st.mode_id,
                 torch.is_grad_enabled(),
                 _autocast_key(),
             )
@@ -309,19 +331,33 @@ class StreamScheduledModule(nn.Module):
                 schedule = hot[1]
             else:
                 schedule = st.plans.get_fresh(key)
+            if schedule is not None and schedule.alias_pattern is not None:
+                # The plan orders in-place effects for the way its inputs alias each
+                # other on the call that made it; other aliasing needs another plan.
+                if _alias_pattern(tensors) != schedule.alias_pattern:
+                    schedule = None
             st.calls += 1
             if schedule is None:
                 return self._first_call(key, spec, tensors)
             st.last = schedule
             st.hot = (key, schedule)
-            return self._run(schedule, tensors)
+            return schedule.rebuild(self._run(schedule, tensors))
 
     # --- internals --------------------------------------------------------------------
 
     def _revalidate(self) -> None:
-        """Some module somewhere was re-wired: drop traces whose modules moved."""
+        """Some module somewhere was re-wired, switched mode or had a flag set: drop traces
+        whose modules moved or whose baked-in flags changed the program, and re-key the mode."""
         st = self._ss
-        stale = [k for k, traced in st.traces.items() if isinstance(traced, Traced) and not traced.modules_unchanged()]
+        st.mode_id = st.mode_of(self.module)
+        st.hot = None
+        stale = False
+        for traced in list(st.traces.values()):
+            if not isinstance(traced, Traced):
+                continue
+            if not traced.modules_unchanged() or not (traced.flags_unchanged() or self._retraces_same(traced)):
+                stale = True
+                break
         if stale:
             log.info("streamsched: %s changed after wrapping; re-tracing", type(self.module).__name__)
             self.invalidate()
@@ -330,27 +366,41 @@ class StreamScheduledModule(nn.Module):
             st.fusion.check_all(full=True)
         st.generation = _generation.current()
 
-    def _trace(self, spec: Any) -> Traced:
+    def _retraces_same(self, traced: Traced) -> bool:
+        """A flag of a traced-through module changed: trace again, and keep the plans
+        when the program is the same (the flag was never read by traced code)."""
+        try:
+            fresh = trace_model(self.module, self._ss.binder, traced.spec, tuple(self.config.leaf_modules))
+        except TraceError:
+            return False
+        if not traced.same_program(fresh):
+            return False
+        traced.flags = fresh.flags
+        return True
+
+    def _trace(self, trace_key: Any, spec: Any) -> Traced:
         st = self._ss
-        traced = st.traces.get_fresh(spec.key)
+        traced = st.traces.get_fresh(trace_key)
         if traced is None:
             leaf_types = tuple(self.config.leaf_modules)
             traced = trace_model(self.module, st.binder, spec, leaf_types)
-            st.traces.put(spec.key, traced)
+            st.traces.put(trace_key, traced)
         return traced
 
     def _first_call(self, key: Any, spec: Any, tensors: list[torch.Tensor]) -> Any:
         st = self._ss
-        if not self.config.strict and isinstance(st.traces.get_fresh(spec.key), TraceError):
-            return self._eager_dispatch(spec, tensors, st.traces[spec.key])
+        # A trace bakes in the training flags of the modules it traced through.
+        trace_key = (spec.key, st.mode_id)
+        if not self.config.strict and isinstance(st.traces.get_fresh(trace_key), TraceError):
+            return self._eager_dispatch(spec, tensors, st.traces[trace_key])
         try:
-            traced = self._trace(spec)
+            traced = self._trace(trace_key, spec)
         except TraceError as exc:
             if self.config.strict:
                 raise
             # Remember that this call structure cannot be traced: later calls go
             # straight to eager dispatch instead of failing to trace again.
-            st.traces.put(spec.key, exc)
+            st.traces.put(trace_key, exc)
             return self._eager_dispatch(spec, tensors, exc)
         metas: dict = {}
         name = type(self.module).__name__
@@ -358,9 +408,19 @@ class StreamScheduledModule(nn.Module):
         def on_error(exc: BaseException, node: Any) -> None:
             annotate_exception(exc, f"module '{node_label(node)}' of {name}")
 
-        result = run_and_record(traced.graph, traced.root, tensors, on_error, metas)
+        recorder = EffectRecorder()
+        with recorder:
+            result = run_and_record(traced.graph, traced.root, tensors, on_error, metas, recorder)
+        effects = Effects.from_accesses(recorder.accesses, frozenset(storage_key(t) for t in tensors), traced.graph)
+        del recorder
+        rebuild = traced.output_tree.rebuilder() if traced.output_tree is not None else _identity
         measured = self._measured_costs(tensors)
-        schedule = make_schedule(traced, metas, self.config, tensors, fusion=st.fusion, measured=measured)
+        schedule = make_schedule(
+            traced, metas, self.config, tensors, fusion=st.fusion, measured=measured, effects=effects
+        )
+        schedule.rebuild = rebuild
+        if effects.writes_inputs:
+            schedule.alias_pattern = _alias_pattern(tensors)
         if measured:
             schedule.plan = schedule.plan.model_copy(
                 update={"notes": [*schedule.plan.notes, f"task costs measured: profile {self.config.profile}"]}
@@ -369,7 +429,7 @@ class StreamScheduledModule(nn.Module):
             schedule.trial = _Trial(schedule.plan.executor)
         st.plans.put(key, schedule)
         st.last = schedule
-        return result
+        return rebuild(result)
 
     def _eager_dispatch(self, spec: Any, tensors: list[torch.Tensor], reason: TraceError) -> Any:
         from .runtime.eager import run_eager_dispatch
@@ -478,7 +538,9 @@ class StreamScheduledModule(nn.Module):
         if cfg.sync_log:
             sync_log = SyncLog()
             program = schedule.program
-            sync_log.input_slots = tuple(program.input_slots) + tuple(s for s, _ in program.attr_slots)
+            sync_log.input_slots = (
+                tuple(program.input_slots) + tuple(s for s, _ in program.attr_slots) + program.location_slots
+            )
             st.last_sync_log = sync_log
         chaos = Chaos(cfg.chaos, st.calls) if cfg.chaos is not None else None
         for stack in schedule.stacks:

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import PlanError
 
-__all__ = ["Plan", "PlannedTask", "FusedGroupInfo"]
+__all__ = ["Plan", "PlannedTask", "FusedGroupInfo", "OpaqueModule", "UnfusedGroup"]
 
 
 class PlannedTask(BaseModel):
@@ -63,6 +63,26 @@ class FusedGroupInfo(BaseModel):
     """The fx node that runs the whole group."""
 
 
+class OpaqueModule(BaseModel):
+    """A module call that runs as written because tracing its class failed."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    path: str
+    reason: str
+
+
+class UnfusedGroup(BaseModel):
+    """Structurally identical independent nodes that were *not* fused, and why."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: str
+    size: int
+    members: list[str]
+    reason: str
+
+
 class Plan(BaseModel):
     """A schedule for one model and one input signature."""
 
@@ -87,6 +107,12 @@ class Plan(BaseModel):
     est_parallel_us: float
     cross_stream_waits: int
     notes: list[str] = Field(default_factory=list)
+    opaque: list[OpaqueModule] = Field(default_factory=list)
+    """Module calls made opaque automatically (their class could not be traced)."""
+    effect_edges: int = 0
+    """Ordering edges added for in-place writes on shared storage (beyond data edges)."""
+    unfused: list[UnfusedGroup] = Field(default_factory=list)
+    """Candidate groups the fusion pass left alone, with the reason."""
 
     # --- serialisation ------------------------------------------------------------
 
@@ -133,6 +159,17 @@ class Plan(BaseModel):
             for g in self.fused_groups:
                 members = ", ".join(g.members[:3]) + (f", ... ({g.size} in all)" if g.size > 3 else "")
                 lines.append(f"    g{g.id}: {g.kind} x{g.size} as {g.kernel}: {members}")
+        for u in self.unfused:
+            members = ", ".join(u.members[:3]) + (f", ... ({u.size} in all)" if u.size > 3 else "")
+            lines.append(f"  not fused: {u.kind} x{u.size} ({members}): {u.reason}")
+        if self.opaque:
+            lines.append(f"  opaque: {len(self.opaque)} module call(s) run as written (tracing their class failed)")
+            for o in self.opaque[:10]:
+                lines.append(f"    {o.path}: {o.reason}")
+            if len(self.opaque) > 10:
+                lines.append(f"    ... {len(self.opaque) - 10} more")
+        if self.effect_edges:
+            lines.append(f"  in-place effects: {self.effect_edges} ordering edge(s) keep writes in eager order")
         for note in self.notes:
             lines.append(f"  note: {note}")
         return "\n".join(lines)

@@ -9,19 +9,20 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import fx
 
 from .config import SchedulerConfig
 from .cost import device_model_for
+from .effects import Effects
 from .errors import ConfigError
 from .graph import TaskGraph
 from .meta import ValueMeta
 from .passes.assign import Assignment, assign_streams
 from .passes.coarsen import coarsen
-from .plan import FusedGroupInfo, Plan, PlannedTask
+from .plan import FusedGroupInfo, OpaqueModule, Plan, PlannedTask
 from .runtime.program import Program, compile_program
 from .trace import Traced
 
@@ -47,6 +48,11 @@ class Schedule:
     """Stacked parameters the fused kernels read; checked before every call."""
     trial: Any = None
     """With ``executor="auto"``: the timing of this plan's executor against serial, until decided."""
+    rebuild: Callable[[Any], Any] = field(default=lambda leaves: leaves)
+    """Builds the model's own output (its container types) from the program's flat leaves."""
+    alias_pattern: Optional[tuple] = None
+    """Where the graph writes in place: how the inputs shared storage on the planning call
+    (the effect edges hold for that aliasing only)."""
 
 
 def copy_graph(graph: fx.Graph, metas: dict[fx.Node, ValueMeta]) -> tuple[fx.Graph, dict[fx.Node, ValueMeta]]:
@@ -143,15 +149,22 @@ def make_schedule(
     inputs: list[torch.Tensor],
     fusion: Any = None,
     measured: Optional[dict[str, float]] = None,
+    effects: Optional[Effects] = None,
 ) -> Schedule:
     """Plan and compile one input signature of a traced model.
 
     ``fusion`` is the module's :class:`~streamsched.fusion.FusionContext` (it owns the
     stacked parameters shared by all plans); ``measured`` maps task names to measured
-    microseconds from a profile.
+    microseconds from a profile; ``effects`` the in-place effects recorded on the first
+    call (their nodes keep eager order and are never fused).
     """
     root = traced.root
     graph, metas = copy_graph(traced.graph, metas)
+    effects = effects or Effects()
+    involved = effects.involved
+    for node in graph.nodes:
+        if node.name in involved:
+            node.meta["streamsched_effect"] = True
     device = _device_of(inputs, root)
     dev = device_model_for(device)
     groups: list[FusedGroupInfo] = []
@@ -178,7 +191,7 @@ def make_schedule(
                     "grad_handoff='direct': fused members' .grad are written in one native call per "
                     "stacked tensor (members with gradient hooks go through autograd)"
                 )
-    tg = TaskGraph.from_fx(graph, root, metas, dev)
+    tg = TaskGraph.from_fx(graph, root, metas, dev, after=effects.after)
     tg = coarsen(tg, cheap_us=dev.launch_us * 1.5)
     if measured:
         # Profiles time whole tasks, named after coarsening (which decided on the
@@ -214,6 +227,7 @@ def make_schedule(
         assignment.waits,
         assignment.records,
         assignment.num_streams,
+        effects=effects,
     )
     group_of_node = {g.node: g.id for g in groups}
     tasks = []
@@ -248,6 +262,8 @@ def make_schedule(
         est_parallel_us=round(assignment.est_parallel_us, 3),
         cross_stream_waits=sum(len(w) for w in assignment.waits),
         notes=notes,
+        opaque=[OpaqueModule(path=p, reason=r) for p, r in traced.opaque_paths().items()],
+        effect_edges=sum(len(v) for v in effects.after.values()),
     )
     log.debug(
         "planned %s: %d tasks, %d streams, executor %s (%s)", plan.model, len(tasks), plan.num_streams, executor, reason

@@ -10,9 +10,16 @@ sizes) is *specialised*: baked into the trace, as ``torch.compile`` does. A call
 other static values gets its own trace. This is what makes ``if y is None:`` in a
 forward trace correctly.
 
-A model that cannot be traced raises :class:`~streamsched.errors.TraceError` naming the
-module, the file and line, and the way out (``@streamsched.branch`` or
-``strict=False``).
+A trace has no side effects on the model: buffers are graph values (an in-place update
+such as ``num_batches_tracked.add_(1)`` is a node of the program, run every call), and a
+forward that would write a real tensor in place, or assign a module attribute, while it
+is traced fails that module's trace instead of changing the model once.
+
+When tracing fails inside a submodule, that submodule's class becomes opaque (its calls
+run as tasks, exactly as eager) and the rest is traced again; the trace lists which
+modules became opaque and why. Only a failure in the root's own ``forward`` raises
+:class:`~streamsched.errors.TraceError`, naming the module, the file and line, and the
+way out (``@streamsched.branch``, ``leaf_modules=`` or ``strict=False``).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import functools
 import inspect
 import linecache
 import os
+import sys
 import threading
 import traceback
 from dataclasses import dataclass, field
@@ -30,8 +38,11 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx
 
+from . import _generation
 from .branch import is_branch_module
 from .errors import TraceError
+from .output_tree import OutputTree
+from .trace_guard import TraceSideEffectGuard
 
 __all__ = ["CallBinder", "CallSpec", "Traced", "trace_model"]
 
@@ -128,18 +139,49 @@ class _LeafTracer(fx.Tracer):
     Without the thread check below, a module called by *another* thread during that
     time (another model serving requests, another caller of this wrapper) would be
     recorded into this trace or fail; with it, such calls run as if no tracing happened.
+
+    Buffers are proxied (``proxy_buffer_attributes``), so in-place buffer updates are
+    nodes of the graph. The innermost traced-through module a failure passed through is
+    noted on the exception (``_streamsched_failed_in``), for the opaque fallback.
     """
 
-    def __init__(self, leaf_types: tuple[type, ...], model: torch.nn.Module):
-        super().__init__()
+    def __init__(
+        self,
+        leaf_types: tuple[type, ...],
+        model: torch.nn.Module,
+        leaf_functions: tuple[Any, ...] = (),
+        opaque_types: frozenset[type] = frozenset(),
+    ):
+        super().__init__(autowrap_functions=tuple(leaf_functions))
         self.leaf_types = leaf_types
+        self.opaque_types = opaque_types
         self.model = model
         self.thread = threading.get_ident()
+        self.proxy_buffer_attributes = True
+        # Modules whose forward was traced through (the root included): their plain
+        # attributes are baked into the trace.
+        self.traced_through: dict[int, torch.nn.Module] = {id(model): model}
+        # Leaf functions are patched wherever a traced forward's module names them; the
+        # root's forward is called directly, so its module is searched too.
+        model_module = sys.modules.get(type(model).__module__)
+        if leaf_functions and model_module is not None:
+            self._autowrap_search = [*self._autowrap_search, model_module]
 
     def call_module(self, m: torch.nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
         if threading.get_ident() != self.thread:
             return forward(*args, **kwargs)
-        return super().call_module(m, forward, args, kwargs)
+        leaf = self.is_leaf_module(m, "")
+        if not leaf:
+            self.traced_through[id(m)] = m
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception as exc:
+            if not leaf and getattr(exc, "_streamsched_failed_in", None) is None:
+                try:
+                    exc._streamsched_failed_in = m  # type: ignore[attr-defined]
+                except AttributeError:  # pragma: no cover - exceptions with __slots__
+                    pass
+            raise
 
     def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict) -> Any:
         if threading.get_ident() != self.thread:
@@ -148,6 +190,8 @@ class _LeafTracer(fx.Tracer):
 
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
         if self.leaf_types and isinstance(m, self.leaf_types):
+            return True
+        if self.opaque_types and type(m) in self.opaque_types:
             return True
         if is_branch_module(m):
             return True
@@ -167,7 +211,10 @@ class Traced:
     """One trace of a model for one call structure.
 
     ``root`` resolves ``get_attr`` and ``call_module`` targets (it shares the model's
-    submodules); ``input_names`` name the graph's placeholders in order.
+    submodules); ``input_names`` name the graph's placeholders in order. The graph
+    returns the output's leaves as a flat tuple; ``output_tree`` rebuilds the model's own
+    output container from them. ``opaque`` names the module classes made opaque because
+    tracing them failed, with the reason.
     """
 
     graph: fx.Graph
@@ -177,6 +224,9 @@ class Traced:
     input_names: list[str]
     module_ids: dict[str, int] = field(default_factory=dict)
     structure: tuple = ()
+    output_tree: Optional[OutputTree] = None
+    opaque: dict[str, str] = field(default_factory=dict)
+    flags: tuple = ()
 
     def modules_unchanged(self) -> bool:
         """Whether the model still has exactly the modules it had when traced (same
@@ -190,6 +240,44 @@ class Traced:
             if id(mod) != ident:
                 return False
         return _structure(self.model) == self.structure
+
+    def flags_unchanged(self) -> bool:
+        """Whether every traced-through module still has the plain attribute values it had
+        when traced (``drop_prob``, ``use_cache``, ...). A changed one *may* have been baked
+        into the trace: :meth:`same_program` tells."""
+        return all(_flag_values(module) == values for module, values in self.flags)
+
+    def same_program(self, other: Traced) -> bool:
+        """Whether ``other`` (a re-trace) records exactly this trace's program."""
+        return self.graph.python_code("self").src == other.graph.python_code("self").src
+
+    def opaque_paths(self) -> dict[str, str]:
+        """Each module call that runs opaque because its class could not be traced: path -> reason."""
+        out: dict[str, str] = {}
+        if not self.opaque:
+            return out
+        for node in self.graph.nodes:
+            if node.op == "call_module":
+                mod = self.root.get_submodule(node.target)
+                reason = self.opaque.get(_type_name(type(mod)))
+                if reason is not None:
+                    out[str(node.target)] = reason
+        return out
+
+
+_FLAG_TYPES = (bool, int, float, str, type(None))
+
+
+def _flag_values(module: torch.nn.Module) -> tuple:
+    """The plain scalar attributes of a module (what a traced ``if self.x:`` can read),
+    ``training`` excluded (every module's flag is part of the plan key)."""
+    return tuple(
+        (k, v) for k, v in module.__dict__.items() if k != "training" and type(v) in _FLAG_TYPES and k[:2] != "__"
+    )
+
+
+def _type_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _is_compiled_module(m: torch.nn.Module) -> bool:
@@ -240,20 +328,64 @@ def _call_model(root: _TraceRoot, inputs: tuple) -> Any:
         leaves[pos] = value
     args, kwargs = binder.rebuild(leaves, spec)
     model = root._streamsched_model
-    return type(model).forward(model, *args, **kwargs)
+    out = type(model).forward(model, *args, **kwargs)
+    # The graph returns the output's leaves; the container is rebuilt per call, with the
+    # model's own types (fx would turn dicts into immutable_dict and drop dataclasses).
+    tree = OutputTree.of(out)
+    for custom in tree.custom_attrs():
+        if any(isinstance(v, fx.Proxy) for v in pytree.tree_leaves(custom)):
+            raise TypeError(
+                f"the output's {type(out).__name__} keeps graph values in instance attributes outside its fields; "
+                "it cannot be rebuilt from the traced values"
+            )
+    root.__dict__["_streamsched_output_tree"] = tree
+    return tree.leaves[0] if tree.is_plain else tuple(tree.leaves)
+
+
+_MAX_OPAQUE_RETRIES = 64
 
 
 def trace_model(
     model: torch.nn.Module,
     binder: CallBinder,
     spec: CallSpec,
-    leaf_types: tuple[type, ...] = (),
+    leaf_types: tuple[Any, ...] = (),
 ) -> Traced:
     """Trace ``model`` for calls shaped like ``spec``.
 
-    Raises :class:`TraceError` (naming module, file and line) when the model's forward
-    does something ``torch.fx`` cannot record.
+    ``leaf_types`` holds module types and functions to keep opaque. When tracing fails
+    inside a submodule, that submodule's class is made opaque and the trace is retried;
+    raises :class:`TraceError` (naming module, file and line) when the model's own
+    ``forward`` does something ``torch.fx`` cannot record.
     """
+    module_types = tuple(t for t in leaf_types if isinstance(t, type)) + _registered_leaf_types()
+    functions = tuple(f for f in leaf_types if not isinstance(f, type)) + _registered_leaf_functions()
+    opaque: dict[type, str] = {}
+    while True:
+        try:
+            return _trace_once(model, binder, spec, module_types, functions, opaque)
+        except _OpaqueRetry as retry:
+            if retry.cls in opaque or len(opaque) >= _MAX_OPAQUE_RETRIES:
+                raise retry.error from retry.error.__cause__
+            opaque[retry.cls] = retry.reason
+
+
+class _OpaqueRetry(Exception):
+    def __init__(self, cls: type, reason: str, error: TraceError):
+        super().__init__(reason)
+        self.cls = cls
+        self.reason = reason
+        self.error = error
+
+
+def _trace_once(
+    model: torch.nn.Module,
+    binder: CallBinder,
+    spec: CallSpec,
+    module_types: tuple[type, ...],
+    functions: tuple[Any, ...],
+    opaque: dict[type, str],
+) -> Traced:
     names = _placeholder_names(binder, spec)
     root_cls = type(
         f"{type(model).__name__}Trace",
@@ -263,13 +395,20 @@ def trace_model(
     root = root_cls(model)
     root.__dict__["_streamsched_binder"] = binder
     root.__dict__["_streamsched_spec"] = spec
-    tracer = _LeafTracer(leaf_types, model)
+    tracer = _LeafTracer(module_types, model, functions, frozenset(opaque))
     try:
-        graph = tracer.trace(root)
+        with TraceSideEffectGuard(model, root):
+            graph = tracer.trace(root)
     except TraceError:
         raise
     except Exception as exc:  # fx raises many types; all mean "cannot trace"
-        raise TraceError(_describe_trace_failure(model, tracer, exc)) from exc
+        error = TraceError(_describe_trace_failure(model, tracer, exc))
+        error.__cause__ = exc
+        failed = getattr(exc, "_streamsched_failed_in", None)
+        if failed is not None and failed is not model:
+            reason = f"{type(exc).__name__}: {_first_line(exc)}"
+            raise _OpaqueRetry(type(failed), reason, error) from None
+        raise error from exc
 
     module_ids: dict[str, int] = {}
     for node in graph.nodes:
@@ -277,7 +416,47 @@ def trace_model(
             module_ids[node.target] = id(root.get_submodule(node.target))
         elif node.op == "call_function" and getattr(node.target, "owner", None) is not None:
             module_ids[node.target.owner_path] = id(node.target.owner)
-    return Traced(graph, root, model, spec, names, module_ids, _structure(model))
+    flags = tuple((m, _flag_values(m)) for m in tracer.traced_through.values())
+    _generation.watch(k for _, values in flags for k, _ in values)
+    return Traced(
+        graph,
+        root,
+        model,
+        spec,
+        names,
+        module_ids,
+        _structure(model),
+        output_tree=root.__dict__.get("_streamsched_output_tree"),
+        opaque={_type_name(cls): reason for cls, reason in opaque.items()},
+        flags=flags,
+    )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _registered_leaf_types() -> tuple[type, ...]:
+    """Module classes a loaded library registers as untraceable (timm's notrace modules)."""
+    fx_registry = sys.modules.get("timm.layers._fx")
+    if fx_registry is None:
+        return ()
+    try:
+        return tuple(t for t in fx_registry.get_notrace_modules() if isinstance(t, type))
+    except Exception:  # noqa: BLE001 - a registry of another version: ignore it
+        return ()
+
+
+def _registered_leaf_functions() -> tuple[Any, ...]:
+    """Functions a loaded library registers as untraceable (timm's notrace functions)."""
+    fx_registry = sys.modules.get("timm.layers._fx")
+    if fx_registry is None:
+        return ()
+    try:
+        return tuple(fx_registry.get_notrace_functions())
+    except Exception:  # noqa: BLE001
+        return ()
 
 
 def _structure(model: torch.nn.Module) -> tuple:
@@ -310,7 +489,7 @@ def _frame_module(exc: BaseException, summary: traceback.FrameSummary) -> Option
 
 
 def _describe_trace_failure(model: torch.nn.Module, tracer: _LeafTracer, exc: BaseException) -> str:
-    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    reason = _first_line(exc)
     where = ""
     who = f"{type(model).__name__}.forward"
     frame = _user_frame(exc)

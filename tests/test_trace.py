@@ -115,21 +115,40 @@ class Inner(nn.Module):
         return -x
 
 
-def test_untraceable_model_names_module_line_and_fix():
-    sm = ss.StreamScheduledModule(Untraceable())
+def test_untraceable_submodule_becomes_opaque_and_the_rest_is_traced():
+    model = Untraceable()
+    sm = ss.StreamScheduledModule(model)
+    for x in (torch.randn(3).abs(), -torch.randn(3).abs()):
+        assert torch.equal(sm(x), model(x))
+    assert [o.path for o in sm.plan.opaque] == ["inner"]
+    assert "control flow" in sm.plan.opaque[0].reason
+    assert "opaque: 1 module call(s)" in sm.plan.summary()
+
+
+class UntraceableRoot(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x):
+        if x.sum() > 0:  # control flow on a traced value, in the root's own forward
+            return self.fc(x)
+        return -x
+
+
+def test_untraceable_root_names_module_line_and_fix():
+    sm = ss.StreamScheduledModule(UntraceableRoot())
     with pytest.raises(ss.TraceError) as info:
         sm(torch.randn(3))
     msg = str(info.value)
-    assert "Inner.forward" in msg and "module 'inner'" in msg
+    assert "UntraceableRoot.forward" in msg and "the root module" in msg
     assert "test_trace.py" in msg and "if x.sum() > 0" in msg
     assert "@streamsched.branch" in msg and "strict=False" in msg
-    # The wrapper is not corrupted: a decorated version of the same part works.
-    ss.branch(Inner)
-    try:
-        out = sm(torch.ones(3))
-        assert torch.equal(out, torch.ones(3))
-    finally:
-        del Inner.__streamsched_branch__
+    # The wrapper is not corrupted: the next call fails the same clear way, and the
+    # model's own forward is untouched.
+    with pytest.raises(ss.TraceError, match="the root module"):
+        sm(torch.ones(3))
+    assert torch.equal(sm.module(torch.ones(3)), sm.module.fc(torch.ones(3)))
 
 
 class Optional_(nn.Module):

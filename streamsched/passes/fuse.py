@@ -273,6 +273,11 @@ def _signature(node: fx.Node, root: nn.Module, metas: dict[fx.Node, ValueMeta]) 
     out = metas.get(node)
     if not isinstance(out, TensorMeta) or not _tensor_args(node):
         return None
+    if node.meta.get("streamsched_effect"):
+        # It writes a storage another node reads or writes (or reads one written in
+        # place): its place in eager order is kept, so it runs alone.
+        log.debug("fuse: %s takes part in an in-place effect; not fused", node_label(node))
+        return None
     if node.op == "call_module":
         m = root.get_submodule(node.target)
         if _has_hooks(m) or any(_has_hooks(s) for s in m.modules()):

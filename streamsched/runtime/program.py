@@ -62,6 +62,10 @@ class Program:
     load: Callable[[list], list]
     slot_producer: dict[int, int] = field(default_factory=dict)
     lines: dict[tuple[str, int], str] = field(default_factory=dict)
+    location_slots: tuple[int, ...] = ()
+    """Ids (after the value slots) of the storages some task writes in place; tasks list
+    them among their reads and writes, so the SyncLog and its checker see every in-place
+    effect. They hold no value."""
 
     def __post_init__(self) -> None:
         self.tasks_by_id = {t.id: t for t in self.tasks}
@@ -197,11 +201,13 @@ def compile_program(
     waits: list[list[int]],
     records: list[bool],
     num_streams: int,
+    effects: Any = None,
 ) -> Program:
     """Compile tasks (lists of fx nodes, indexed by task id) into a :class:`Program`.
 
     ``order`` is the issue order; ``stream``, ``waits`` and ``records`` come from the
-    stream assignment.
+    stream assignment; ``effects`` (:class:`~streamsched.effects.Effects`) adds the
+    storages each task reads and writes in place to its logged reads and writes.
     """
     slot: dict[fx.Node, int] = {}
     input_slots = []
@@ -215,6 +221,10 @@ def compile_program(
         elif node.op == "get_attr":
             attr_slots.append((slot[node], str(node.target)))
     output_node = next(n for n in graph.nodes if n.op == "output")
+    n_values = len(slot)
+    loc_reads = effects.reads if effects else {}
+    loc_writes = effects.writes if effects else {}
+    location_slots = tuple(n_values + i for i in range(effects.num_locations if effects else 0))
 
     node_task: dict[fx.Node, int] = {}
     for t, nodes in enumerate(task_nodes):
@@ -262,6 +272,13 @@ def compile_program(
             for inp in node.all_input_nodes:
                 if node_task.get(inp) != t and slot[inp] not in reads:
                     reads.append(slot[inp])
+        for node in nodes:
+            for loc in loc_reads.get(node.name, ()):
+                if n_values + loc not in reads:
+                    reads.append(n_values + loc)
+            for loc in loc_writes.get(node.name, ()):
+                if n_values + loc not in writes:
+                    writes.append(n_values + loc)
         for s in sorted(frees_of.get(t, ())):
             serial_body.append(f"env[{s}] = None")
         fn = _compile_function(f"task_{t}", body, emitter, filename)
@@ -302,6 +319,7 @@ def compile_program(
         load=load,
         slot_producer=slot_producer,
         lines=lines,
+        location_slots=location_slots,
     )
     # The generated source stays readable in tracebacks for as long as the program
     # lives, and no longer: plans come and go (LRU), linecache must not grow with them.

@@ -8,9 +8,16 @@ a slot), ``join`` (the caller's stream waited for every side stream) and ``outpu
 (slots handed to the caller).
 
 :func:`check_happens_before` replays a log with vector clocks and reports every read
-not ordered after its write, every wait on an event never recorded, every free that
-could let another stream's pending read see reused memory, and a missing join. It
-runs on CPU: the same plan logic that drives CUDA streams is checked in CI.
+not ordered after its write, every write not ordered after the earlier reads and writes
+of its location, every wait on an event never recorded, every free that could let
+another stream's pending read see reused memory, and a missing join. It runs on CPU:
+the same plan logic that drives CUDA streams is checked in CI.
+
+Slots are of two kinds. A *value* slot holds one graph value, written once by the task
+that produces it. A *location* slot (a program's ``location_slots``) stands for a storage
+some task writes in place (a buffer updated by BatchNorm, a tensor ``mul_``-ed or
+assigned into, through any view): several tasks read and write it, and each access must
+be ordered after the conflicting ones before it in eager order.
 """
 
 from __future__ import annotations
@@ -161,6 +168,32 @@ def check_happens_before(log: SyncLog, task_names: Optional[dict[int, str]] = No
                     )
                 readers.setdefault(slot, {})[s] = clock[s][s]
             for slot in e.writes:
+                prev = writer.get(slot)
+                if prev is None and slot in log.input_slots:
+                    prev = (0, 0, -1)
+                if prev is not None and prev[0] != s and clock[s][prev[0]] < prev[1]:
+                    races.append(
+                        Race(
+                            "unordered-write",
+                            slot,
+                            s,
+                            e.task,
+                            f"{name(e.task)} on stream {s} writes slot {slot} also written by "
+                            f"{name(prev[2])} on stream {prev[0]} without waiting for it",
+                        )
+                    )
+                for r, seq in readers.get(slot, {}).items():
+                    if r != s and clock[s][r] < seq:
+                        races.append(
+                            Race(
+                                "write-after-read",
+                                slot,
+                                s,
+                                e.task,
+                                f"{name(e.task)} on stream {s} writes slot {slot} while a read of it on "
+                                f"stream {r} may not have finished",
+                            )
+                        )
                 writer[slot] = (s, clock[s][s], e.task)
         elif e.kind == "record":
             event_clock[e.task] = list(clock[s])

@@ -73,6 +73,8 @@ def _lane_frees(program: Program) -> dict[int, tuple[int, ...]]:
     last: dict[int, int] = {}
     for task in program.tasks:
         for slot in task.reads:
+            if slot >= program.n_slots:  # an in-place storage location: no value to drop
+                continue
             readers.setdefault(slot, set()).add(task.stream)
             last[slot] = task.id
     frees: dict[int, list[int]] = {}

@@ -1,0 +1,263 @@
+"""What each op reads and writes, at the level of storage.
+
+A graph's data edges say which node consumes which value; they do not say that
+``h.mul_(2)``, ``x[:, :k] = 0``, ``nn.ReLU(inplace=True)``, a BatchNorm updating its
+running statistics or a module writing its argument *changes a storage* other nodes
+read. Eager PyTorch orders all of these by program order; a scheduler that runs
+independent nodes side by side must order them by their effects.
+
+The first call of every signature runs node by node (:mod:`streamsched.meta`); under
+:class:`EffectRecorder` each node's dispatched ops are classified by their schemas
+(``Tensor(a!)`` arguments are writes, every other tensor argument a read) and mapped to
+storages (views alias their base). :func:`effect_edges` turns the per-node accesses into
+ordering edges in eager order: write→read, read→write and write→write on one storage.
+Storages a node allocates itself are its own business and never make an edge.
+
+Example::
+
+    >>> import torch
+    >>> a = torch.zeros(3)
+    >>> with EffectRecorder() as rec:
+    ...     rec.begin("n1"); _ = a + 1; rec.end()
+    ...     rec.begin("n2"); _ = a[:2].add_(1); rec.end()
+    >>> [sorted(e) for e in effect_edges(rec.accesses).values()]
+    [['n1']]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["Effects", "NodeAccess", "EffectRecorder", "effect_edges", "op_accesses", "storage_key"]
+
+# Ops whose output is a fresh tensor although their schema says it aliases the input
+# (``torch.tensor([...])`` builds its data below the dispatcher and lifts it).
+_LIFTS = frozenset({"aten::lift_fresh", "aten::lift_fresh_copy", "aten::lift"})
+
+
+def storage_key(t: torch.Tensor) -> Optional[int]:
+    """An identity of ``t``'s storage, shared by every view of it (``None``: no storage)."""
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return None
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            if isinstance(v, torch.Tensor):
+                yield v
+
+
+def op_accesses(func: Any, args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(read, written) tensor arguments of one dispatched op, from its schema."""
+    schema = func._schema
+    reads: list[torch.Tensor] = []
+    writes: list[torch.Tensor] = []
+    positional = [a for a in schema.arguments if not a.kwarg_only]
+    pairs = list(zip(positional, args))
+    by_name = {a.name: a for a in schema.arguments}
+    pairs += [(by_name[k], v) for k, v in kwargs.items() if k in by_name]
+    for arg, value in pairs:
+        info = arg.alias_info
+        target = writes if info is not None and info.is_write else reads
+        target.extend(_tensors(value))
+    return reads, writes
+
+
+def fresh_outputs(func: Any, out: Any) -> list[torch.Tensor]:
+    """Outputs of one op that own new storage (not views or the written arguments)."""
+    if func._schema.name in _LIFTS:
+        return list(_tensors(out))
+    returns = func._schema.returns
+    outs = out if isinstance(out, (tuple, list)) and len(returns) > 1 else (out,)
+    fresh: list[torch.Tensor] = []
+    for ret, value in zip(returns, outs):
+        if ret.alias_info is None:
+            fresh.extend(_tensors(value))
+    return fresh
+
+
+@dataclass
+class NodeAccess:
+    """The storages one node read and wrote that it did not allocate itself."""
+
+    reads: set[int] = field(default_factory=set)
+    writes: set[int] = field(default_factory=set)
+    fresh: set[int] = field(default_factory=set)
+
+    def external(self) -> tuple[set[int], set[int]]:
+        return self.reads - self.fresh - self.writes, self.writes - self.fresh
+
+
+class EffectRecorder(TorchDispatchMode):
+    """Records, per node (``begin(name)`` .. ``end()``), the storages its ops touch.
+
+    Storages written by any node are kept alive until the recorder is dropped, so that a
+    freed storage's address cannot come back as another value and hide an edge.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.accesses: dict[str, NodeAccess] = {}
+        self._current: Optional[NodeAccess] = None
+        self._keep: list[torch.UntypedStorage] = []
+
+    def begin(self, name: str) -> None:
+        self._current = self.accesses.setdefault(name, NodeAccess())
+
+    def end(self) -> None:
+        self._current = None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        acc = self._current
+        if acc is not None:
+            reads, writes = op_accesses(func, args, kwargs)
+            for t in reads:
+                key = storage_key(t)
+                if key is not None:
+                    acc.reads.add(key)
+            for t in writes:
+                key = storage_key(t)
+                if key is not None and key not in acc.fresh:
+                    acc.writes.add(key)
+                    self._keep.append(t.untyped_storage())
+            for t in fresh_outputs(func, out):
+                key = storage_key(t)
+                if key is not None:
+                    acc.fresh.add(key)
+        return out
+
+    @property
+    def any_writes(self) -> bool:
+        return any(a.writes - a.fresh for a in self.accesses.values())
+
+    @staticmethod
+    def input_storages(values: list[Any]) -> list[Optional[int]]:
+        return [storage_key(v) if isinstance(v, torch.Tensor) else None for v in pytree.tree_leaves(values)]
+
+
+def effect_edges(accesses: dict[str, NodeAccess]) -> dict[str, set[str]]:
+    """For each node (in the recorded, eager order), the earlier nodes it must follow
+    because of a shared storage: after the last writer of what it reads or writes, and
+    after every reader since that write of what it writes."""
+    last_writer: dict[int, str] = {}
+    readers: dict[int, set[str]] = {}
+    after: dict[str, set[str]] = {}
+    for name, acc in accesses.items():
+        reads, writes = acc.external()
+        deps: set[str] = set()
+        for key in reads | writes:
+            w = last_writer.get(key)
+            if w is not None:
+                deps.add(w)
+        for key in writes:
+            deps |= readers.get(key, set())
+        deps.discard(name)
+        for key in reads:
+            readers.setdefault(key, set()).add(name)
+        for key in writes:
+            last_writer[key] = name
+            readers[key] = set()
+        if deps:
+            after[name] = deps
+    return after
+
+
+def written_storages(accesses: dict[str, NodeAccess]) -> set[int]:
+    """Every storage some node writes without having allocated it."""
+    out: set[int] = set()
+    for acc in accesses.values():
+        out |= acc.external()[1]
+    return out
+
+
+@dataclass
+class Effects:
+    """The in-place effects of one traced graph, by node name.
+
+    ``after[n]``: nodes ``n`` must follow because of a shared storage (beyond its data
+    inputs). ``reads[n]`` / ``writes[n]``: the *locations* (small ints, one per storage
+    some node writes) node ``n`` reads and writes, for the race checker. Empty when no
+    node writes anything it did not allocate, the common case.
+    """
+
+    after: dict[str, set[str]] = field(default_factory=dict)
+    reads: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    writes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    num_locations: int = 0
+    writes_inputs: bool = False
+    """Whether some node writes the storage of a graph input (the plan then holds only
+    for the way the inputs alias each other on the call that recorded it)."""
+
+    @property
+    def involved(self) -> set[str]:
+        """Nodes ordered by an effect edge: their order must be kept exactly (they are
+        never fused into a batched kernel). A node writing a storage nobody else touches
+        (a BatchNorm's own running statistics) needs no edge and stays fusable."""
+        out: set[str] = set()
+        for name, deps in self.after.items():
+            out.add(name)
+            out |= deps
+        return out
+
+    def __bool__(self) -> bool:
+        return bool(self.writes)
+
+    @classmethod
+    def from_accesses(
+        cls, accesses: dict[str, NodeAccess], input_keys: frozenset = frozenset(), graph: Any = None
+    ) -> Effects:
+        """Summarise a recording; with ``graph`` (the fx graph that ran), edges its data
+        edges already imply are dropped (``relu_`` on a fresh conv output orders nothing
+        new, and such nodes stay fusable)."""
+        written = written_storages(accesses)
+        if not written:
+            return cls()
+        location = {key: i for i, key in enumerate(sorted(written))}
+        reads: dict[str, tuple[int, ...]] = {}
+        writes: dict[str, tuple[int, ...]] = {}
+        for name, acc in accesses.items():
+            r, w = acc.external()
+            r_loc = tuple(sorted(location[k] for k in r if k in location))
+            w_loc = tuple(sorted(location[k] for k in w))
+            if r_loc:
+                reads[name] = r_loc
+            if w_loc:
+                writes[name] = w_loc
+        after = effect_edges(accesses)
+        if graph is not None:
+            after = _prune_implied(after, graph)
+        return cls(after, reads, writes, len(location), bool(written & input_keys))
+
+
+def _prune_implied(after: dict[str, set[str]], graph: Any) -> dict[str, set[str]]:
+    """``after`` without the edges that data edges (and earlier kept edges) already imply."""
+    bit: dict[str, int] = {}
+    ancestors: dict[str, int] = {}
+    kept: dict[str, set[str]] = {}
+    for i, node in enumerate(graph.nodes):
+        bit[node.name] = i
+        anc = 0
+        for inp in node.all_input_nodes:
+            anc |= ancestors[inp.name] | (1 << bit[inp.name])
+        deps = after.get(node.name)
+        if deps:
+            for dep in sorted(deps, key=lambda d: -bit.get(d, -1)):
+                b = bit.get(dep)
+                if b is None or (anc >> b) & 1:
+                    continue
+                kept.setdefault(node.name, set()).add(dep)
+                anc |= ancestors[dep] | (1 << b)
+        ancestors[node.name] = anc
+    return kept

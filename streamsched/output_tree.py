@@ -1,0 +1,163 @@
+"""A model's output taken apart into leaves and rebuilt with its own types.
+
+fx records a traced forward's return value as a graph argument, which turns dicts into
+``immutable_dict`` and drops the type of a ``ModelOutput``, an ``OrderedDict`` subclass
+or a dataclass. The trace therefore returns the *leaves* of the output, flat, and keeps
+an :class:`OutputTree` that rebuilds the exact container each call: the same types,
+keys, field order and non-tensor values as eager.
+
+Containers registered with ``torch.utils._pytree`` (tuple, list, dict, ``OrderedDict``,
+namedtuples, Hugging Face's ``ModelOutput``) rebuild through pytree; unregistered dict,
+list and tuple subclasses and dataclasses are rebuilt here, their instance attributes
+copied. Anything else is a leaf.
+
+Example::
+
+    >>> from collections import OrderedDict
+    >>> tree = OutputTree.of(OrderedDict(a=1, b=[2, 3]))
+    >>> tree.leaves
+    [1, 2, 3]
+    >>> tree.rebuild([10, 20, 30])
+    OrderedDict([('a', 10), ('b', [20, 30])])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch.utils._pytree as pytree
+
+__all__ = ["OutputTree"]
+
+
+def _registered(value: Any) -> bool:
+    return type(value) in pytree.SUPPORTED_NODES or pytree.is_namedtuple_instance(value)
+
+
+def _custom_container(value: Any) -> bool:
+    """An unregistered container this module knows how to rebuild."""
+    if _registered(value):
+        return False
+    if isinstance(value, (dict, list, tuple)):
+        return True
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
+
+
+class _Custom:
+    """How to rebuild one unregistered container from its children's values."""
+
+    def __init__(self, value: Any, children: list[Any]):
+        self.cls = type(value)
+        self.attrs = dict(getattr(value, "__dict__", {}))
+        if isinstance(value, dict):
+            self.kind = "dict"
+            self.keys = list(value.keys())
+            children.extend(value.values())
+            if dataclasses.is_dataclass(value):
+                # A dataclass dict (ModelOutput-like): its fields mirror the items.
+                self.attrs = {k: v for k, v in self.attrs.items() if k not in value}
+        elif isinstance(value, (list, tuple)):
+            self.kind = "list" if isinstance(value, list) else "tuple"
+            self.keys = list(range(len(value)))
+            children.extend(value)
+        else:
+            self.kind = "dataclass"
+            self.keys = [f.name for f in dataclasses.fields(value)]
+            children.extend(getattr(value, k) for k in self.keys)
+            self.attrs = {k: v for k, v in self.attrs.items() if k not in self.keys}
+
+    def build(self, values: list[Any]) -> Any:
+        cls = self.cls
+        if self.kind == "tuple":
+            out = tuple.__new__(cls, values)
+        else:
+            out = cls.__new__(cls)
+            if self.kind == "dict":
+                dict.update(out, zip(self.keys, values))
+            elif self.kind == "list":
+                list.extend(out, values)
+            else:
+                for k, v in zip(self.keys, values):
+                    object.__setattr__(out, k, v)
+        if self.attrs:
+            for k, v in self.attrs.items():
+                object.__setattr__(out, k, v)
+        if self.kind == "dict" and dataclasses.is_dataclass(out):
+            for k, v in zip(self.keys, values):
+                object.__setattr__(out, k, v)
+        return out
+
+
+class OutputTree:
+    """The structure of one output value: :meth:`leaves` out, :meth:`rebuild` back in."""
+
+    def __init__(self, treedef: Any, customs: list[tuple[int, _Custom, OutputTree]], n_leaves: int):
+        self.treedef = treedef
+        # (position in the pytree leaves, how to rebuild, the subtree of its children)
+        self.customs = customs
+        self.n_leaves = n_leaves
+        self.leaves: list[Any] = []
+
+    @classmethod
+    def of(cls, value: Any) -> OutputTree:
+        """Take ``value`` apart; its leaves are in ``.leaves``."""
+        top, treedef = pytree.tree_flatten(value, is_leaf=_custom_container)
+        leaves: list[Any] = []
+        customs: list[tuple[int, _Custom, OutputTree]] = []
+        for pos, item in enumerate(top):
+            if _custom_container(item):
+                children: list[Any] = []
+                custom = _Custom(item, children)
+                sub = OutputTree.of(children)
+                customs.append((pos, custom, sub))
+                leaves.extend(sub.leaves)
+            else:
+                leaves.append(item)
+        tree = cls(treedef, customs, len(leaves))
+        tree.leaves = leaves
+        return tree
+
+    @property
+    def is_plain(self) -> bool:
+        """Whether the output is a single leaf (no container to rebuild)."""
+        return not self.customs and self.treedef.is_leaf()
+
+    def rebuild(self, leaves: Any) -> Any:
+        """The output container with ``leaves`` (in :attr:`leaves`' order) in place."""
+        leaves = list(leaves)
+        if not self.customs:
+            return pytree.tree_unflatten(leaves, self.treedef)
+        top: list[Any] = []
+        it = 0
+        customs = {pos: (custom, sub) for pos, custom, sub in self.customs}
+        for pos in range(self.treedef.num_leaves):
+            entry = customs.get(pos)
+            if entry is None:
+                top.append(leaves[it])
+                it += 1
+            else:
+                custom, sub = entry
+                children = sub.rebuild(leaves[it : it + sub.n_leaves])
+                it += sub.n_leaves
+                top.append(custom.build(list(children)))
+        return pytree.tree_unflatten(top, self.treedef)
+
+    def custom_attrs(self) -> list[dict[str, Any]]:
+        """The instance attributes copied into every rebuilt unregistered container."""
+        out = []
+        for _, custom, sub in self.customs:
+            out.append(custom.attrs)
+            out.extend(sub.custom_attrs())
+        return out
+
+    def rebuilder(self) -> Callable[[Any], Any]:
+        """A function from what a traced graph returns to the output: the graph returns a
+        plain leaf as itself (nothing to rebuild), any container as a tuple of leaves."""
+        if self.is_plain:
+            return _identity
+        return self.rebuild
+
+
+def _identity(value: Any) -> Any:
+    return value
