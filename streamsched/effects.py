@@ -199,6 +199,10 @@ class Effects:
     writes_inputs: bool = False
     """Whether some node writes the storage of a graph input (the plan then holds only
     for the way the inputs alias each other on the call that recorded it)."""
+    sees: dict[str, dict[int, Optional[str]]] = field(default_factory=dict)
+    """For each node and location it accesses: the node whose write it must see (the
+    last writer before it in eager order; ``None``: the state before the call). The race
+    checker holds every run to it, so a reordering is caught, not only a race."""
 
     @property
     def involved(self) -> set[str]:
@@ -227,6 +231,8 @@ class Effects:
         location = {key: i for i, key in enumerate(sorted(written))}
         reads: dict[str, tuple[int, ...]] = {}
         writes: dict[str, tuple[int, ...]] = {}
+        sees: dict[str, dict[int, Optional[str]]] = {}
+        last_writer: dict[int, str] = {}
         for name, acc in accesses.items():
             r, w = acc.external()
             r_loc = tuple(sorted(location[k] for k in r if k in location))
@@ -235,10 +241,14 @@ class Effects:
                 reads[name] = r_loc
             if w_loc:
                 writes[name] = w_loc
+            if r_loc or w_loc:
+                sees[name] = {loc: last_writer.get(loc) for loc in r_loc + w_loc}
+            for loc in w_loc:
+                last_writer[loc] = name
         after = effect_edges(accesses)
         if graph is not None:
             after = _prune_implied(after, graph)
-        return cls(after, reads, writes, len(location), bool(written & input_keys))
+        return cls(after, reads, writes, len(location), bool(written & input_keys), sees)
 
 
 def _prune_implied(after: dict[str, set[str]], graph: Any) -> dict[str, set[str]]:

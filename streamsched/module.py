@@ -541,6 +541,7 @@ class StreamScheduledModule(nn.Module):
             sync_log.input_slots = (
                 tuple(program.input_slots) + tuple(s for s, _ in program.attr_slots) + program.location_slots
             )
+            sync_log.expected_writers = program.expected_writers
             st.last_sync_log = sync_log
         chaos = Chaos(cfg.chaos, st.calls) if cfg.chaos is not None else None
         for stack in schedule.stacks:

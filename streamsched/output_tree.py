@@ -24,6 +24,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 from typing import Any, Callable
 
 import torch.utils._pytree as pytree
@@ -74,7 +75,11 @@ class _Custom:
         else:
             out = cls.__new__(cls)
             if self.kind == "dict":
-                dict.update(out, zip(self.keys, values))
+                # The base class's own item assignment: subclasses (ModelOutput) may
+                # forbid or redirect their public ones.
+                setitem = OrderedDict.__setitem__ if isinstance(out, OrderedDict) else dict.__setitem__
+                for k, v in zip(self.keys, values):
+                    setitem(out, k, v)
             elif self.kind == "list":
                 list.extend(out, values)
             else:

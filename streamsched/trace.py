@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import inspect
 import linecache
+import operator
 import os
 import sys
 import threading
@@ -183,6 +184,9 @@ class _LeafTracer(fx.Tracer):
                     pass
             raise
 
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _Proxy(node, self)
+
     def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict) -> Any:
         if threading.get_ident() != self.thread:
             return attr_val
@@ -204,6 +208,14 @@ class _LeafTracer(fx.Tracer):
         if mod is self.model:
             return ""
         return super().path_of_module(mod)
+
+
+class _Proxy(fx.Proxy):
+    """fx's proxy, with item assignment (``x[:, :k] = 0``) recorded as an
+    ``operator.setitem`` node: an in-place write the effect analysis orders."""
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        self.tracer.create_proxy("call_function", operator.setitem, (self, index, value), {})
 
 
 @dataclass

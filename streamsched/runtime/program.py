@@ -66,6 +66,9 @@ class Program:
     """Ids (after the value slots) of the storages some task writes in place; tasks list
     them among their reads and writes, so the SyncLog and its checker see every in-place
     effect. They hold no value."""
+    expected_writers: dict[tuple[int, int], int] = field(default_factory=dict)
+    """``(task, location slot) -> task`` whose write that task must see first (eager
+    order; -1: the state before the call), for the race checker."""
 
     def __post_init__(self) -> None:
         self.tasks_by_id = {t.id: t for t in self.tasks}
@@ -225,6 +228,8 @@ def compile_program(
     loc_reads = effects.reads if effects else {}
     loc_writes = effects.writes if effects else {}
     location_slots = tuple(n_values + i for i in range(effects.num_locations if effects else 0))
+    expected_writers: dict[tuple[int, int], int] = {}
+    writer_node = {n.name: n for n in graph.nodes}
 
     node_task: dict[fx.Node, int] = {}
     for t, nodes in enumerate(task_nodes):
@@ -282,6 +287,18 @@ def compile_program(
         for s in sorted(frees_of.get(t, ())):
             serial_body.append(f"env[{s}] = None")
         fn = _compile_function(f"task_{t}", body, emitter, filename)
+        if effects:
+            written_here: set[int] = set()
+            for node in nodes:
+                for loc, writer in effects.sees.get(node.name, {}).items():
+                    slot_id = n_values + loc
+                    if slot_id in written_here or (t, slot_id) in expected_writers:
+                        continue
+                    if writer is None:
+                        expected_writers[(t, slot_id)] = -1
+                    elif writer in writer_node:  # a writer fused away wrote only its own storage
+                        expected_writers[(t, slot_id)] = node_task[writer_node[writer]]
+                written_here.update(n_values + loc for loc in loc_writes.get(node.name, ()))
         cross = tuple(r for r in reads if r in slot_producer and stream[slot_producer[r]] != stream[t])
         seq_counter[stream[t]] += 1
         tasks.append(
@@ -320,6 +337,7 @@ def compile_program(
         slot_producer=slot_producer,
         lines=lines,
         location_slots=location_slots,
+        expected_writers=expected_writers,
     )
     # The generated source stays readable in tracebacks for as long as the program
     # lives, and no longer: plans come and go (LRU), linecache must not grow with them.

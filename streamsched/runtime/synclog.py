@@ -44,6 +44,8 @@ class SyncLog:
         self.entries: list[SyncEntry] = []
         self._lock = threading.Lock()
         self.input_slots: tuple[int, ...] = ()
+        # (task, location slot) -> the task whose write it must see (-1: before the call).
+        self.expected_writers: dict[tuple[int, int], int] = {}
 
     def _add(self, entry: SyncEntry) -> None:
         with self._lock:
@@ -79,6 +81,7 @@ class SyncLog:
         """A copy without the entries for which ``predicate(entry)`` is true (for tests)."""
         out = SyncLog()
         out.input_slots = self.input_slots
+        out.expected_writers = self.expected_writers
         out.entries = [e for e in self.entries if not predicate(e)]
         return out
 
@@ -138,6 +141,22 @@ def check_happens_before(log: SyncLog, task_names: Optional[dict[int, str]] = No
             clock[s] = [max(a, b) for a, b in zip(clock[s], clock[0])]
         elif e.kind == "launch":
             clock[s][s] += 1
+            for slot in (*e.slots, *e.writes):
+                expected = log.expected_writers.get((e.task, slot))
+                if expected is None:
+                    continue
+                seen = writer.get(slot, (0, 0, -1))[2]
+                if seen != expected:
+                    races.append(
+                        Race(
+                            "out-of-order",
+                            slot,
+                            s,
+                            e.task,
+                            f"{name(e.task)} on stream {s} accesses location {slot} after the write of "
+                            f"{name(seen)}, where eager order has it see the write of {name(expected)}",
+                        )
+                    )
             for slot in e.slots:
                 w = writer.get(slot)
                 if w is None:

@@ -1,0 +1,328 @@
+"""What eager does, the wrapper does: module modes, buffer updates and output types.
+
+Each test is a minimal reproduction of a way a trace can silently differ from eager:
+a training flag read by traced-through code, an in-place buffer update inside a
+traced-through module, a Python side effect during tracing, an output container type.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections import OrderedDict, namedtuple
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import streamsched as ss
+
+from .helpers import assert_close, grads
+
+# --- 1. modes ------------------------------------------------------------------------
+
+
+class MyBatchNorm(nn.BatchNorm2d):
+    """A BatchNorm subclass outside torch.nn: traced through, reading self.training and
+    updating num_batches_tracked in place (as timm's BatchNormAct2d does)."""
+
+    def forward(self, x):
+        if self.training:
+            self.num_batches_tracked.add_(1)
+            momentum = 0.0 if self.momentum is None else self.momentum
+            if self.momentum is None:
+                momentum = 1.0 / float(self.num_batches_tracked)
+        else:
+            momentum = 0.0
+        return F.batch_norm(
+            x, self.running_mean, self.running_var, self.weight, self.bias, self.training, momentum, self.eps
+        )
+
+
+class DropPath(nn.Module):
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x):
+        if not self.training or self.p == 0.0:
+            return x
+        keep = torch.ones(x.shape[0], 1, 1, 1).bernoulli_(1 - self.p)
+        return x * keep / (1 - self.p)
+
+
+class Net(nn.Module):
+    def __init__(self, momentum=0.1):
+        super().__init__()
+        self.a = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), MyBatchNorm(8, momentum=momentum), nn.ReLU())
+        self.b = nn.Sequential(nn.Conv2d(3, 8, 1), nn.BatchNorm2d(8), nn.ReLU())
+        self.drop = DropPath(0.5)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.cat([self.a(x), self.drop(self.b(x))], dim=1)
+        return self.head(h.mean((2, 3)))
+
+
+def _pair(model: nn.Module, **options):
+    eager = copy.deepcopy(model)
+    return eager, ss.StreamScheduledModule(model, **options)
+
+
+def _step_both(eager, sm, x, seed=0):
+    """One forward + backward on each; outputs, grads and the whole state must agree."""
+    for m in (eager, sm):
+        m.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    ref = eager(x)
+    torch.manual_seed(seed)
+    out = sm(x)
+    assert_close(out, ref, what="output")
+    if torch.is_grad_enabled() and ref.requires_grad:
+        ref.square().mean().backward()
+        out.square().mean().backward()
+        g_ref, g_out = grads(eager), grads(sm.module)
+        assert g_ref.keys() == g_out.keys()
+        for k in g_ref:
+            assert_close(g_out[k], g_ref[k], what=f"grad {k}")
+    sd_ref, sd_out = eager.state_dict(), sm.module.state_dict()
+    for k in sd_ref:
+        assert torch.equal(sd_out[k], sd_ref[k]) or torch.allclose(sd_out[k], sd_ref[k], atol=1e-6), k
+
+
+@pytest.mark.parametrize("executor", ["serial", "threads"])
+def test_eval_then_train_then_eval_equals_eager(executor):
+    eager, sm = _pair(Net(), executor=executor)
+    x = torch.randn(4, 3, 8, 8)
+    eager.eval(), sm.eval()
+    _step_both(eager, sm, x)
+    eager.train(), sm.train()
+    for i in range(3):
+        _step_both(eager, sm, torch.randn(4, 3, 8, 8), seed=i)
+    assert int(sm.module.a[1].num_batches_tracked) == 3
+    eager.eval(), sm.eval()
+    _step_both(eager, sm, x)
+
+
+def test_train_then_eval_uses_running_statistics():
+    eager, sm = _pair(Net())
+    x = torch.randn(4, 3, 8, 8)
+    _step_both(eager, sm, x)  # train
+    eager.eval(), sm.eval()
+    with torch.no_grad():
+        _step_both(eager, sm, x)
+
+
+def test_freezing_batchnorm_inside_a_training_model():
+    eager, sm = _pair(Net())
+    x = torch.randn(4, 3, 8, 8)
+    _step_both(eager, sm, x)
+    for model in (eager, sm.module):
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.eval()
+    for i in range(2):
+        _step_both(eager, sm, torch.randn(4, 3, 8, 8), seed=i)
+    assert int(sm.module.a[1].num_batches_tracked) == 1
+
+
+def test_setting_the_training_attribute_directly_is_seen():
+    eager, sm = _pair(Net())
+    x = torch.randn(4, 3, 8, 8)
+    _step_both(eager, sm, x)
+    eager.a[1].training = False
+    sm.module.a[1].training = False
+    _step_both(eager, sm, x)
+
+
+def test_buffer_updates_run_every_call_with_momentum_none():
+    eager, sm = _pair(Net(momentum=None))
+    for i in range(4):
+        _step_both(eager, sm, torch.randn(4, 3, 8, 8), seed=i)
+    assert int(sm.module.a[1].num_batches_tracked) == 4
+    assert_close(sm.module.a[1].running_mean, eager.a[1].running_mean)
+
+
+def test_a_changed_flag_of_a_traced_module_retraces():
+    eager, sm = _pair(Net())
+    x = torch.randn(4, 3, 8, 8)
+    _step_both(eager, sm, x)
+    eager.drop.p = 0.0
+    sm.module.drop.p = 0.0
+    _step_both(eager, sm, x)
+
+
+# --- 2. a trace has no side effects ----------------------------------------------------
+
+
+class CountsInPlace(nn.Module):
+    """Updates a plain tensor attribute (not a buffer) and a Python counter in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.seen = torch.zeros(())
+        self.calls = 0
+
+    def forward(self, x):
+        self.seen.add_(1)
+        self.calls += 1
+        return self.fc(x)
+
+
+class HasCounter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.counter = CountsInPlace()
+        self.other = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.counter(x) + self.other(x)
+
+
+def test_side_effects_during_tracing_make_the_module_opaque():
+    model = HasCounter()
+    sm = ss.StreamScheduledModule(model)
+    x = torch.randn(2, 4)
+    for i in range(3):
+        sm(x)
+        assert model.counter.calls == i + 1
+        assert float(model.counter.seen) == i + 1
+    assert [o.path for o in sm.plan.opaque] == ["counter"]
+
+
+class UntraceableWithCounter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("count", torch.zeros((), dtype=torch.long))
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        self.count.add_(1)
+        if x.sum() > 0:  # untraceable in the root: strict=False runs the model's own forward
+            return self.fc(x)
+        return -self.fc(x)
+
+
+def test_failed_trace_attempt_has_no_effect_on_state():
+    model = UntraceableWithCounter()
+    sm = ss.StreamScheduledModule(model, strict=False)
+    sm(torch.randn(2, 4))
+    assert int(model.count) == 1
+    sm(torch.randn(2, 4))
+    assert int(model.count) == 2
+
+
+# --- 4. output types ---------------------------------------------------------------------
+
+
+Pair = namedtuple("Pair", "logits hidden")
+
+
+class PlainDict(dict):
+    pass
+
+
+@dataclasses.dataclass
+class Output:
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    note: str = "static"
+
+
+class OrderedOutput(OrderedDict):
+    """Like transformers' ModelOutput when it is not registered with pytree."""
+
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+class Returns(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.a = nn.Linear(4, 3)
+        self.b = nn.Linear(4, 5)
+
+    def forward(self, x):
+        logits, hidden = self.a(x), self.b(x)
+        if self.kind == "namedtuple":
+            return Pair(logits, hidden)
+        if self.kind == "ordereddict":
+            return OrderedDict(logits=logits, hidden=hidden)
+        if self.kind == "dict_subclass":
+            return PlainDict(logits=logits, hidden=[hidden, None, 3])
+        if self.kind == "dataclass":
+            return Output(logits, hidden)
+        if self.kind == "ordered_subclass":
+            return OrderedOutput(logits=logits, hidden=hidden)
+        return {"logits": logits, "hidden": (hidden,)}
+
+
+OUTPUT_KINDS = ["namedtuple", "ordereddict", "dict_subclass", "dataclass", "ordered_subclass", "dict"]
+
+
+@pytest.mark.parametrize("kind", OUTPUT_KINDS)
+def test_outputs_keep_their_types_on_every_call(kind):
+    model = Returns(kind)
+    sm = ss.StreamScheduledModule(model)
+    for _ in range(3):
+        x = torch.randn(2, 4)
+        out, ref = sm(x), model(x)
+        assert type(out) is type(ref)
+        if isinstance(ref, dict):
+            assert list(out.keys()) == list(ref.keys())
+            assert_close(list(out.values())[0], list(ref.values())[0])
+        if kind in ("namedtuple", "dataclass", "ordered_subclass"):
+            assert_close(out.logits, ref.logits)
+            assert_close(out.hidden, ref.hidden)
+        if kind == "dataclass":
+            assert out.note == "static"
+        if kind == "dict_subclass":
+            assert out["hidden"][1:] == [None, 3]
+        if kind == "dict":
+            assert type(out["hidden"]) is tuple
+
+
+def test_each_call_gets_a_fresh_output_container():
+    sm = ss.StreamScheduledModule(Returns("dict"))
+    x = torch.randn(2, 4)
+    first = sm(x)
+    first["extra"] = 1
+    assert "extra" not in sm(x)
+
+
+# --- 5. functions as leaves ----------------------------------------------------------------
+
+
+def untraceable_helper(x):
+    if x.sum() > 0:  # would fail to trace
+        return x * 2
+    return x
+
+
+class CallsHelper(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return untraceable_helper(self.fc(x))
+
+
+def test_leaf_modules_accepts_functions():
+    model = CallsHelper()
+    sm = ss.StreamScheduledModule(model, leaf_modules=(untraceable_helper,))
+    x = torch.randn(2, 4)
+    assert_close(sm(x), model(x))
+    assert any(n.op == "call_function" and n.target.__name__ == "untraceable_helper" for n in sm._ss.last.graph.nodes)
+    assert not sm.plan.opaque
+
+
+def test_leaf_modules_rejects_other_things():
+    with pytest.raises(ss.ConfigError, match="functions"):
+        ss.StreamScheduledModule(CallsHelper(), leaf_modules=(3,))
