@@ -9,6 +9,7 @@ silently); ``STREAMSCHED_DISABLE_EXT=1`` forces the Python runtime (to compare t
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 import warnings
@@ -26,6 +27,10 @@ _reason = ""
 
 if os.environ.get("STREAMSCHED_DISABLE_EXT", "0") == "1":
     _reason = "disabled by STREAMSCHED_DISABLE_EXT=1"
+elif importlib.util.find_spec(f"{__package__}._C") is None:
+    # Without this check Python reports a missing module as "cannot import name '_C'
+    # from partially initialized module (most likely due to a circular import)".
+    _reason = "streamsched._C is not built (no compiled extension next to the package)"
 else:
     try:
         from . import _C as _module  # type: ignore[attr-defined, no-redef]

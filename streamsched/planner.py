@@ -22,7 +22,7 @@ from .graph import TaskGraph
 from .meta import ValueMeta
 from .passes.assign import Assignment, assign_streams
 from .passes.coarsen import coarsen
-from .plan import FusedGroupInfo, OpaqueModule, Plan, PlannedTask
+from .plan import FusedGroupInfo, OpaqueModule, Plan, PlannedTask, UnfusedGroup
 from .runtime.program import Program, compile_program
 from .trace import Traced
 
@@ -168,11 +168,13 @@ def make_schedule(
     device = _device_of(inputs, root)
     dev = device_model_for(device)
     groups: list[FusedGroupInfo] = []
+    unfused: list[UnfusedGroup] = []
     notes: list[str] = []
     stacks: list[Any] = []
     if config.fuse and fusion is not None:
         result = fusion.fuse(graph, root, metas, config, dev)
         groups = result.groups
+        unfused = result.unfused
         notes.extend(result.notes)
         seen: set[int] = set()
         for kernel in result.kernels:
@@ -264,6 +266,7 @@ def make_schedule(
         notes=notes,
         opaque=[OpaqueModule(path=p, reason=r) for p, r in traced.opaque_paths().items()],
         effect_edges=sum(len(v) for v in effects.after.values()),
+        unfused=unfused,
     )
     log.debug(
         "planned %s: %d tasks, %d streams, executor %s (%s)", plan.model, len(tasks), plan.num_streams, executor, reason

@@ -326,3 +326,27 @@ def test_leaf_modules_accepts_functions():
 def test_leaf_modules_rejects_other_things():
     with pytest.raises(ss.ConfigError, match="functions"):
         ss.StreamScheduledModule(CallsHelper(), leaf_modules=(3,))
+
+
+# --- 6. the plan says why a group was not fused ------------------------------------------
+
+
+def test_plan_says_why_a_group_was_not_fused():
+    class Hooked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.heads = nn.ModuleList(nn.Linear(4, 2) for _ in range(3))
+            for h in self.heads:
+                h.register_forward_hook(lambda m, i, o: None)
+
+        def forward(self, x):
+            return torch.cat([h(x) for h in self.heads], dim=1)
+
+    model = Hooked()
+    sm = ss.StreamScheduledModule(model)
+    x = torch.randn(2, 4)
+    assert_close(sm(x), model(x))
+    assert not sm.plan.fused_groups
+    [unfused] = sm.plan.unfused
+    assert unfused.kind == "Linear" and unfused.size == 3 and "hooks" in unfused.reason
+    assert "not fused: Linear x3" in sm.plan.summary()

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -60,8 +60,8 @@ from ..fusion.layout import (
     unstack,
 )
 from ..meta import ConstMeta, TensorMeta, ValueMeta
-from ..nodes import is_glue, node_label
-from ..plan import FusedGroupInfo
+from ..nodes import is_glue, node_label, target_name
+from ..plan import FusedGroupInfo, UnfusedGroup
 
 __all__ = ["fuse_graph", "FuseResult"]
 
@@ -161,6 +161,7 @@ class FuseResult:
     groups: list[FusedGroupInfo]
     notes: list[str]
     kernels: list[FusedKernel]
+    unfused: list[UnfusedGroup] = field(default_factory=list)
 
 
 @dataclass
@@ -269,25 +270,34 @@ def _inplace(node: fx.Node, module: Optional[nn.Module]) -> bool:
     return bool(node.kwargs.get("inplace", False))
 
 
-def _signature(node: fx.Node, root: nn.Module, metas: dict[fx.Node, ValueMeta]) -> Optional[tuple]:
+def _signature(
+    node: fx.Node, root: nn.Module, metas: dict[fx.Node, ValueMeta], why: Optional[dict[fx.Node, str]] = None
+) -> Optional[tuple]:
+    """The fusion signature of a node, or ``None``; ``why`` collects the reason where a
+    node that could otherwise be fused is left alone on purpose."""
     out = metas.get(node)
     if not isinstance(out, TensorMeta) or not _tensor_args(node):
         return None
+    excluded = None
     if node.meta.get("streamsched_effect"):
         # It writes a storage another node reads or writes (or reads one written in
         # place): its place in eager order is kept, so it runs alone.
-        log.debug("fuse: %s takes part in an in-place effect; not fused", node_label(node))
+        excluded = "takes part in an in-place effect on shared storage (kept in eager order)"
+    elif node.op == "call_module":
+        m = root.get_submodule(node.target)
+        if _has_hooks(m) or any(_has_hooks(s) for s in m.modules()):
+            excluded = "has hooks (they must fire per member)"
+        elif _module_kind(m) == "batchnorm" and m.momentum is None:
+            excluded = "BatchNorm with momentum=None (a cumulative average per member)"
+    if excluded is not None:
+        log.debug("fuse: %s %s; not fused", node_label(node), excluded)
+        if why is not None:
+            why[node] = excluded
         return None
     if node.op == "call_module":
         m = root.get_submodule(node.target)
-        if _has_hooks(m) or any(_has_hooks(s) for s in m.modules()):
-            log.debug("fuse: %s has hooks; not fused (hooks must fire per member)", node.target)
-            return None
         kind = _module_kind(m)
         if kind is None:
-            return None
-        if kind == "batchnorm" and m.momentum is None:
-            log.debug("fuse: %s has momentum=None; not fused", node.target)
             return None
         params = tuple((n, tuple(p.shape), p.dtype, p.device, p.requires_grad) for n, p in m.named_parameters())
         buffers = tuple((n, tuple(b.shape), b.dtype, b.device) for n, b in m.named_buffers())
@@ -369,17 +379,42 @@ class _Rewriter:
         self.members: set[fx.Node] = set()
         self.inserted: list[fx.Node] = []
         self.position = {n: i for i, n in enumerate(graph.nodes)}
+        self.unfused: list[UnfusedGroup] = []
+        # Why the group being built was rejected (set where ``build`` gives up).
+        self.reason = ""
+
+    def reject(self, reason: str, members: list[fx.Node]) -> None:
+        """Note that a proposed group stays unfused, and why (shown in the plan)."""
+        labels = [node_label(m) for m in members]
+        m = members[0]
+        kind = type(self.root.get_submodule(m.target)).__name__ if m.op == "call_module" else target_name(m)
+        self.unfused.append(UnfusedGroup(kind=kind, size=len(members), members=labels, reason=reason))
+        log.debug("fuse: %d x %s not fused: %s", len(members), labels[0], reason)
+
+    def _give_up(self, reason: str) -> None:
+        self.reason = reason
+        return None
 
     # -- proposals ------------------------------------------------------------------
 
     def propose(self) -> list[tuple[str, list[fx.Node]]]:
         level = _levels(self.graph)
         sigs: dict[fx.Node, tuple] = {}
+        why: dict[fx.Node, str] = {}
         for node in self.graph.nodes:
             if node.op in ("call_module", "call_function", "call_method"):
-                sig = _signature(node, self.root, self.metas)
+                sig = _signature(node, self.root, self.metas, why)
                 if sig is not None:
                     sigs[node] = sig
+        # Nodes left alone on purpose, grouped as they would have been (roughly): the
+        # plan says why they were not fused.
+        excluded: dict[tuple, list[fx.Node]] = {}
+        for node, reason in why.items():
+            what = type(self.root.get_submodule(node.target)) if node.op == "call_module" else target_name(node)
+            excluded.setdefault((what, level[node], reason), []).append(node)
+        for (_, _, reason), nodes in excluded.items():
+            if len(nodes) >= self.min_size:
+                self.reject(reason, nodes)
         proposals: list[tuple[str, list[fx.Node]]] = []
         taken: set[fx.Node] = set()
         # Wide groups: Linear/Conv of different widths reading one tensor.
@@ -597,19 +632,16 @@ class _Rewriter:
             mods = [self.root.get_submodule(m.target) for m in members]
             mkind = _module_kind(mods[0])
             if mkind == "conv" and self._compute_bound_on_cpu(anchor, mods[0]):
-                log.debug("fuse: %s does real work per member on CPU; a grouped conv would be slower", names[0])
-                return None
+                return self._give_up("convolutions with real work per member on CPU: a grouped conv is slower")
             single_input = len(anchor.args) == 1 and not anchor.kwargs
             if mkind in ("linear", "conv", "batchnorm", "layernorm", "elementwise") and not single_input:
                 return None
             if mkind == "elementwise" and _inplace(anchor, mods[0]) and not self._inplace_safe(members):
-                log.debug("fuse: in-place %s members whose inputs others read; not fused", names[0])
-                return None
+                return self._give_up("in-place members whose inputs other nodes read")
             sources = [self.source([m.args[k] for m in members], anchor) for k in range(len(anchor.args))]
             src = sources[0] if sources else None
             if mkind in ("elementwise", "batchnorm", "layernorm") and self._copied(sources):
-                log.debug("fuse: %s would need a stacked copy of its inputs; not worth it", names[0])
-                return None
+                return self._give_up("would need a stacked copy of its inputs: not worth it for a cheap op")
             if mkind == "linear":
                 kernel = LinearKernel(
                     mods,
@@ -721,9 +753,7 @@ class _Rewriter:
         params = {n: self.stacks.stack_for(self._owners(mods, n)) for n, _ in mods[0].named_parameters()}
         buffers = {n: self.stacks.stack_for(self._owners(mods, n)) for n, b in mods[0].named_buffers() if b is not None}
         if not _vmap_trial(mods[0], sources, dict(anchor.kwargs), out_shape):
-            log.debug("fuse: vmap cannot batch %s; not fused", type(mods[0]).__name__)
-            self.notes.append(f"{len(mods)} x {type(mods[0]).__name__} not fused: vmap cannot batch it")
-            return None
+            return self._give_up("vmap cannot batch it")
         return VmapKernel(
             mods, names, params, buffers, [(s.layout, s.shape) for s in sources], dict(anchor.kwargs), out_shape
         )
@@ -912,17 +942,19 @@ def fuse_graph(
     rw = _Rewriter(graph, root, metas, stacks, device, min_size)
     for kind, members in rw.propose():
         rw.inserted = []
+        rw.reason = ""
         try:
             kernel = rw.build(kind, members)
         except Exception as exc:  # noqa: BLE001 - a group that cannot be built stays unfused
-            log.debug("fuse: group of %d %s not fused: %s", len(members), node_label(members[0]), exc)
+            rw.reason = f"building its kernel failed: {type(exc).__name__}: {exc}"
             kernel = None
         if kernel is None:
             rw.discard_inserted()
+            rw.reject(rw.reason or "no batched kernel for these arguments", members)
     if not rw.kernels:
-        return FuseResult([], rw.notes, [])
+        return FuseResult([], rw.notes, [], rw.unfused)
     rw.rewrite_consumers()
     rw.erase_members()
     _resort(graph, rw.position)
     graph.lint()
-    return FuseResult(rw.groups, rw.notes, rw.kernels)
+    return FuseResult(rw.groups, rw.notes, rw.kernels, rw.unfused)
