@@ -13,14 +13,78 @@ try:
 except ImportError:  # pragma: no cover
     pass
 
+# A real GPU runs the `cuda`-marked tests on itself; without one they run on the emulated
+# device (streamsched.emulated_cuda), except those also marked `gpu` (timings, peak memory,
+# the native CUDA backend, several processes): only real hardware can show those.
+REAL_GPU = torch.cuda.is_available()
+
+
+def _test_shapes_gpu_model():
+    from streamsched.cost import DeviceModel
+
+    # Throughputs far below a GPU's: kernels of test shapes weigh, relative to a launch,
+    # what large ones do on a real GPU.
+    return DeviceModel("cuda", flops_per_us=2.0e4, bytes_per_us=4.0e3, launch_us=1.0)
+
+
+TEST_SHAPES_GPU_MODEL = _test_shapes_gpu_model()
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "gpu: needs real CUDA hardware (timings, peak memory, native CUDA backend); skipped when emulated"
+    )
+
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
+    if REAL_GPU:
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip = pytest.mark.skip(reason="needs a real CUDA GPU (the emulated device cannot show this)")
     for item in items:
-        if "cuda" in item.keywords:
+        if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _cuda_device(request, monkeypatch):
+    """`cuda`-marked tests without a GPU: run inside an emulated two-device CUDA; fail the
+    test if the emulator found a race, an unsafe reuse or a leaked graph pool that the test
+    did not take (``emulated_cuda.take_reports()``).
+
+    On the real GPU too, `cuda`-marked tests (not `gpu`-marked ones) plan with a cost model
+    in which their small shapes cost what large ones would on a GPU: with GPU throughputs
+    a test-sized branch costs less than its launch, and every plan would collapse onto one
+    stream, leaving the multi-stream paths untested."""
+    if request.node.get_closest_marker("cuda") is None:
+        yield None
+        return
+    if request.node.get_closest_marker("gpu") is None:
+        import streamsched.cost
+
+        monkeypatch.setattr(streamsched.cost, "GPU_MODEL", TEST_SHAPES_GPU_MODEL)
+    if REAL_GPU:
+        yield None
+        return
+    import streamsched.runtime.eager.streams as eager_streams
+    from streamsched.emulated_cuda import EmulatedCuda
+
+    # Streams do not outlive the emulated device: eager dispatch's process-wide pools start empty.
+    monkeypatch.setattr(eager_streams, "_CUDA_STREAMS", {})
+    with EmulatedCuda(devices=2, seed=0) as cuda:
+        yield cuda
+        import gc
+
+        gc.collect()
+        torch.cuda.synchronize()
+        cuda.check()
+
+
+@pytest.fixture
+def emulated_cuda(_cuda_device):
+    """The emulated device of a `cuda`-marked test (skips where a real GPU runs the test)."""
+    if _cuda_device is None:
+        pytest.skip("checks the emulated CUDA device; this machine has a real GPU")
+    return _cuda_device
 
 
 @pytest.fixture(autouse=True)

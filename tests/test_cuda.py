@@ -29,6 +29,7 @@ def cuda_models():
     }
 
 
+@pytest.mark.gpu
 def test_native_runtime_drives_cuda():
     info = ss.runtime_info()
     assert info["native"] and info["native_cuda"], info
@@ -101,6 +102,7 @@ def test_sync_log_on_cuda_is_clean():
     assert check_happens_before(sm.last_sync_log) == []
 
 
+@pytest.mark.gpu
 def test_peak_memory_close_to_eager():
     model = Inception3().eval().to(DEV)
     x = torch.randn(8, 3, 299, 299, device=DEV)

@@ -917,10 +917,12 @@ def test_cuda_branches_run_on_pool_streams_beside_the_caller():
     model = Probe().cuda()
     sm = wrap(copy.deepcopy(model))
     side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())  # the weights were copied on the default stream
     with torch.cuda.stream(side):  # composes with the caller's own stream
         x = positive(256, 64).cuda()
+        ref = model(x)  # unwrapped: its branches run where it is called
+        streams.clear()
         out = sm(x)
-        ref = model(x)
     torch.cuda.synchronize()
     assert_close(out, ref)
     assert len(set(streams)) == 2 and side.cuda_stream not in streams

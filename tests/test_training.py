@@ -344,6 +344,7 @@ def assert_grads_ready_on_a_caller_stream(case: Case, reference, sm) -> None:
     """Train on a caller stream of our own and read every .grad there right after
     backward(): work of other streams not joined to it would show as wrong values."""
     caller = torch.cuda.Stream()
+    caller.wait_stream(torch.cuda.current_stream())  # the models were copied on the default stream
     with torch.cuda.stream(caller):
         for call in range(4):
             zero_grads(reference, sm)

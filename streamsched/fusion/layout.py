@@ -80,4 +80,17 @@ def select_members(
     x: torch.Tensor, layout: Layout, n: int, shape: tuple[int, ...], index: torch.Tensor
 ) -> torch.Tensor:
     """Some members, in another order: ``STACK`` layout ``[len(index), *shape]``."""
-    return to_stack(x, layout, n, shape).index_select(0, index.to(x.device))
+    return to_stack(x, layout, n, shape).index_select(0, _index_on(index, x.device))
+
+
+def _index_on(index: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``index`` (a host tensor baked into the plan) on ``device``, copied on first use only:
+    a host-to-device copy in every call synchronises the stream, which CUDA graph capture
+    forbids."""
+    if index.device == device:
+        return index
+    copies = index.__dict__.setdefault("_ss_on_device", {})
+    on_device = copies.get(device)
+    if on_device is None:
+        on_device = copies[device] = index.to(device)
+    return on_device

@@ -1,0 +1,140 @@
+"""An emulated CUDA device, so that CUDA stream code runs, unchanged, on a machine without a GPU.
+
+Inside ``with EmulatedCuda(devices=2):``, ``torch.cuda`` says CUDA is available with
+``devices`` devices; tensors created on ``"cuda"``/``"cuda:1"`` (factories with a device,
+``.to()``, ``.cuda()``) are CPU tensors that report that device (``.device``, ``.is_cuda``);
+``torch.cuda.Stream``/``Event``/``CUDAGraph``, ``current_stream``, ``set_stream``,
+``torch.cuda.stream``, ``device``, ``synchronize``, ``graph``, ``graph_pool_handle`` and
+``record_stream`` work, and what CUDA would do wrong is reported:
+
+- **Races.** Every kernel's reads and writes are taken from the operator schema and
+  checked per storage, on the stream that launched it, by PyTorch's stream sanitizer
+  (``torch.cuda._sanitizer.EventHandler``: vector clocks over events, stream waits and
+  host synchronisations). An access not ordered after a conflicting one on another stream
+  (a missing ``wait_event``/``wait_stream``, a missing join) raises
+  :class:`UnsynchronizedAccess` at that kernel and is kept in :attr:`EmulatedCuda.reports`.
+- **Memory reuse.** A block freed by the host returns to its allocation stream's pool,
+  as in PyTorch's caching allocator: if a stream that used it, without
+  ``record_stream``, is not ordered before the next work of the allocation stream (which
+  could be handed that memory), a ``"reuse"`` report is recorded.
+- **Capture.** ``torch.cuda.graph`` captures for real: kernels on the capturing stream and
+  on streams that joined it by waiting on an event recorded in the capture are recorded,
+  not kept (memory written outside the graph's pool gets its bytes back at the end of the
+  capture; memory allocated in it is filled with NaN). CUDA's rules raise at the call that
+  breaks them and invalidate the capture, so that ``capture_end`` then fails as
+  ``cudaStreamEndCapture`` does: synchronising or reading on the host (``.item()``,
+  ``.cpu()``, ``synchronize()``), pinning host memory while a ``"global"`` capture runs in
+  any thread (``"thread_local"``: in the capturing thread), waiting on an event recorded
+  outside the capture, a forked stream not joined back before the end. The graph memory
+  pool is modelled: a capture that fails leaves it recording (the next capture into it
+  fails) until ``torch._C._cuda_endAllocateToPool`` / ``_cuda_releasePool``.
+- **Replay** runs the captured kernels again in a random order consistent only with the
+  captured dependencies (stream order and event waits), on the replaying stream as one
+  launch for the checker; memory from outside the graph is read by address, and a replay
+  after that memory was freed is reported instead of read.
+
+What it cannot show: anything about time (speed, overlap, real asynchrony of the host),
+autograd's own stream handling in backward (backward kernels run on the stream current
+when ``backward()`` is called), the native CUDA backend of ``streamsched._C``, peak memory
+of the real allocator, kernels PyTorch does not dispatch (custom CUDA extensions).
+
+Example::
+
+    >>> from streamsched.emulated_cuda import EmulatedCuda
+    >>> with EmulatedCuda() as cuda:                       # doctest: +SKIP
+    ...     a = torch.ones(4, device="cuda")
+    ...     s = torch.cuda.Stream()
+    ...     with torch.cuda.stream(s):
+    ...         b = a * 2                                   # no wait: a race
+    Traceback (most recent call last):
+    UnsynchronizedAccess: ...
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from . import _api
+from ._core import CudaError, Emulator, Report, UnsynchronizedAccess
+from ._modes import KernelMode, PlacementMode
+
+__all__ = ["EmulatedCuda", "Report", "UnsynchronizedAccess", "CudaError", "active"]
+
+
+def active() -> Optional[EmulatedCuda]:
+    """The emulated device in use, if any."""
+    return _CURRENT
+
+
+_CURRENT: Optional[EmulatedCuda] = None
+
+
+class EmulatedCuda:
+    """Context manager: emulate ``devices`` CUDA devices in this process (see the module
+    docstring). One at a time; enter and exit in the same thread. Its PyTorch modes are
+    thread-local: threads other than the entering one see ``torch.cuda`` emulated but
+    should not create or run tensors on the emulated device.
+
+    Args:
+        devices: how many devices (``cuda:0`` ... ``cuda:{devices-1}``).
+        seed: seed of the random replay order of captured graphs.
+        raise_on_race: raise :class:`UnsynchronizedAccess` at the kernel that races (the
+            report is kept either way).
+    """
+
+    def __init__(self, devices: int = 2, seed: int = 0, raise_on_race: bool = True):
+        self.emulator = Emulator(devices, seed=seed, raise_on_race=raise_on_race)
+        self._patches: Any = None
+        self._modes: list[Any] = []
+
+    def __enter__(self) -> EmulatedCuda:
+        global _CURRENT
+        if _CURRENT is not None:
+            raise RuntimeError("an emulated CUDA device is already active")
+        emu = self.emulator
+        self._patches = _api.install(emu)
+        emu.active = True
+        self._modes = [PlacementMode(emu), KernelMode(emu)]
+        for m in self._modes:
+            m.__enter__()
+        _CURRENT = self
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        global _CURRENT
+        _CURRENT = None
+        for m in reversed(self._modes):
+            m.__exit__(*exc)
+        self._modes = []
+        self.emulator.active = False
+        _api.uninstall(self._patches)
+
+    # --- what was found -------------------------------------------------------------------
+
+    @property
+    def reports(self) -> list[Report]:
+        return self.emulator.reports
+
+    def take_reports(self, kind: Optional[str] = None) -> list[Report]:
+        """Reports so far (of ``kind``: ``"race"``, ``"reuse"``, ``"replay-freed"``, or all),
+        removed from :attr:`reports`."""
+        return self.emulator.take_reports(kind)
+
+    def leaks(self) -> list[str]:
+        """Graph memory pools left behind by failed captures."""
+        return self.emulator.leaks()
+
+    @property
+    def advisories(self) -> list[str]:
+        """Things CUDA allows that PyTorch advises against (a graph pool shared by captures
+        on different streams)."""
+        return self.emulator.advisories
+
+    def check(self) -> None:
+        """Raise ``AssertionError`` listing every report and leak not taken yet."""
+        problems = [str(r) for r in self.emulator.reports] + self.leaks()
+        if problems:
+            raise AssertionError("emulated CUDA device found:\n  " + "\n  ".join(problems))
+
+    def is_capturing(self) -> bool:
+        return any(not c.ended for c in self.emulator._captures)
