@@ -417,18 +417,18 @@ class _Rewriter:
                 self.reject(reason, nodes)
         proposals: list[tuple[str, list[fx.Node]]] = []
         taken: set[fx.Node] = set()
-        # Wide groups: Linear heads of different widths reading one tensor.
+        # Wide groups: Linear/Conv of different widths reading one tensor.
         wide: dict[tuple, list[fx.Node]] = {}
         for node in sigs:
             if node.op != "call_module" or len(node.args) != 1 or node.kwargs:
                 continue
             m = self.root.get_submodule(node.target)
-            if type(m) is not nn.Linear:
-                # Convolutions of different widths fused "wide" made a timm Inception-v3
-                # differ from eager once it had run in training mode (exact with them
-                # unfused); until the cause is found, only Linear heads are fused wide.
+            if type(m) is nn.Linear:
+                cfg = ("linear", m.in_features, m.bias is not None)
+            elif type(m) in (nn.Conv1d, nn.Conv2d, nn.Conv3d) and m.groups == 1 and m.padding_mode == "zeros":
+                cfg = (type(m), m.in_channels, m.kernel_size, m.stride, m.padding, m.dilation, m.bias is not None)
+            else:
                 continue
-            cfg = ("linear", m.in_features, m.bias is not None)
             p = m.weight
             key = (node.args[0], cfg, p.dtype, p.device, p.requires_grad, m.training)
             wide.setdefault(key, []).append(node)
