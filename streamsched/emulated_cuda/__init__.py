@@ -124,6 +124,10 @@ class EmulatedCuda:
         """Graph memory pools left behind by failed captures."""
         return self.emulator.leaks()
 
+    def take_leaks(self) -> list[str]:
+        """:meth:`leaks`, after which those pools count as released."""
+        return self.emulator.take_leaks()
+
     @property
     def advisories(self) -> list[str]:
         """Things CUDA allows that PyTorch advises against (a graph pool shared by captures

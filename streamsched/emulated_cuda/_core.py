@@ -788,6 +788,19 @@ class Emulator:
                 )
         return out
 
+    def take_leaks(self) -> list[str]:
+        """:meth:`leaks`, after which those pools count as released."""
+        found = self.leaks()
+        live: dict[tuple, int] = {}
+        for g in list(self._graphs):
+            if g._graph is not None and g._pool_id is not None:
+                live[g._pool_id] = live.get(g._pool_id, 0) + 1
+        for p in self._pools.values():
+            if p.recording is not None and p.recording.ended:
+                p.recording = None
+            p.users = min(p.users, live.get(p.pool_id, 0) + sum(1 for c in self._captures if c.pool is p))
+        return found
+
     def record_node(
         self,
         cap: _Capture,
