@@ -274,10 +274,10 @@ def test_pinning_host_memory_in_another_thread_during_capture(emulated_cuda, mod
 
 
 def test_replay_reads_outside_memory_by_address_and_reports_it_freed(emulated_cuda):
-    x = torch.ones(4, device="cuda")
-    g, out = _capture(lambda: x * 2)
+    held = [torch.ones(4, device="cuda")]
+    g, out = _capture(lambda: held[0] * 2)
     g.replay()
-    del x
+    held.clear()
     gc.collect()
     with pytest.raises(UnsynchronizedAccess, match="freed after the capture"):
         g.replay()
