@@ -33,6 +33,24 @@ $(CUDA_INSTALLED): setup.cfg setup.py pyproject.toml Makefile | $(CUDA_PY)
 	SKIP_EXT=1 $(CUDA_PIP) install -q --no-build-isolation -e ".[test]"
 	touch $@
 
+# The extension with its CUDA backend, compiled in $(CUDA_VENV) against the CUDA build of
+# PyTorch (no GPU needed) with -Werror, out of tree: streamsched/_C*.so stays the main
+# .venv's. Checked by .ci/check_cuda_ext.py: every symbol resolves once torch is loaded,
+# cuda_compiled() is True; and a failed compile leaves a working pure-Python install.
+CUDA_BUILD := build/cuda
+.PHONY: cuda-build
+cuda-build: $(CUDA_BUILD)/.built $(CUDA_BUILD)/.fallback-checked
+
+$(CUDA_BUILD)/.built: $(EXT_SOURCES) setup.py .ci/check_cuda_ext.py $(CUDA_INSTALLED)
+	USE_CUDA=1 STREAMSCHED_WERROR=1 MAX_JOBS=$${MAX_JOBS:-2} $(CUDA_PY) setup.py -q build_ext \
+	  --build-lib $(CUDA_BUILD)/lib --build-temp $(CUDA_BUILD)/tmp
+	$(CUDA_PY) .ci/check_cuda_ext.py built $(CUDA_BUILD)/lib
+	touch $@
+
+$(CUDA_BUILD)/.fallback-checked: setup.py .ci/check_cuda_ext.py | $(CUDA_INSTALLED) $(CUDA_BUILD)/.built
+	$(CUDA_PY) .ci/check_cuda_ext.py fallback $(CUDA_BUILD)/fallback
+	touch $@
+
 all: test
 
 $(PY):

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU validation run, in one call on a GPU machine (see docs/gpu.md):
 #   source .gpu/device-prelude.sh && make gpu-check
-# Builds streamsched._C with CUDA, runs every test (the cuda-marked ones included), the
-# CUDA tests again under PyTorch's stream sanitizer, the GPU benchmarks and a timeline;
+# Builds streamsched._C with CUDA and checks it (.ci/check_cuda_ext.py), then runs every
+# test (the cuda-marked ones included), the CUDA tests again under PyTorch's stream
+# sanitizer, the GPU benchmarks and a timeline (none of these if the build fails);
 # writes everything under $OUT (at most 8 files: a summary, logs and results packed in
 # one archive, the timeline picture) and prints a short table last. Each stage has a
 # time budget so the whole run stays under 10 minutes.
@@ -27,22 +28,37 @@ stage() {  # stage NAME SECONDS COMMAND...  (skipped when the run's deadline is 
 }
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv > "$ALL/nvidia-smi.csv" 2>&1
-stage build 240 env USE_CUDA=1 "$PY" setup.py build_ext --inplace
-stage info 30 "$PY" -m streamsched info --json
-cp "$ALL/info.log" "$ALL/env.json" 2>/dev/null
-stage tests 200 "$PY" -m pytest -q -p no:cacheprovider tests -m "not slow" -o addopts="" --durations=15
-stage sanitizer 90 env TORCH_CUDA_SANITIZER=1 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests \
-  -k "not graph and not capture and not peak_memory" -o addopts=""
-stage timeline 40 "$PY" -m streamsched timeline streamsched.models:Inception3 --input-shape 1,3,299,299 \
-  --device cuda --out "$ALL/inception_b1"
-stage overhead 30 "$PY" benchmarks/overhead_bench.py --device cuda --out "$ALL/overhead.json"
-stage prefetch 40 "$PY" benchmarks/prefetch_bench.py --out "$ALL/prefetch.json"
-stage bench 400 "$PY" -m streamsched bench --device cuda --rounds 10 --compile-budget 60 --out "$ALL/bench"
+# The toolkit setup.py would pick ($CUDA_HOME, /usr/local/cuda, the nvcc on PATH with
+# wrappers resolved), exported for the build and for anything that compiles later.
+CUDA_HOME="${CUDA_HOME:-$("$PY" setup.py --print-cuda-home 2>/dev/null)}"
+export CUDA_HOME
+status toolkit "${CUDA_HOME:-none found}"
+# Everything after the build needs the extension (STREAMSCHED_REQUIRE_EXT=1): if it does
+# not build, stop here with the build log rather than spend the run on failing stages.
+if [ -n "$CUDA_HOME" ] && stage build 240 env USE_CUDA=1 "$PY" setup.py build_ext --inplace \
+  && stage ext-check 60 "$PY" .ci/check_cuda_ext.py built .; then
+  stage info 30 "$PY" -m streamsched info --json
+  cp "$ALL/info.log" "$ALL/env.json" 2>/dev/null
+  stage tests 200 "$PY" -m pytest -q -p no:cacheprovider tests -m "not slow" -o addopts="" --durations=15
+  stage sanitizer 90 env TORCH_CUDA_SANITIZER=1 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests \
+    -k "not graph and not capture and not peak_memory" -o addopts=""
+  stage timeline 40 "$PY" -m streamsched timeline streamsched.models:Inception3 --input-shape 1,3,299,299 \
+    --device cuda --out "$ALL/inception_b1"
+  stage overhead 30 "$PY" benchmarks/overhead_bench.py --device cuda --out "$ALL/overhead.json"
+  stage prefetch 40 "$PY" benchmarks/prefetch_bench.py --out "$ALL/prefetch.json"
+  stage bench 400 "$PY" -m streamsched bench --device cuda --rounds 10 --compile-budget 60 --out "$ALL/bench"
+else
+  status "remaining stages" "skipped: no CUDA build of streamsched._C (see build)"
+  BUILD_FAILED=1
+fi
 
 {
   echo "# GPU check $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo; echo '```'; cat "$ALL/nvidia-smi.csv"; echo '```'
   echo; echo "## Stages"; echo '```'; cat "$ALL/status.txt"; echo '```'
+  if [ -n "${BUILD_FAILED:-}" ]; then
+    echo; echo "## Build"; echo '```'; tail -n 40 "$ALL/build.log" "$ALL/ext-check.log" 2>/dev/null; echo '```'
+  fi
   echo; echo "## Tests"; echo '```'; tail -n 25 "$ALL/tests.log"; echo '```'
   echo; echo "## Sanitizer"; echo '```'; tail -n 10 "$ALL/sanitizer.log"; echo '```'
   if [ -f "$ALL/bench/bench.md" ]; then echo; echo "## Benchmarks"; cat "$ALL/bench/bench.md"; fi
