@@ -441,7 +441,7 @@ class StreamScheduledModule(nn.Module):
         executor = self._ss.serial if name == "serial" else self._executor(schedule)
         cuda = schedule.plan.device.startswith("cuda")
         if cuda:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(schedule.plan.device)
         start = time.perf_counter()
         try:
             out = executor.run(schedule.program, tensors)
@@ -451,7 +451,7 @@ class StreamScheduledModule(nn.Module):
                 annotate_exception(exc, f"module '{where}' of {type(self.module).__name__}")
             raise
         if cuda:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(schedule.plan.device)
         trial.add(name, time.perf_counter() - start)
         if trial.done():
             schedule.plan = trial.decide(schedule.plan)
