@@ -1,7 +1,14 @@
-"""CUDA tests: streams really used, events, record_stream, graph capture. Skipped without a GPU
-(`make gpu-check` runs them on a GPU machine, also under TORCH_CUDA_SANITIZER=1)."""
+"""CUDA tests: streams really used, events, record_stream, graph capture. On a GPU machine
+`make gpu-check` runs them (also under TORCH_CUDA_SANITIZER=1); elsewhere they run on the
+emulated device (streamsched.emulated_cuda), which fails a test on any unordered access,
+unsafe memory reuse or broken capture rule, except the `gpu`-marked ones (timings, peak
+memory, the native CUDA backend).
+
+Every plan here that can use several streams is checked to (conftest gives `cuda` tests a
+cost model under which their small shapes are worth spreading)."""
 
 import copy
+import threading
 import warnings
 
 import pytest
@@ -25,8 +32,13 @@ def cuda_models():
         "towers": (Towers(4, 256).to(DEV), (torch.randn(64, 256, device=DEV),)),
         "conv_towers": (ConvTowers().to(DEV), (torch.randn(4, 8, 32, 32, device=DEV),)),
         "nasnet": (NASNetCells(32, 2, num_classes=10).to(DEV), (torch.randn(2, 3, 64, 64, device=DEV),)),
-        "pfcn": (ParallelFCN(256).to(DEV), (torch.randn(8, 256 * 20, device=DEV),)),
+        "pfcn": (ParallelFCN(256).to(DEV), (torch.randn(128, 256 * 20, device=DEV),)),
     }
+
+
+def emulated(request):
+    """The emulated device this test runs on, or None on a real GPU."""
+    return request.getfixturevalue("_cuda_device")
 
 
 @pytest.mark.gpu
@@ -41,6 +53,8 @@ def test_streams_outputs_and_grads_equal_eager(name, fuse):
     model, inputs = cuda_models()[name]
     sm = check_against_eager(model, inputs, executor="streams", fuse=fuse, num_streams=4, min_task_cost=0.0, atol=1e-4)
     assert sm.plan.executor == "streams" and sm.plan.device.startswith("cuda")
+    if not (name == "pfcn" and fuse):  # fused, the 256 MLPs are one chain of batched kernels
+        assert sm.plan.num_streams > 1
 
 
 def test_inception_streams_use_several_streams_and_match_eager():
@@ -57,6 +71,7 @@ def test_caller_stream_is_respected_and_restored():
     x = torch.randn(64, 256, device=DEV)
     expected = model(x)
     sm(x)
+    assert sm.plan.num_streams > 1
     caller = torch.cuda.Stream()
     caller.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(caller):
@@ -79,6 +94,7 @@ def test_chaos_delays_never_change_results(seed):
     for _ in range(20):
         x = torch.randn(4, 8, 32, 32, device=DEV)
         assert_close(sm(x), model(x), atol=1e-4)
+    assert sm.plan.num_streams > 1
     assert check_happens_before(sm.last_sync_log) == []
 
 
@@ -91,6 +107,7 @@ def test_memory_of_values_crossing_streams_is_not_reused_early():
     for _ in range(30):
         x = torch.randn(128, 512, device=DEV)
         assert_close(sm(x), model(x), atol=1e-4)
+    assert sm.plan.num_streams > 1
 
 
 def test_sync_log_on_cuda_is_clean():
@@ -99,6 +116,7 @@ def test_sync_log_on_cuda_is_clean():
     with torch.no_grad():
         sm(*inputs)
         sm(*inputs)
+    assert sm.plan.num_streams > 1
     assert check_happens_before(sm.last_sync_log) == []
 
 
@@ -129,12 +147,14 @@ def test_peak_memory_close_to_eager():
 def test_graph_replay_equals_eager(name):
     model, inputs = cuda_models()[name]
     model.eval()
-    sm = ss.StreamScheduledModule(model, cuda_graph=True, num_streams=4, min_task_cost=0.0)
+    sm = ss.StreamScheduledModule(model, executor="streams", cuda_graph=True, num_streams=4, min_task_cost=0.0)
     with torch.no_grad():
         for _ in range(4):
             xs = tuple(torch.randn_like(x) for x in inputs)
             assert_close(sm(*xs), model(*xs), atol=1e-4)
     assert len(sm._ss.graphs[sm.plan.device]) == 1
+    if name != "pfcn":  # fused, ParallelFCN is one chain: the others capture several streams
+        assert sm.plan.num_streams > 1
 
 
 def test_weights_updated_after_capture_are_seen():
@@ -158,28 +178,30 @@ def test_weights_updated_after_capture_are_seen():
 
 
 def test_static_outputs_are_overwritten_when_not_cloned():
-    model = Towers(2, 64).to(DEV).eval()
-    sm = ss.StreamScheduledModule(model, cuda_graph=True, clone_outputs=False)
+    model = Towers(3, 128).to(DEV).eval()
+    sm = ss.StreamScheduledModule(model, executor="streams", cuda_graph=True, clone_outputs=False, fuse=False)
     with torch.no_grad():
-        a = torch.randn(8, 64, device=DEV)
-        b = torch.randn(8, 64, device=DEV)
+        a = torch.randn(32, 128, device=DEV)
+        b = torch.randn(32, 128, device=DEV)
         sm(a)
         out_a = sm(a)
         expected_b = model(b)
         out_b = sm(b)
     assert out_a.data_ptr() == out_b.data_ptr()
     assert_close(out_a, expected_b, atol=1e-5)
+    assert sm.plan.num_streams > 1
 
 
 def test_graph_cache_is_bounded():
-    model = Towers(2, 64).to(DEV).eval()
-    sm = ss.StreamScheduledModule(model, cuda_graph=True, graph_cache_size=2)
+    model = Towers(3, 128).to(DEV).eval()
+    sm = ss.StreamScheduledModule(model, executor="streams", cuda_graph=True, graph_cache_size=2, fuse=False)
     with torch.no_grad():
-        for batch in (1, 2, 3, 4):
-            x = torch.randn(batch, 64, device=DEV)
+        for batch in (16, 32, 48, 64):
+            x = torch.randn(batch, 128, device=DEV)
             sm(x)
             assert_close(sm(x), model(x), atol=1e-5)
     assert len(sm._ss.graphs[sm.plan.device]) == 2
+    assert sm.plan.num_streams > 1
 
 
 class Syncing(nn.Module):
@@ -216,6 +238,241 @@ def test_training_runs_on_streams_when_graphs_are_on():
     model = CriticEnsemble(8).to(DEV)
     sm = check_against_eager(model, (torch.randn(16, 23, device=DEV),), cuda_graph=True, atol=1e-4)
     assert any("CUDA graph" in note for note in sm.plan.notes)
+
+
+# --- defects of the graph executor found by review: each test failed before its fix ----------
+
+
+def graph_towers(n: int = 3, d: int = 64, device=DEV, **config):
+    model = Towers(n, d).to(device)
+    config = {
+        "executor": "streams",
+        "cuda_graph": True,
+        "num_streams": 4,
+        "min_task_cost": 0.0,
+        "fuse": False,
+        **config,
+    }
+    return model, ss.StreamScheduledModule(model, **config)
+
+
+def graphs_of(sm):
+    return sm._ss.graphs.get(sm.plan.device, ())
+
+
+def test_training_steps_are_not_captured():
+    """The parameters require grad though the inputs do not: a captured step would replay
+    onto the one autograd graph recorded at capture, and the second backward would fail."""
+    model, sm = graph_towers()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(3):
+        x = torch.randn(16, 64, device=DEV)
+        for m, o in ((sm, opt), (ref, opt_ref)):
+            o.zero_grad()
+            m(x).pow(2).mean().backward()
+            o.step()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert_close(p, q, atol=1e-5, what="parameter after the step")
+    assert sm.plan.num_streams > 1
+    assert len(graphs_of(sm)) == 0
+    with torch.no_grad():  # inference of the same signature is captured
+        sm(x)
+        assert_close(sm(x), ref(x), atol=1e-5)
+    assert len(graphs_of(sm)) == 1
+
+
+class SyncingTowers(nn.Module):
+    """Two towers; one ends in a branch that reads a value on the host for batches of 8 or more."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
+        self.b = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
+
+    @ss.branch
+    def clip(self, h):
+        if h.shape[0] < 8:
+            return h * 0.5
+        return h * min(1.0, 10.0 / float(h.abs().max()))  # a CPU synchronisation
+
+    def forward(self, x):
+        return self.a(x) + self.clip(self.b(x))
+
+
+def test_a_failed_capture_keeps_its_error_the_callers_stream_and_its_pool_usable():
+    model = SyncingTowers().to(DEV).eval()
+    x, small = torch.randn(8, 64, device=DEV), torch.randn(4, 64, device=DEV)
+    caller = torch.cuda.current_stream()
+    config = {"executor": "streams", "num_streams": 4, "min_task_cost": 0.0, "fuse": False}
+    strict = ss.StreamScheduledModule(model, cuda_graph=True, **config)
+    with torch.no_grad():
+        strict(x)
+        with pytest.raises(CaptureError) as info:
+            strict(x)
+    # The error that broke the capture, with the task it came from; not the one
+    # cudaStreamEndCapture reports for an invalidated capture.
+    assert "not permitted when stream is capturing" in str(info.value) and "clip" in str(info.value)
+    assert "previous error during capture" not in str(info.value)
+    assert torch.cuda.current_stream() == caller  # the capture stream is not left current
+    assert strict.plan.num_streams > 1
+    auto = ss.StreamScheduledModule(model, cuda_graph="auto", **config)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            assert_close(auto(x), model(x), atol=1e-5)
+        for _ in range(3):  # another signature: captured in the same pool
+            assert_close(auto(small), model(small), atol=1e-5)
+    messages = [str(w.message) for w in caught if "CUDA graph capture failed" in str(w.message)]
+    assert len(messages) == 1 and "clip" in messages[0]
+    assert len(graphs_of(auto)) == 1
+    assert torch.cuda.current_stream() == caller
+
+
+@pytest.mark.parametrize("fuse", [False, True], ids=["unfused", "fused"])
+def test_a_reassigned_parameter_is_seen_by_the_next_replay(fuse):
+    model, sm = graph_towers(fuse=fuse)
+    model.eval()
+    x = torch.randn(8, 64, device=DEV)
+    with torch.no_grad():
+        sm(x)
+        assert_close(sm(x), model(x), atol=1e-5)
+        assert len(graphs_of(sm)) == 1
+        model.head.weight = nn.Parameter(torch.randn_like(model.head.weight))
+        model.towers[1][0].bias = nn.Parameter(torch.randn_like(model.towers[1][0].bias))
+        assert_close(sm(x), model(x), atol=1e-5)
+        assert_close(sm(x), model(x), atol=1e-5)
+    assert sm.plan.num_streams > 1
+
+
+def test_calls_under_autocast_are_not_captured():
+    """A capture under autocast would read autocast's cached half-precision copies of the
+    weights: later weight updates never reach them, and autocast frees them on exit."""
+    model, sm = graph_towers()
+    model.eval()
+    ref = copy.deepcopy(model)
+    x = torch.randn(8, 64, device=DEV)
+    with torch.no_grad():
+        for _ in range(3):
+            with torch.autocast("cuda", dtype=torch.float16):
+                sm(x)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            p.mul_(0.5)
+            q.mul_(0.5)
+        with torch.autocast("cuda", dtype=torch.float16):
+            out, expected = sm(x), ref(x)
+    assert out.dtype == expected.dtype == torch.float16
+    assert_close(out.float(), expected.float(), atol=1e-2, rtol=1e-2)
+    assert len(graphs_of(sm)) == 0 and sm.plan.num_streams > 1
+
+
+def needs_two_devices():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+
+
+@pytest.mark.parametrize("cuda_graph", [False, True], ids=["streams", "graph"])
+def test_a_module_on_the_second_device_leaves_the_current_device_alone(cuda_graph):
+    needs_two_devices()
+    dev1 = torch.device("cuda", 1)
+    model, sm = graph_towers(device=dev1, cuda_graph=cuda_graph)
+    model.eval()
+    assert torch.cuda.current_device() == 0
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(8, 64, device=dev1)
+            out = sm(x)
+            assert torch.cuda.current_device() == 0
+            assert out.device == dev1
+            assert_close(out, model(x), atol=1e-5)
+    assert sm.plan.device == "cuda:1" and sm.plan.num_streams > 1
+    assert len(graphs_of(sm)) == int(cuda_graph)
+
+
+def test_the_executor_trial_synchronizes_the_modules_device(request):
+    emu = emulated(request)
+    if emu is None:
+        pytest.skip("which device a trial synchronises is observed on the emulated device")
+    model = Towers(3, 64).to("cuda:1").eval()
+    sm = ss.StreamScheduledModule(model, num_streams=4, min_task_cost=0.0, fuse=False)  # executor "auto": a trial
+    x = torch.randn(8, 64, device="cuda:1")
+    with torch.no_grad():
+        sm(x)
+        assert sm._ss.last.trial is not None
+        emu.emulator.synchronize_calls.clear()
+        for _ in range(8):
+            sm(x)
+    assert emu.emulator.synchronize_calls and set(emu.emulator.synchronize_calls) == {1}
+
+
+def test_captures_sharing_a_pool_use_one_capture_stream(request):
+    model, sm = graph_towers()
+    model.eval()
+    with torch.no_grad():
+        for batch in (4, 8, 4):
+            x = torch.randn(batch, 64, device=DEV)
+            sm(x)
+            assert_close(sm(x), model(x), atol=1e-5)
+    graphs = sm._ss.graphs[sm.plan.device]
+    assert len(graphs) == 2 and len(graphs._streams) == 1
+    emu = emulated(request)
+    if emu is not None:
+        assert emu.advisories == []
+
+
+class Pausing(nn.Module):
+    """Towers; while a capture runs, one branch lets another thread pin host memory."""
+
+    def __init__(self, started: threading.Event, pinned: threading.Event):
+        super().__init__()
+        self.towers = Towers(3, 64)
+        self.started, self.pinned = started, pinned
+
+    @ss.branch
+    def pause(self, h):
+        if torch.cuda.is_current_stream_capturing() and not self.started.is_set():
+            self.started.set()
+            self.pinned.wait(10)
+        return h * 2
+
+    def forward(self, x):
+        return self.pause(self.towers(x))
+
+
+def test_a_pin_memory_thread_does_not_break_the_capture():
+    """A DataLoader's pin-memory thread pins batches while the main thread captures: with
+    CUDA's "global" capture mode that host allocation fails in that thread and invalidates
+    the capture."""
+    started, pinned = threading.Event(), threading.Event()
+    errors = []
+
+    def pin_thread():
+        if started.wait(30):
+            try:
+                torch.empty(1 << 16).pin_memory()
+            except RuntimeError as exc:
+                errors.append(exc)
+        pinned.set()
+
+    model = Pausing(started, pinned).to(DEV).eval()
+    sm = ss.StreamScheduledModule(
+        model, executor="streams", cuda_graph=True, num_streams=4, min_task_cost=0.0, fuse=False
+    )
+    x = torch.randn(8, 64, device=DEV)
+    thread = threading.Thread(target=pin_thread)
+    thread.start()
+    try:
+        with torch.no_grad():
+            sm(x)
+            out = sm(x)
+    finally:
+        started.set()
+        thread.join()
+    assert errors == [] and len(graphs_of(sm)) == 1
+    with torch.no_grad():
+        assert_close(out, model(x), atol=1e-5)
+    assert sm.plan.num_streams > 1
 
 
 def test_task_ranges_appear_in_the_torch_profiler():

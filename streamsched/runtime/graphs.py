@@ -13,15 +13,26 @@ cross-stream dependencies as graph edges; one replay launches the whole schedule
 - **Weights**: the graph reads parameters and buffers at their addresses, so in-place
   updates (optimizer steps, ``load_state_dict``) are seen by the next replay. A
   parameter given new storage (``.to()``, ``p.data = ...``, a re-stacked fused group)
-  is detected before replay and the schedule is captured again.
+  is detected before replay and the schedule is captured again; so is a parameter or
+  buffer replaced by another object (``m.fc.weight = nn.Parameter(...)``), checked when
+  any module registration happened since the last replay (``_generation``).
 - **One graph per input signature** (each plan has its own), at most
-  ``graph_cache_size`` alive, in one memory pool per module.
-- **Training** (grad mode with tensors that require grad) runs through plain streams:
-  the capture covers inference.
+  ``graph_cache_size`` alive, in one memory pool per module, captured on one capture
+  stream per device (PyTorch wants the same stream for captures sharing a pool).
+- **Not captured**: training (grad mode with any input or parameter requiring grad: the
+  replays would all chain onto the one autograd graph recorded at capture) and calls
+  under autocast (the capture would bake in autocast's cached casts of the weights, which
+  later weight updates never reach and whose memory autocast frees on exit). Those calls
+  run on plain streams.
 - **Failures**: a capture that fails (a CPU synchronisation such as ``.item()`` inside a
-  branch, an op that cannot be captured) leaves the module usable: with
-  ``cuda_graph="auto"`` the plan falls back to plain streams with one warning naming the
-  task that failed; with ``cuda_graph=True`` the error is raised.
+  branch, an op that cannot be captured) leaves the module usable: the capture is ended,
+  its graph memory pool released, the caller's stream current again, and the error kept
+  is the one that broke the capture (not ``cudaStreamEndCapture``'s), so it names the
+  task; with ``cuda_graph="auto"`` the plan falls back to plain streams with one warning
+  naming that task; with ``cuda_graph=True`` a :class:`CaptureError` is raised.
+- **Capture mode** ``"thread_local"``: CUDA's default (``"global"``) fails the capture
+  when any other thread makes a call unsafe during capture, such as a ``DataLoader``'s
+  pin-memory thread allocating pinned memory.
 """
 
 from __future__ import annotations
@@ -33,9 +44,12 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .. import _generation
 from .program import Program, failing_node
 from .streams import StreamExecutor
 from .synclog import SyncLog
+
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
 
 __all__ = ["GraphExecutor", "CaptureError"]
 
@@ -58,6 +72,12 @@ class _Captured:
         if [s.rebuilds for s in stacks] != self.stack_versions:
             return True
         return any(t.data_ptr() != p for t, p in zip(self.weights, self.weight_ptrs))
+
+
+def _autocast_on() -> bool:
+    if _any_autocast is not None:
+        return bool(_any_autocast())
+    return any(torch.is_autocast_enabled(d) for d in ("cuda", "cpu"))
 
 
 def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -94,27 +114,54 @@ class GraphExecutor:
         self.warmup = warmup
         self.pool = None
         self._graphs: OrderedDict[int, _Captured] = OrderedDict()
+        self._streams: dict[Any, Any] = {}  # the capture stream of each device
+        self._generation = _generation.current()
+        self._known = self._weights()
 
     # --- decisions ------------------------------------------------------------------
 
     @staticmethod
-    def captures(inputs: list[torch.Tensor]) -> bool:
-        """Whether this call is one a graph can replay (inference on CUDA tensors)."""
-        if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+    def captures(inputs: list[torch.Tensor], module: Optional[torch.nn.Module] = None) -> bool:
+        """Whether this call is one a graph can replay: inference (no gradient will flow
+        to any input or parameter of ``module``), outside autocast."""
+        if _autocast_on():
             return False
+        if torch.is_grad_enabled():
+            if any(t.requires_grad for t in inputs):
+                return False
+            if module is not None and any(p.requires_grad for p in module.parameters()):
+                return False
         return True
 
     def _weights(self) -> list[torch.Tensor]:
         return [t for t in list(self.module.parameters()) + list(self.module.buffers()) if t.is_cuda]
 
+    def _check_weights(self) -> None:
+        """After any module registration anywhere: if a parameter or buffer of the module
+        is now another tensor object, every graph reads the old one: forget them all."""
+        generation = _generation.current()
+        if generation == self._generation:
+            return
+        weights = self._weights()
+        if len(weights) != len(self._known) or any(a is not b for a, b in zip(weights, self._known)):
+            self.forget()
+            self._known = weights
+        self._generation = generation
+
+    def _capture_stream(self, device: torch.device) -> Any:
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device=device)
+        return stream
+
     # --- capture and replay -----------------------------------------------------------
 
     def _capture(self, program: Program, inputs: list[torch.Tensor], stacks: list[Any]) -> _Captured:
-        device = inputs[0].device if inputs else torch.device("cuda", torch.cuda.current_device())
+        device = self.streams.backend.device
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         static_inputs = [x.detach().clone() for x in inputs]
-        side = torch.cuda.Stream(device=device)
+        side = self._capture_stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             # Warm up on the stream that captures: lazy inits and allocator warm-up happen
@@ -123,8 +170,7 @@ class GraphExecutor:
                 self.streams.run(program, static_inputs)
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=side):
-            static_output = self.streams.run(program, static_inputs)
+        static_output = self._record(graph, program, static_inputs, side, device)
         weights = self._weights()
         return _Captured(
             program=program,
@@ -135,6 +181,45 @@ class GraphExecutor:
             weight_ptrs=[w.data_ptr() for w in weights],
             stack_versions=[s.rebuilds for s in stacks],
         )
+
+    def _record(self, graph: Any, program: Program, static_inputs: list[torch.Tensor], side: Any, device: Any) -> Any:
+        """One run of the schedule captured into ``graph`` on ``side``.
+
+        What ``torch.cuda.graph`` does, except on failure: there, ``capture_end`` raises
+        ``cudaStreamEndCapture``'s error over the one that broke the capture and the
+        capture stream stays current. Here the stream is restored in every case, the
+        capture is ended and its pool released, and the original error propagates.
+        """
+        torch.cuda.synchronize(device)
+        with torch.cuda.device(device), torch.cuda.stream(side):
+            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            try:
+                out = self.streams.run(program, static_inputs)
+            except BaseException:
+                self._abandon(graph, device)
+                raise
+            try:
+                graph.capture_end()
+            except BaseException:
+                self._release_pool(device)
+                raise
+        return out
+
+    def _abandon(self, graph: Any, device: Any) -> None:
+        try:
+            graph.capture_end()
+        except Exception:  # noqa: BLE001 - the capture's own error is the one to report
+            self._release_pool(device)
+        else:
+            graph.reset()
+
+    def _release_pool(self, device: Any) -> None:
+        """A capture whose end failed leaves its memory pool recording and referenced
+        (PyTorch releases it only for graphs that were captured): release it, or the next
+        capture into the pool fails and its memory is never returned."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        torch._C._cuda_endAllocateToPool(index, self.pool)
+        torch._C._cuda_releasePool(index, self.pool)
 
     def run(
         self,
@@ -151,6 +236,9 @@ class GraphExecutor:
         if log is not None or chaos is not None or observer is not None or failed is not None:
             # Logging, chaos and per-task observation need the host to see every task.
             return self.streams.run(program, inputs, log, chaos, observer)
+        if not self.captures(inputs, self.module):
+            return self.streams.run(program, inputs)
+        self._check_weights()
         if not self.strict:
             # "auto": capture a signature from its second scheduled call on, so shapes
             # seen once never pay for a capture.
@@ -170,7 +258,7 @@ class GraphExecutor:
                 reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                 if where:
                     reason += f" (in {where})"
-                torch.cuda.synchronize()
+                torch.cuda.synchronize(self.streams.backend.device)
                 if self.strict:
                     raise CaptureError(f"could not capture the schedule into a CUDA graph: {reason}") from exc
                 program._graph_failed = reason  # type: ignore[attr-defined]

@@ -110,7 +110,14 @@ class CudaBackend:
         return torch.cuda.current_stream(self.device)
 
     def set_stream(self, stream: Any) -> None:
-        torch.cuda.set_stream(stream)
+        # torch.cuda.set_stream also makes the stream's device the current one: on a module
+        # of another device than the current, keep the caller's current device.
+        index = self.device.index
+        if index is None or torch.cuda.current_device() == index:
+            torch.cuda.set_stream(stream)
+        else:
+            with torch.cuda.device(index):
+                torch.cuda.set_stream(stream)
 
     def fork(self, caller: Any, side: list[Any]) -> None:
         if self._fork_event is None:
@@ -233,6 +240,7 @@ class StreamExecutor:
         if log is not None:
             log.fork(side_ids)
         current = 0
+        completed = False
         try:
             for task in program.tasks:
                 sid = task.stream
@@ -262,10 +270,20 @@ class StreamExecutor:
                     env[slot] = None
                     if log is not None:
                         log.free(sid, slot)
+            completed = True
         finally:
             if current != 0:
                 be.set_stream(caller)
-            be.join(caller, side)
+            if completed:
+                be.join(caller, side)
+            else:
+                try:
+                    be.join(caller, side)
+                except Exception:  # noqa: BLE001
+                    # The task's own error propagates: a join that fails too (the error
+                    # invalidated a CUDA graph capture these streams belong to) must not
+                    # replace it.
+                    pass
             if log is not None:
                 log.join(side_ids)
         for slot in program.side_outputs:
