@@ -336,6 +336,7 @@ def test_overhead_bench_on_cuda_runs_real_streams(tmp_path):
 
 
 @pytest.mark.cuda
+@pytest.mark.gpu  # timings, and torch.compile's CUDA graphs need real CUDA
 def test_quick_suite_on_cuda_includes_the_cuda_peers(tmp_path):
     code = main(["--quick", "--device", "cuda", "--out", str(tmp_path), "--models", "critic_ensemble"])
     report = json.loads((tmp_path / "bench.json").read_text())

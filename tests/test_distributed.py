@@ -260,6 +260,7 @@ CUDA_CONFIGS = [
 
 
 @pytest.mark.cuda
+@pytest.mark.gpu  # worker processes: the emulated device lives in one process
 def test_ddp_on_cuda_with_side_streams_equals_single_process_training(tmp_path):
     results = run_ranks(CUDA_CONFIGS, tmp_path, device="cuda:0")
     for cid, name, config, _ in CUDA_CONFIGS:
