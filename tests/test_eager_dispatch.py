@@ -878,15 +878,19 @@ def test_thread_executor_works_in_a_forked_child():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("device", [0, 1], ids=["cuda0", "cuda1"])
 @pytest.mark.parametrize("model_type", [Gated, Chain, Pairs])
-def test_cuda_outputs_and_gradients_equal_eager(model_type):
+def test_cuda_outputs_and_gradients_equal_eager(model_type, device):
+    if device >= torch.cuda.device_count():
+        pytest.skip("needs two CUDA devices")
     dim = {Gated: 16, Chain: 8, Pairs: 6}[model_type]
-    model = model_type().cuda()
-    x = positive(4, dim).cuda()
+    model = model_type().cuda(device)  # on cuda:1, device 0 stays the current one
+    x = positive(4, dim).cuda(device)
     sm = check_against_eager(model, (x.requires_grad_(),), strict=False, sync_log=True)
-    assert sm.plan.executor == "streams"
+    assert sm.plan.executor == "streams" and sm.plan.device == f"cuda:{device}"
     assert {t.stream for t in sm.plan.tasks} - {0}
     assert check_happens_before(sm.last_sync_log) == []
+    assert torch.cuda.current_device() == 0
 
 
 @pytest.mark.cuda

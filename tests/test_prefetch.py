@@ -277,6 +277,21 @@ def test_cuda_loader_exception_propagates_at_its_iteration_and_streams_are_resto
 
 
 @pytest.mark.cuda
+def test_cuda_prefetch_to_the_second_device_while_the_first_is_current():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    dev1 = torch.device("cuda", 1)
+    batches = [torch.full((1 << 12,), float(k)) for k in range(6)]
+    sums = []
+    for batch in Prefetcher(batches, dev1):
+        assert batch.device == dev1 and torch.cuda.current_device() == 0
+        sums.append(batch.sum())  # on device 1's current stream, which waited for the copy
+        del batch
+    torch.cuda.synchronize(dev1)
+    assert [float(s) for s in sums] == [float(k) * (1 << 12) for k in range(6)]
+
+
+@pytest.mark.cuda
 def test_cuda_tensors_already_on_the_device_pass_through():
     on_device = [torch.randn(4, device="cuda") for _ in range(3)]
     for got, expected in zip(Prefetcher(on_device, "cuda"), on_device):
