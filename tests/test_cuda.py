@@ -331,7 +331,7 @@ def test_a_failed_capture_keeps_its_error_the_callers_stream_and_its_pool_usable
 
 
 @pytest.mark.parametrize("fuse", [False, True], ids=["unfused", "fused"])
-def test_a_reassigned_parameter_is_seen_by_the_next_replay(fuse):
+def test_a_reassigned_parameter_is_seen_by_the_next_graph_replay(fuse):
     model, sm = graph_towers(fuse=fuse)
     model.eval()
     x = torch.randn(8, 64, device=DEV)
