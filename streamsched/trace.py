@@ -218,6 +218,36 @@ class _Proxy(fx.Proxy):
         self.tracer.create_proxy("call_function", operator.setitem, (self, index, value), {})
 
 
+# ``x += 1`` on a tensor writes it in place (the caller's tensor too, when x is an
+# argument); fx's proxy has no in-place operators, so Python would record an
+# out-of-place ``add`` and the write would be lost. Record ``operator.iadd`` & co.: at
+# run time they act exactly as the statement does (in place for tensors, rebinding for
+# numbers).
+def _inplace_operator(op: Any) -> Any:
+    def method(self: _Proxy, other: Any) -> Any:
+        return self.tracer.create_proxy("call_function", op, (self, other), {})
+
+    return method
+
+
+for _op in (
+    operator.iadd,
+    operator.isub,
+    operator.imul,
+    operator.itruediv,
+    operator.ifloordiv,
+    operator.imod,
+    operator.ipow,
+    operator.imatmul,
+    operator.iand,
+    operator.ior,
+    operator.ixor,
+    operator.ilshift,
+    operator.irshift,
+):
+    setattr(_Proxy, f"__{_op.__name__}__", _inplace_operator(_op))
+
+
 @dataclass
 class Traced:
     """One trace of a model for one call structure.

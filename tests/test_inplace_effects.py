@@ -66,6 +66,9 @@ class Pattern(nn.Module):
             self.writer(h)
         elif self.kind == "view_write":
             h.view(-1)[::3].zero_()
+        elif self.kind == "augmented":
+            h += 1.0  # in place on a tensor, as in eager
+            h[:, 0] *= 2
         elif self.kind == "shared_buffer":
             self.shared.add_(y.mean(0))
             return y + self.b(h) + self.shared
@@ -73,7 +76,7 @@ class Pattern(nn.Module):
         return y + z
 
 
-KINDS = ["mul_", "setitem", "relu_inplace", "module_writes_arg", "view_write", "shared_buffer"]
+KINDS = ["mul_", "setitem", "relu_inplace", "module_writes_arg", "view_write", "augmented", "shared_buffer"]
 
 
 def _run(model, calls=8):
@@ -137,6 +140,27 @@ def test_writes_to_an_input_are_ordered_and_replanned_for_new_aliasing():
             y2 = x2 if aliased else y.clone()
             assert_close(sm(x, y), eager(x2, y2))
             assert_close(x, x2)
+
+
+def test_augmented_assignment_to_an_argument_writes_the_callers_tensor():
+    class Scales(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(D, D)
+
+        def forward(self, x, n: int):
+            x *= 2
+            x += n
+            return self.fc(x)
+
+    model = Scales()
+    sm = ss.StreamScheduledModule(copy.deepcopy(model))
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(4, D)
+            x2 = x.clone()
+            assert_close(sm(x, 3), model(x2, 3))
+            assert torch.equal(x, x2)
 
 
 def test_graph_without_writes_adds_no_edges_and_keeps_fusion():
