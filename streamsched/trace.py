@@ -133,6 +133,17 @@ class _TraceRoot(torch.nn.Module):
         self.__dict__["_streamsched_model"] = model
 
 
+# Tensor factories called with a traced size (``torch.zeros(x.shape[0], d)``): Python's
+# argument parser rejects a proxy where an int belongs before ``__torch_function__`` can
+# see it, so fx fails on them. Patched in ``torch`` while tracing (fx's autowrap: with a
+# proxy among the arguments the call becomes a node; without, the original runs).
+_FACTORIES = tuple(
+    getattr(torch, name)
+    for name in ("zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint", "eye", "linspace", "tensor")
+    if hasattr(torch, name)
+)
+
+
 class _LeafTracer(fx.Tracer):
     """fx's tracer with streamsched's leaves, safe beside other threads.
 
@@ -153,7 +164,7 @@ class _LeafTracer(fx.Tracer):
         leaf_functions: tuple[Any, ...] = (),
         opaque_types: frozenset[type] = frozenset(),
     ):
-        super().__init__(autowrap_functions=tuple(leaf_functions))
+        super().__init__(autowrap_functions=tuple(leaf_functions) + _FACTORIES)
         self.leaf_types = leaf_types
         self.opaque_types = opaque_types
         self.model = model
@@ -165,8 +176,9 @@ class _LeafTracer(fx.Tracer):
         # Leaf functions are patched wherever a traced forward's module names them; the
         # root's forward is called directly, so its module is searched too.
         model_module = sys.modules.get(type(model).__module__)
+        self._autowrap_search = [*self._autowrap_search, torch]
         if leaf_functions and model_module is not None:
-            self._autowrap_search = [*self._autowrap_search, model_module]
+            self._autowrap_search.append(model_module)
 
     def call_module(self, m: torch.nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
         if threading.get_ident() != self.thread:

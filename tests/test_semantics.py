@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import streamsched as ss
+from streamsched.testing import check_happens_before
 
 from .helpers import assert_close, grads
 
@@ -350,3 +351,47 @@ def test_plan_says_why_a_group_was_not_fused():
     [unfused] = sm.plan.unfused
     assert unfused.kind == "Linear" and unfused.size == 3 and "hooks" in unfused.reason
     assert "not fused: Linear x3" in sm.plan.summary()
+
+
+# --- tracing coverage ------------------------------------------------------------------------
+
+
+class Factories(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x):
+        z = torch.zeros(x.shape[0], 6)
+        z[:, : x.shape[1] // 2] = self.fc(x)[:, :3]
+        pos = torch.arange(x.shape[1]).float()
+        return z + pos + torch.ones(x.shape[0], 1)
+
+
+def test_tensor_factories_with_traced_sizes_are_traced():
+    model = Factories()
+    sm = ss.StreamScheduledModule(model)
+    for n in (2, 5):
+        x = torch.randn(n, 6)
+        assert_close(sm(x), model(x))
+    assert not sm.plan.opaque
+
+
+def test_threads_log_of_outputs_from_side_lanes_is_clean():
+    class ReturnsViews(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+            self.b = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return x, self.a.weight[0], self.b(x), self.a(x)
+
+    model = ReturnsViews()
+    sm = ss.StreamScheduledModule(model, executor="threads", num_streams=3, min_task_cost=0.0, sync_log=True)
+    for _ in range(2):
+        x = torch.randn(4, 8)
+        out = sm(x)
+    assert out[0] is x
+    assert_close(list(out), list(model(x)))
+    assert check_happens_before(sm.last_sync_log) == []

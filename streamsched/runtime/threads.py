@@ -158,6 +158,10 @@ class ThreadExecutor:
             call.errors.sort(key=lambda item: item[0])
             raise call.errors[0][1]
         if log is not None:
+            # A lane's value handed to the caller is the caller's after the join, as a
+            # side stream's output is after record_stream on the caller's stream.
+            for slot in program.side_outputs:
+                log.record_stream(0, slot)
             log.output(program.output_slots)
         return program.output(env)
 
