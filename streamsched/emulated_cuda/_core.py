@@ -403,8 +403,9 @@ class Emulator:
             if block.key is not None:
                 for checker in self._checkers():
                     checker.tensors_accessed.accesses.pop(block.key, None)
+            live = {id(c) for c in self._checkers()}
             for skey, (cid, seq, user) in block.uses.items():
-                if skey in block.recorded:
+                if skey in block.recorded or cid not in live:
                     continue  # record_stream: the allocator waits for that stream's work
                 pending = self._pending.setdefault((cid, block.alloc.skey), [])
                 pending.append((block.describe(), user, seq, block.alloc))
