@@ -101,15 +101,16 @@ class NodeAccess:
 class EffectRecorder(TorchDispatchMode):
     """Records, per node (``begin(name)`` .. ``end()``), the storages its ops touch.
 
-    Storages written by any node are kept alive until the recorder is dropped, so that a
-    freed storage's address cannot come back as another value and hide an edge.
+    Storages are named by their address. A freed storage's address may come back as a
+    new value's; that can only add an ordering edge (between nodes that touched the two
+    values), never hide one: a true dependency is two nodes touching one *live* storage.
+    Nothing is kept alive, so the first call's peak memory stays eager's.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.accesses: dict[str, NodeAccess] = {}
         self._current: Optional[NodeAccess] = None
-        self._keep: list[torch.UntypedStorage] = []
 
     def begin(self, name: str) -> None:
         self._current = self.accesses.setdefault(name, NodeAccess())
@@ -131,7 +132,6 @@ class EffectRecorder(TorchDispatchMode):
                 key = storage_key(t)
                 if key is not None and key not in acc.fresh:
                     acc.writes.add(key)
-                    self._keep.append(t.untyped_storage())
             for t in fresh_outputs(func, out):
                 key = storage_key(t)
                 if key is not None:
