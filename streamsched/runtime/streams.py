@@ -209,7 +209,13 @@ class StreamExecutor:
                 rt.leave(index, env)
             completed = True
         finally:
-            rt.end(env, completed)
+            if completed:
+                rt.end(env, completed)
+            else:
+                try:
+                    rt.end(env, completed)
+                except Exception:  # noqa: BLE001 - the task's own error propagates (see run())
+                    pass
             if log is not None:
                 log.entries.extend(SyncEntry(*entry) for entry in rt.take_log())
         return program.output(env)
