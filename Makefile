@@ -51,6 +51,21 @@ $(CUDA_BUILD)/.fallback-checked: setup.py .ci/check_cuda_ext.py | $(CUDA_INSTALL
 	$(CUDA_PY) .ci/check_cuda_ext.py fallback $(CUDA_BUILD)/fallback
 	touch $@
 
+# The real-model suite (docs/models.md): timm and Hugging Face transformers models built
+# with random weights from their configs, wrapped vs eager, in $(CUDA_VENV). Nothing is
+# downloaded at run time (HF_HUB_OFFLINE=1). The in-tree streamsched/_C is built for the
+# main .venv's torch and must not be loaded there: the Python runtime runs these tests.
+MODELS_SPEC ?= timm==1.0.31 transformers==5.23.0
+MODELS_INSTALLED := $(CUDA_VENV)/.models-installed
+.PHONY: test-models
+
+$(MODELS_INSTALLED): $(CUDA_INSTALLED)
+	$(CUDA_PIP) install -q $(MODELS_SPEC)
+	touch $@
+
+test-models: $(MODELS_INSTALLED)
+	STREAMSCHED_DISABLE_EXT=1 STREAMSCHED_REQUIRE_EXT=0 HF_HUB_OFFLINE=1 $(CUDA_PY) -m pytest -q tests/models
+
 all: test
 
 $(PY):

@@ -1,0 +1,412 @@
+"""The checks of the model suite: a wrapped model and an eager copy of it run in lockstep,
+and everything observable is compared after every call.
+
+Tolerances. Without fusion the wrapper runs the very same kernels in the same order as
+eager, so outputs, gradients and buffers must be bitwise equal. Where the plan fused
+something, summation order changes; then a value passes if it is within float32's
+default tolerances of eager (``torch.testing``'s rtol 1.3e-6, atol 1e-5), or if its L2
+distance from a float64 run of the same model (same inputs, same state before the call;
+for buffers, the same sequence of calls) is at most ``FLOAT64_FACTOR`` times float32
+eager's own distance from it (more for tensors of fewer than ``SMALL`` elements, see
+``factor``; and at least a few ulps of the value's norm).
+Gradients of deep models are sums over many terms, so the float64 rule is the one that
+usually decides for them. L2 rather than the largest element: which element is the
+worst one under a reordered sum is chance, the overall size of the error is not.
+
+Values are compared tensor by tensor in output order, whatever the containers; the
+output-types check compares the structure: the same types at every level (a transformers
+``ModelOutput`` subclass, tuples, dicts), the same keys, shapes and dtypes.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import fields, is_dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+import streamsched as ss
+
+from .zoo import ModelSpec
+
+FLOAT64_FACTOR = 4.0
+SMALL = 64
+
+
+def factor(numel: int) -> float:
+    """How many times eager's distance from float64 a fused value may be. The ratio of
+    two rounding-error norms over ``n`` elements spreads like ``1/sqrt(n)``: a 2-element
+    BatchNorm weight in a fused branch can be 5x off eager's error by chance, a tensor of
+    a thousand elements cannot. ``FLOAT64_FACTOR`` from ``SMALL`` elements up."""
+    return FLOAT64_FACTOR * max(1.0, (SMALL / max(numel, 1)) ** 0.5)
+
+
+ULPS = 16 * torch.finfo(torch.float32).eps
+RTOL32, ATOL32 = 1.3e-6, 1e-5
+
+OPTIONS = {"default": {}, "nonstrict": {"strict": False}}
+
+_BN = nn.modules.batchnorm._BatchNorm
+
+
+def has_batchnorm(model: nn.Module) -> bool:
+    return any(isinstance(m, _BN) for m in model.modules())
+
+
+def freeze_batchnorm(model: nn.Module) -> None:
+    for m in model.modules():
+        if isinstance(m, _BN):
+            m.eval()
+
+
+# --- structure -------------------------------------------------------------------------
+
+
+def _is_model_output(value: Any) -> bool:
+    try:
+        from transformers.utils import ModelOutput
+    except ImportError:
+        return False
+    return isinstance(value, ModelOutput)
+
+
+def leaves(value: Any, path: str = "out") -> list[tuple[str, Any]]:
+    """``(path, leaf)`` pairs of a nested output, in a fixed order."""
+    if isinstance(value, torch.Tensor):
+        return [(path, value)]
+    if _is_model_output(value) or isinstance(value, dict):
+        return [p for k, v in value.items() for p in leaves(v, f"{path}.{k}")]
+    if isinstance(value, (list, tuple)):
+        return [p for i, v in enumerate(value) for p in leaves(v, f"{path}[{i}]")]
+    return [(path, value)]
+
+
+def assert_same_structure(actual: Any, expected: Any, path: str = "out") -> None:
+    """Same types at every level, same keys, same shapes and dtypes; attribute access of
+    ``ModelOutput`` fields works and agrees with item access."""
+    assert type(actual) is type(expected), (
+        f"{path}: the wrapper returned {type(actual).__module__}.{type(actual).__qualname__}, "
+        f"eager {type(expected).__module__}.{type(expected).__qualname__}"
+    )
+    if isinstance(expected, torch.Tensor):
+        assert actual.shape == expected.shape, f"{path}: shape {tuple(actual.shape)} vs {tuple(expected.shape)}"
+        assert actual.dtype == expected.dtype, f"{path}: dtype {actual.dtype} vs {expected.dtype}"
+        assert actual.device == expected.device, f"{path}: device {actual.device} vs {expected.device}"
+        return
+    if _is_model_output(expected) or isinstance(expected, dict):
+        keys_a, keys_e = list(actual.keys()), list(expected.keys())
+        assert keys_a == keys_e, f"{path}: keys {keys_a} vs {keys_e}"
+    if _is_model_output(expected):
+        for i, k in enumerate(expected.keys()):
+            by_attr = getattr(actual, k)
+            same = by_attr is actual[k] and by_attr is actual[i]
+            assert same, f"{path}.{k}: attribute, key and index access disagree"
+            assert_same_structure(by_attr, expected[k], f"{path}.{k}")
+        return
+    if isinstance(expected, dict):
+        for k in expected:
+            assert_same_structure(actual[k], expected[k], f"{path}.{k}")
+        return
+    if isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected), f"{path}: length {len(actual)} vs {len(expected)}"
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            assert_same_structure(a, e, f"{path}[{i}]")
+        return
+    if is_dataclass(expected):
+        for f in fields(expected):
+            assert_same_structure(getattr(actual, f.name), getattr(expected, f.name), f"{path}.{f.name}")
+        return
+    if isinstance(expected, (int, float, bool, str, type(None))):
+        assert actual == expected, f"{path}: {actual!r} vs {expected!r}"
+
+
+# --- values ----------------------------------------------------------------------------
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.numel() == 0:
+        return 0.0
+    d = (a.detach().double() - b.detach().double()).abs()
+    both_nan = a.isnan() & b.isnan()
+    d = torch.where(both_nan, torch.zeros_like(d), d.nan_to_num(float("inf")))
+    return float(d.max())
+
+
+def _distance(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """L2 distance (NaN where both are NaN counts as equal)."""
+    d = a.detach().double() - ref
+    d = torch.where(a.isnan() & ref.isnan(), torch.zeros_like(d), d.nan_to_num(float("inf")))
+    return float(d.norm())
+
+
+def _differing(a: torch.Tensor, b: torch.Tensor) -> int:
+    return int((~((a == b) | (a.isnan() & b.isnan()))).sum())
+
+
+def compare_tensor(
+    name: str,
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    fused: bool,
+    reference64: Optional[Callable[[], torch.Tensor]] = None,
+) -> Optional[str]:
+    """None if ``actual`` passes against ``expected`` (see the module's docstring),
+    else a one-line description of the mismatch."""
+    actual, expected = actual.detach(), expected.detach()
+    if actual.shape != expected.shape or actual.dtype != expected.dtype:
+        return f"{name}: {tuple(actual.shape)} {actual.dtype} vs {tuple(expected.shape)} {expected.dtype}"
+    if torch.equal(actual, expected) or (
+        actual.is_floating_point() and bool(((actual == expected) | (actual.isnan() & expected.isnan())).all())
+    ):
+        return None
+    diff = _max_diff(actual, expected)
+    count = f"{_differing(actual, expected)}/{actual.numel()} elements differ, max |diff| {diff:.3g}"
+    if not actual.is_floating_point():
+        return f"{name}: {count} (integers)"
+    if fused and torch.allclose(actual, expected, rtol=RTOL32, atol=ATOL32, equal_nan=True):
+        return None
+    kind = "fused, beyond float32 tolerances" if fused else "not bitwise equal without fusion"
+    if reference64 is None:
+        return f"{name}: {kind}: {count}"
+    try:
+        ref = reference64().detach().double()
+    except Exception as exc:  # noqa: BLE001 - no float64 reference: float32 tolerances decide
+        return f"{name}: {kind}: {count} (no float64 reference: {exc})"
+    d_wrapped = _distance(actual, ref)
+    d_eager = _distance(expected, ref)
+    allowed = factor(ref.numel()) * max(d_eager, ULPS * _distance(torch.zeros_like(ref), ref))
+    versus = f"L2 distance from float64 {d_wrapped:.3g}, {d_wrapped / max(d_eager, 1e-300):.3g}x eager's {d_eager:.3g}"
+    if not fused:
+        # Always a failure; the float64 distance says whether it looks like summation order.
+        return f"{name}: {kind}: {count}; {versus}"
+    if d_wrapped <= allowed:
+        return None
+    return f"{name}: fused: {count}; {versus} (allowed {allowed:.3g})"
+
+
+def report(problems: list[str], what: str) -> None:
+    if problems:
+        shown = "\n  ".join(problems[:8])
+        more = f"\n  ... and {len(problems) - 8} more" if len(problems) > 8 else ""
+        raise AssertionError(f"{what}: {len(problems)} mismatch(es)\n  {shown}{more}")
+
+
+# --- running in lockstep -----------------------------------------------------------------
+
+
+def _to_double(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.double() if value.is_floating_point() else value
+    if isinstance(value, dict):
+        return {k: _to_double(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_double(v) for v in value)
+    return value
+
+
+def loss_of(out: Any) -> torch.Tensor:
+    """A scalar that depends on every element of every floating output: a fixed random
+    weighting (the same for float32 and float64 runs)."""
+    total = None
+    for i, (_, t) in enumerate(leaves(out)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or not t.requires_grad:
+            continue
+        g = torch.Generator().manual_seed(1000 + i)
+        w = torch.randn(t.shape, generator=g).to(t.dtype)
+        term = (t * w).sum()
+        total = term if total is None else total + term
+    assert total is not None, "the model's output has no floating tensor that requires grad"
+    return total
+
+
+def double_copy(model: nn.Module) -> nn.Module:
+    """A float64 copy of ``model`` for reference runs. transformers' default MoE experts
+    kernel (``grouped_mm``) has no float64 version: the copy uses its loop over experts
+    (the same mathematics)."""
+    m64 = copy.deepcopy(model).double()
+    if hasattr(m64, "set_experts_implementation") and getattr(m64.config, "_experts_implementation", None):
+        m64.set_experts_implementation("eager")
+    return m64
+
+
+def _plan_fused(sm: ss.StreamScheduledModule) -> bool:
+    plan = sm.plan
+    return bool(plan is not None and getattr(plan, "fused_groups", None))
+
+
+class Lockstep:
+    """An eager model and a wrapped deep copy, called with the same inputs."""
+
+    def __init__(self, spec: ModelSpec, base: nn.Module, options: dict):
+        self.spec = spec
+        self.base = base
+        self.ref = copy.deepcopy(base)
+        self.sm = ss.StreamScheduledModule(copy.deepcopy(base), **options)
+        self.seed = 0
+        self.fused_seen = False
+        self.calls = 0
+        # (args, kwargs, every module's training flag) of each call: replayed in float64
+        # when buffers need a reference.
+        self.history: list[tuple] = []
+
+    # Mode changes, applied to both: the wrapper through its own API.
+    def train(self) -> None:
+        self.ref.train()
+        self.sm.train()
+
+    def eval(self) -> None:
+        self.ref.eval()
+        self.sm.eval()
+
+    def freeze_batchnorm(self) -> None:
+        freeze_batchnorm(self.ref)
+        freeze_batchnorm(self.sm)
+
+    def _inputs(self) -> tuple:
+        self.seed += 1
+        return self.spec.inputs(self.seed)
+
+    def _reference64(self, buffers: dict, args: tuple, kwargs: dict, backward: bool) -> Callable:
+        """A memoised float64 run of the eager model as it was before the call (its
+        parameters never change here; ``buffers`` are its buffers from before the call)."""
+        memo: dict = {}
+
+        def run() -> tuple[Any, dict]:
+            if not memo:
+                m64 = double_copy(self.ref)
+                for name, b in m64.named_buffers():
+                    b.copy_(buffers[name])
+                for p in m64.parameters():
+                    p.grad = None
+                with torch.set_grad_enabled(backward):
+                    out = m64(*_to_double(args), **_to_double(kwargs))
+                    if backward:
+                        loss_of(out).backward()
+                memo["out"] = out
+                memo["grads"] = {n: p.grad for n, p in m64.named_parameters() if p.grad is not None}
+            return memo["out"], memo["grads"]
+
+        return run
+
+    def call(self, what: str, backward: bool, values: bool = True, structure: bool = False) -> tuple[Any, Any]:
+        """One call of both with fresh inputs. ``backward``: in grad mode, then
+        ``loss_of(out).backward()`` on each (gradients set to None first); else under
+        ``no_grad``. ``values``: compare the outputs' tensors (in order, whatever the
+        containers) and, with ``backward``, every parameter's gradient. ``structure``:
+        compare the outputs' types and structure. Returns ``(wrapped, eager)`` outputs."""
+        args, kwargs = self._inputs()
+        self.calls += 1
+        self.history.append((args, kwargs, [m.training for m in self.ref.modules()]))
+        buffers = {n: b.clone() for n, b in self.ref.named_buffers()} if values else {}
+        for p in list(self.ref.parameters()) + list(self.sm.parameters()):
+            p.grad = None
+        with torch.set_grad_enabled(backward):
+            expected = self.ref(*args, **kwargs)
+            actual = self.sm(*args, **kwargs)
+            fused = _plan_fused(self.sm)
+            self.fused_seen |= fused
+            if backward:
+                loss_of(expected).backward()
+                loss_of(actual).backward()
+        label = f"{what}: call {self.calls} (plan {'fused' if fused else 'not fused'})"
+        if structure:
+            try:
+                assert_same_structure(actual, expected)
+            except AssertionError as exc:
+                raise AssertionError(f"{label}: {exc}") from None
+        if not values:
+            return actual, expected
+        ref64 = self._reference64(buffers, args, kwargs, backward)
+        got = [t for _, t in leaves(actual) if isinstance(t, torch.Tensor)]
+        want = [(path, t) for path, t in leaves(expected) if isinstance(t, torch.Tensor)]
+        assert len(got) == len(want), f"{label}: {len(got)} output tensors, eager {len(want)}"
+        problems = []
+        for i, (a, (path, e)) in enumerate(zip(got, want)):
+
+            def reference(i: int = i) -> torch.Tensor:
+                out64 = [t for _, t in leaves(ref64()[0]) if isinstance(t, torch.Tensor)]
+                return out64[i].float()
+
+            problem = compare_tensor(path, a, e, fused, reference)
+            if problem:
+                problems.append(problem)
+        report(problems, f"{label}: outputs")
+        if backward:
+            self.check_grads(label, fused, ref64)
+        return actual, expected
+
+    def check_grads(self, what: str, fused: bool, ref64: Callable) -> None:
+        g_e = {n: p.grad for n, p in self.ref.named_parameters()}
+        g_a = {n: p.grad for n, p in self.sm.module.named_parameters()}
+        assert g_a.keys() == g_e.keys(), f"{what}: parameter names differ: {set(g_a) ^ set(g_e)}"
+        missing = [n for n in g_e if (g_e[n] is None) != (g_a[n] is None)]
+        problems = [
+            f"{n}: .grad is {'None' if g_a[n] is None else 'set'} in the wrapper, "
+            f"{'None' if g_e[n] is None else 'set'} in eager"
+            for n in missing
+        ]
+        for n in g_e:
+            if n in missing or g_e[n] is None:
+                continue
+
+            def reference(n: str = n) -> torch.Tensor:
+                return ref64()[1][n].float()
+
+            p = compare_tensor(f"{n}.grad", g_a[n], g_e[n], fused, reference)
+            if p:
+                problems.append(p)
+        report(problems, f"{what}: gradients")
+
+    def _state64(self) -> dict:
+        """The state_dict of a float64 copy of the model after the same calls."""
+        m64 = double_copy(self.base)
+        with torch.no_grad():
+            for args, kwargs, flags in self.history:
+                for m, flag in zip(m64.modules(), flags):
+                    m.training = flag
+                m64(*_to_double(args), **_to_double(kwargs))
+        return m64.state_dict()
+
+    def check_state(self, what: str) -> None:
+        s_a = self.sm.state_dict()
+        s_e = self.ref.state_dict()
+        assert list(s_a.keys()) == list(s_e.keys()), f"{what}: state_dict keys differ: {set(s_a) ^ set(s_e)}"
+        memo: dict = {}
+
+        def state64() -> dict:
+            if not memo:
+                memo["state"] = self._state64()
+            return memo["state"]
+
+        problems = []
+        for k, e in s_e.items():
+
+            def reference(k: str = k) -> torch.Tensor:
+                return state64()[k]
+
+            p = compare_tensor(k, s_a[k], e, self.fused_seen, reference)
+            if p:
+                problems.append(p)
+        report(problems, f"{what}: state_dict after call {self.calls}")
+
+
+def needs_nonstrict(spec: ModelSpec, base: nn.Module, cache: dict) -> bool:
+    """Whether the default options raise TraceError on this model (eval or train call)."""
+    if spec.name not in cache:
+        raised = False
+        sm = ss.StreamScheduledModule(copy.deepcopy(base))
+        for train in (False, True):
+            sm.train(train)
+            args, kwargs = spec.inputs(0)
+            try:
+                with torch.no_grad():
+                    sm(*args, **kwargs)
+            except ss.TraceError:
+                raised = True
+                break
+            except Exception:  # noqa: BLE001 - other failures are the default tests' to report
+                pass
+        cache[spec.name] = raised
+    return cache[spec.name]
