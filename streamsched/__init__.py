@@ -23,6 +23,7 @@ from .errors import (
     ProfileMismatchError,
     StreamSchedError,
     TraceError,
+    UntraceableWarning,
 )
 from .module import StreamScheduledModule
 from .observe import Timeline, timeline
@@ -45,6 +46,7 @@ __all__ = [
     "StreamSchedError",
     "ConfigError",
     "TraceError",
+    "UntraceableWarning",
     "PlanError",
     "ExtensionError",
     "ProfileMismatchError",

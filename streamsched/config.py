@@ -113,10 +113,12 @@ class SchedulerConfig(BaseModel):
     A function named here runs as one task wherever a module's ``forward`` calls it by a
     global name, so library code the user cannot decorate can still be made opaque."""
 
-    strict: StrictBool = True
-    """When ``True``, a model that cannot be traced raises an error that says where and how
-    to fix it. When ``False``, such a model runs its own ``forward`` and only its
-    ``@streamsched.branch`` calls are scheduled (eager-dispatch mode)."""
+    strict: StrictBool = False
+    """What happens when the model's own ``forward`` cannot be traced (a submodule that
+    cannot be traced never matters: it becomes an opaque task by itself). ``False`` (the
+    default): the model runs its own ``forward`` with its ``@streamsched.branch`` calls
+    scheduled (eager dispatch), and one warning says where tracing failed and how to fix
+    it. ``True``: that error is raised instead."""
 
     min_task_cost: Annotated[Union[StrictFloat, StrictInt], Field(ge=0)] = 10.0
     """Estimated cost (microseconds) under which a branch is not worth its own stream: it

@@ -35,3 +35,12 @@ class ExtensionError(StreamSchedError, ImportError):
 
 class ProfileMismatchError(StreamSchedError, ValueError):
     """A stored schedule profile was made for another model, input or device."""
+
+
+class UntraceableWarning(UserWarning):
+    """The model's own ``forward`` cannot be traced; it runs as written (eager dispatch).
+
+    Raised as an error instead with ``strict=True``; silenced like any warning::
+
+        warnings.filterwarnings("ignore", category=streamsched.errors.UntraceableWarning)
+    """

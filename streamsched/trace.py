@@ -104,18 +104,39 @@ class CallBinder:
         return self._bind_general(args, kwargs)
 
     def _bind_general(self, args: tuple, kwargs: dict) -> tuple[list[Any], CallSpec]:
+        # Only the arguments the caller gave (no defaults filled in): the forward is later
+        # called with exactly those, so decorators that read or add keyword arguments
+        # (transformers' output capturing adds ``use_cache``) see what eager gives them.
         bound = self.signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        leaves, treedef = pytree.tree_flatten(list(bound.arguments.values()))
+        leaves, treedef = pytree.tree_flatten(dict(bound.arguments))
         tensor_positions = tuple(i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor))
         static = tuple((i, v) for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor))
         return leaves, CallSpec(treedef, tensor_positions, static)
 
     def rebuild(self, leaves: Sequence[Any], spec: CallSpec) -> tuple[tuple, dict]:
-        """Inverse of :meth:`bind`: positional and keyword arguments for ``forward``."""
-        values = pytree.tree_unflatten(list(leaves), spec.treedef)
-        bound = inspect.BoundArguments(self.signature, dict(zip(self.signature.parameters, values)))
-        return bound.args, bound.kwargs
+        """Inverse of :meth:`bind`: positional and keyword arguments for ``forward``.
+
+        Parameters that may be passed by name are passed by name (positionally only where
+        ``*args`` follows them), as a caller naming its arguments would.
+        """
+        given = pytree.tree_unflatten(list(leaves), spec.treedef)
+        params = self.signature.parameters.values()
+        star = any(p.kind is p.VAR_POSITIONAL and given.get(p.name) for p in params)
+        args: list[Any] = []
+        kwargs: dict[str, Any] = {}
+        for p in params:
+            if p.name not in given:
+                continue
+            value = given[p.name]
+            if p.kind is p.POSITIONAL_ONLY or (p.kind is p.POSITIONAL_OR_KEYWORD and star):
+                args.append(value)
+            elif p.kind is p.VAR_POSITIONAL:
+                args.extend(value)
+            elif p.kind is p.VAR_KEYWORD:
+                kwargs.update(value)
+            else:
+                kwargs[p.name] = value
+        return tuple(args), kwargs
 
 
 class _TraceRoot(torch.nn.Module):
@@ -345,12 +366,11 @@ def _is_compiled_module(m: torch.nn.Module) -> bool:
 def _placeholder_names(binder: CallBinder, spec: CallSpec) -> list[str]:
     # Name each graph input after the forward parameter it came from.
     names = []
-    params = list(binder.signature.parameters)
     leaves = [None] * spec.treedef.num_leaves
     for pos in spec.tensor_positions:
         leaves[pos] = pos
     per_arg = pytree.tree_unflatten(leaves, spec.treedef)
-    for pname, sub in zip(params, per_arg):
+    for pname, sub in per_arg.items():
         positions = [p for p in pytree.tree_leaves(sub) if p is not None]
         if len(positions) == 1 and isinstance(sub, int):
             names.append(pname)

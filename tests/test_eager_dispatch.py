@@ -13,6 +13,7 @@ import operator
 import os
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -160,7 +161,7 @@ def test_forward_output_structure_holds_plain_values():
 def test_plan_says_eager_dispatch_and_why():
     model = Gated()
     with pytest.raises(ss.TraceError) as info:
-        ss.StreamScheduledModule(model)(positive(4, 16))
+        ss.StreamScheduledModule(model, strict=True)(positive(4, 16))
     first_line = str(info.value).splitlines()[0]
 
     sm = wrap(model, executor="threads", num_streams=3)
@@ -282,9 +283,24 @@ def test_auto_re_times_the_other_way_so_a_cold_start_does_not_stick():
 
 
 def test_strict_true_still_raises_trace_error():
-    sm = ss.StreamScheduledModule(Gated())
+    sm = ss.StreamScheduledModule(Gated(), strict=True)
     with pytest.raises(ss.TraceError, match="strict=False"):
         sm(positive(4, 16))
+
+
+def test_an_untraceable_model_runs_by_default_with_one_warning():
+    model = Gated()
+    sm = ss.StreamScheduledModule(model)
+    x = positive(4, 16)
+    with pytest.warns(ss.UntraceableWarning, match="strict=True") as record:
+        out = sm(x)
+    assert len(record) == 1 and "Gated.forward" in str(record[0].message)
+    assert_close(out, model(x))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning
+        for x in (positive(4, 16), negative(4, 16)):
+            assert_close(sm(x), model(x))
+    assert sm.plan.mode == "eager-dispatch"
 
 
 # --- concurrency -----------------------------------------------------------------------------

@@ -137,7 +137,7 @@ class UntraceableRoot(nn.Module):
 
 
 def test_untraceable_root_names_module_line_and_fix():
-    sm = ss.StreamScheduledModule(UntraceableRoot())
+    sm = ss.StreamScheduledModule(UntraceableRoot(), strict=True)
     with pytest.raises(ss.TraceError) as info:
         sm(torch.randn(3))
     msg = str(info.value)
