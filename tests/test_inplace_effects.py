@@ -212,3 +212,39 @@ def test_dropped_effect_edge_is_caught_on_cuda_streams(monkeypatch, emulated_cud
         with pytest.raises(UnsynchronizedAccess, match="mul_"):
             sm(x)
     assert emulated_cuda.take_reports()
+
+
+class HeadsWrittenInPlace(nn.Module):
+    """Fused heads whose outputs are each written in place by a different op (not fused
+    with them), then concatenated: under autograd the views of one unbind/split cannot be
+    written, and a cat made a view of the kernel's output would show the writes."""
+
+    def __init__(self, wide: bool):
+        super().__init__()
+        widths = [3, 5, 4] if wide else [4, 4, 4]
+        self.heads = nn.ModuleList(nn.Linear(D, w) for w in widths)
+
+    def forward(self, x):
+        outs = [h(x) for h in self.heads]
+        early = torch.cat(outs, dim=1)  # before the writes: must not see them
+        for i, o in enumerate(outs):
+            o.mul_(i + 2)
+        return early, torch.cat(outs, dim=1)
+
+
+@pytest.mark.parametrize("wide", [False, True])
+def test_consumers_may_write_fused_members_in_place_under_autograd(wide):
+    model = HeadsWrittenInPlace(wide)
+    eager = copy.deepcopy(model)
+    sm = ss.StreamScheduledModule(model)
+    for _ in range(3):
+        x = torch.randn(4, D, requires_grad=True)
+        x2 = x.detach().clone().requires_grad_()
+        out, ref = sm(x), eager(x2)
+        assert_close(list(out), list(ref))
+        sum(o.square().sum() for o in out).backward()
+        sum(o.square().sum() for o in ref).backward()
+        assert_close(x.grad, x2.grad)
+        for p, q in zip(sm.module.parameters(), eager.parameters()):
+            assert_close(p.grad, q.grad)
+    assert sm.plan.fused_groups, "the heads should still be fused"

@@ -64,6 +64,18 @@ def unstack(x: torch.Tensor, layout: Layout, n: int, shape: tuple[int, ...]) -> 
     return to_stack(x, layout, n, shape).unbind(0)
 
 
+def member(x: torch.Tensor, layout: Layout, n: int, shape: tuple[int, ...], index: int) -> torch.Tensor:
+    """Member ``index``'s value alone: a single-output view (``select``), which autograd
+    lets a consumer modify in place (the views of one ``unbind`` it does not)."""
+    return to_stack(x, layout, n, shape).select(0, index)
+
+
+def split_member(x: torch.Tensor, sizes: tuple[int, ...], dim: int, index: int) -> torch.Tensor:
+    """Member ``index`` of a ``("split", dim)`` value (a wide kernel's output), as a
+    single-output view (``narrow``) that may be modified in place."""
+    return x.narrow(dim, sum(sizes[:index]), sizes[index])
+
+
 def cat_members(x: torch.Tensor, layout: Layout, n: int, shape: tuple[int, ...], dim: int) -> torch.Tensor:
     """``torch.cat(members, dim)`` without unstacking; contiguous like ``cat``'s result."""
     dim = dim % len(shape)

@@ -55,7 +55,9 @@ from ..fusion.layout import (
     Layout,
     cat_members,
     fold,
+    member,
     select_members,
+    split_member,
     stack_members,
     unstack,
 )
@@ -268,6 +270,26 @@ def _inplace(node: fx.Node, module: Optional[nn.Module]) -> bool:
     if node.op == "call_method":
         return str(node.target).endswith("_")
     return bool(node.kwargs.get("inplace", False))
+
+
+_INPLACE_OPERATORS = frozenset(
+    {
+        operator.setitem,
+        operator.iadd,
+        operator.isub,
+        operator.imul,
+        operator.itruediv,
+        operator.ifloordiv,
+        operator.imod,
+        operator.ipow,
+        operator.iand,
+        operator.ior,
+        operator.ixor,
+        operator.ilshift,
+        operator.irshift,
+        operator.imatmul,
+    }
+)
 
 
 def _signature(
@@ -799,13 +821,27 @@ class _Rewriter:
 
     # -- consumers --------------------------------------------------------------------
 
+    def _writes_input(self, node: fx.Node) -> bool:
+        """Whether ``node`` may write its first argument in place (``relu_``,
+        ``ReLU(inplace=True)``, ``x += 1``, item assignment)."""
+        if node.op == "call_function" and node.target in _INPLACE_OPERATORS:
+            return True
+        module = self.root.get_submodule(node.target) if node.op == "call_module" else None
+        return _inplace(node, module)
+
     def rewrite_consumers(self) -> None:
+        # Members whose value a consumer writes in place: it gets a view of its own (the
+        # views of one unbind/split cannot be written under autograd), and no cat/stack
+        # of the group becomes a view of the kernel's output (the write would show in it).
+        written = {m for m in self.members if any(self._writes_input(u) for u in m.users if u not in self.members)}
         replaced: set[fx.Node] = set()
         for node in list(self.graph.nodes):
             if node.op != "call_function" or node.target not in (torch.cat, torch.concat, torch.stack):
                 continue
             items = node.args[0] if node.args else node.kwargs.get("tensors")
             if not isinstance(items, (list, tuple)) or not items:
+                continue
+            if any(i in written for i in items):
                 continue
             dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
             st = [self.stacked_of.get(i) if isinstance(i, fx.Node) else None for i in items]
@@ -834,6 +870,15 @@ class _Rewriter:
             if not outside:
                 continue
             s = self.stacked_of[m]
+            if m in written:
+                if s.sizes is not None:
+                    args = (s.kernel_node, tuple(s.sizes), s.layout[1], s.index)
+                    item = self._insert(split_member, args, m)
+                else:
+                    item = self._insert(member, (s.kernel_node, s.layout, s.n, s.shape, s.index), m)
+                self.position[item] = self.position[s.kernel_node] + 0.2
+                m.replace_all_uses_with(item, delete_user_cb=lambda u: u not in self.members)
+                continue
             parts = unstacked.get(s.kernel_node)
             if parts is None:
                 anchor = s.kernel_node.next
