@@ -227,9 +227,10 @@ class HeadsWrittenInPlace(nn.Module):
     def forward(self, x):
         outs = [h(x) for h in self.heads]
         early = torch.cat(outs, dim=1)  # before the writes: must not see them
-        for i, o in enumerate(outs):
+        squared = outs[2] * outs[2]  # saves a sibling's value for backward
+        for i, o in enumerate(outs[:2]):
             o.mul_(i + 2)
-        return early, torch.cat(outs, dim=1)
+        return early, torch.cat(outs, dim=1), squared
 
 
 @pytest.mark.parametrize("wide", [False, True])

@@ -64,16 +64,18 @@ def unstack(x: torch.Tensor, layout: Layout, n: int, shape: tuple[int, ...]) -> 
     return to_stack(x, layout, n, shape).unbind(0)
 
 
-def member(x: torch.Tensor, layout: Layout, n: int, shape: tuple[int, ...], index: int) -> torch.Tensor:
-    """Member ``index``'s value alone: a single-output view (``select``), which autograd
-    lets a consumer modify in place (the views of one ``unbind`` it does not)."""
-    return to_stack(x, layout, n, shape).select(0, index)
+def member_copy(x: torch.Tensor, layout: Layout, n: int, shape: tuple[int, ...], index: int) -> torch.Tensor:
+    """Member ``index``'s value in storage of its own, for a consumer that writes it in
+    place. A view would not do under autograd: the views of one ``unbind`` may not be
+    written at all, and writing a ``select`` view moves the version counter that every
+    other member's view shares, failing the backward of whatever saved one of them."""
+    return to_stack(x, layout, n, shape)[index].clone()
 
 
-def split_member(x: torch.Tensor, sizes: tuple[int, ...], dim: int, index: int) -> torch.Tensor:
-    """Member ``index`` of a ``("split", dim)`` value (a wide kernel's output), as a
-    single-output view (``narrow``) that may be modified in place."""
-    return x.narrow(dim, sum(sizes[:index]), sizes[index])
+def split_member_copy(x: torch.Tensor, sizes: tuple[int, ...], dim: int, index: int) -> torch.Tensor:
+    """Member ``index`` of a ``("split", dim)`` value (a wide kernel's output) in storage
+    of its own (see :func:`member_copy`)."""
+    return x.narrow(dim, sum(sizes[:index]), sizes[index]).clone()
 
 
 def cat_members(x: torch.Tensor, layout: Layout, n: int, shape: tuple[int, ...], dim: int) -> torch.Tensor:

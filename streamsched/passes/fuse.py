@@ -55,9 +55,9 @@ from ..fusion.layout import (
     Layout,
     cat_members,
     fold,
-    member,
+    member_copy,
     select_members,
-    split_member,
+    split_member_copy,
     stack_members,
     unstack,
 )
@@ -830,9 +830,9 @@ class _Rewriter:
         return _inplace(node, module)
 
     def rewrite_consumers(self) -> None:
-        # Members whose value a consumer writes in place: it gets a view of its own (the
-        # views of one unbind/split cannot be written under autograd), and no cat/stack
-        # of the group becomes a view of the kernel's output (the write would show in it).
+        # Members whose value a consumer writes in place: it gets storage of its own, as in
+        # eager (see fusion.layout.member_copy), and no cat/stack of the group becomes a
+        # view of the kernel's output (the write would show in it).
         written = {m for m in self.members if any(self._writes_input(u) for u in m.users if u not in self.members)}
         replaced: set[fx.Node] = set()
         for node in list(self.graph.nodes):
@@ -873,9 +873,9 @@ class _Rewriter:
             if m in written:
                 if s.sizes is not None:
                     args = (s.kernel_node, tuple(s.sizes), s.layout[1], s.index)
-                    item = self._insert(split_member, args, m)
+                    item = self._insert(split_member_copy, args, m)
                 else:
-                    item = self._insert(member, (s.kernel_node, s.layout, s.n, s.shape, s.index), m)
+                    item = self._insert(member_copy, (s.kernel_node, s.layout, s.n, s.shape, s.index), m)
                 self.position[item] = self.position[s.kernel_node] + 0.2
                 m.replace_all_uses_with(item, delete_user_cb=lambda u: u not in self.members)
                 continue
