@@ -1,20 +1,27 @@
 """Where a training step of the reference case goes: zero_grad, forward, backward, step.
 
-    python benchmarks/train_step_breakdown.py [--members 1000] [--batch 64] [--rounds 15]
+    python benchmarks/train_step_breakdown.py [--model parallel_fcn|critic_ensemble]
+                                              [--members N] [--batch B] [--rounds 15]
                                               [--threads 1] [--out breakdown.json]
 
-ParallelFCN(members) at the given batch, MSE loss, ``torch.optim.SGD`` over the original
-model's parameters. Variants, each on its own copy of the same weights, timed phase by
-phase in the same interleaved rounds (median over rounds, after 3 warm-up steps):
+``ParallelFCN(members)`` (default 1000 members, batch 64) or ``CriticEnsemble(members)``
+(default 32 critics, batch 16), MSE loss, ``torch.optim.SGD``. Variants, each on its own
+copy of the same weights, timed phase by phase in the same interleaved rounds (median
+over rounds, after 3 warm-up steps):
 
-- ``loop``: the model as written;
-- ``streamsched``: the default (``grad_handoff="autograd"``);
-- ``streamsched direct``: ``grad_handoff="direct"``;
+- ``loop``: the model as written, SGD over its parameters;
+- ``streamsched``: the default (``grad_handoff="autograd"``), SGD over the members;
+- ``streamsched direct``: ``grad_handoff="direct"``, SGD over the members;
+- ``streamsched stacked``: SGD over ``sm.fused_parameters()``, one stacked tensor per
+  fused group (``streamsched.optim``);
+- ``hand-written stacked``: the model rewritten by hand with stacked weights
+  (``StackedFCN``: two ``baddbmm``; for the critics one wide ``linear`` and two
+  ``baddbmm``), SGD over its few tensors: the floor for the stacked variants;
 
 each with the default ``SGD`` (per-parameter loop on the CPU) and with
 ``SGD(fused=True)``. The optimizer's own ``zero_grad`` + ``step`` over the members'
-parameters is paid by every variant: it bounds the speedup any forward/backward can
-give, and the script prints that bound.
+parameters is paid by every per-member variant: it bounds the speedup any
+forward/backward can give them, and the script prints that bound.
 """
 
 from __future__ import annotations
@@ -30,7 +37,8 @@ import torch.nn.functional as F
 
 import streamsched as ss
 from streamsched.envinfo import environment_report
-from streamsched.models import ParallelFCN
+from streamsched.models import CriticEnsemble, ParallelFCN
+from streamsched.models.parallel_fcn import StackedFCN
 
 PHASES = ("zero_grad", "forward", "backward", "step")
 
@@ -53,29 +61,68 @@ def stepper(model: torch.nn.Module, params, x, target, optimizer_kw):
     return step
 
 
+class StackedCritics(torch.nn.Module):
+    """``CriticEnsemble`` rewritten by hand: the first layers as one wide ``linear`` (all
+    critics read the same input), the others as ``baddbmm`` over stacked weights."""
+
+    def __init__(self, src: CriticEnsemble):
+        super().__init__()
+        layers = [[c.net[i] for c in src.critics] for i in (0, 2, 4)]
+        with torch.no_grad():
+            self.w = torch.nn.ParameterList(torch.stack([m.weight for m in ms]).clone() for ms in layers)
+            self.b = torch.nn.ParameterList(torch.stack([m.bias for m in ms]).clone() for ms in layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, hidden, obs = self.w[0].shape
+        h = torch.relu(F.linear(x, self.w[0].reshape(n * hidden, obs), self.b[0].reshape(-1)))
+        h = h.view(x.shape[0], n, hidden).transpose(0, 1)
+        h = torch.relu(torch.baddbmm(self.b[1].unsqueeze(1), h, self.w[1].transpose(1, 2)))
+        return torch.baddbmm(self.b[2].unsqueeze(1), h, self.w[2].transpose(1, 2))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--members", type=int, default=1000)
-    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--model", choices=("parallel_fcn", "critic_ensemble"), default="parallel_fcn")
+    parser.add_argument("--members", type=int, default=None, help="default 1000 MLPs, or 32 critics")
+    parser.add_argument("--batch", type=int, default=None, help="default 64 (MLPs) or 16 (critics)")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    base = ParallelFCN(args.members).train()
-    x = torch.randn(args.batch, 20 * args.members)
-    target = torch.randn(args.batch, args.members)
+    if args.model == "parallel_fcn":
+        args.members = args.members or 1000
+        args.batch = args.batch or 64
+        base = ParallelFCN(args.members).train()
+        x = torch.randn(args.batch, 20 * args.members)
+        label = f"ParallelFCN({args.members})"
+    else:
+        args.members = args.members or 32
+        args.batch = args.batch or 16
+        base = CriticEnsemble(args.members).train()
+        x = torch.randn(args.batch, 23)
+        label = f"CriticEnsemble({args.members})"
+    with torch.no_grad():
+        target = torch.randn(base(x).shape)
+    hand_written = StackedFCN if args.model == "parallel_fcn" else StackedCritics
+    with torch.no_grad():
+        assert torch.allclose(hand_written(base)(x), base(x), atol=1e-5)
 
     variants = {}
     for opt_name, opt_kw in (("SGD", {}), ("SGD(fused=True)", {"fused": True})):
         loop = copy.deepcopy(base)
         default = ss.StreamScheduledModule(copy.deepcopy(base))
         direct = ss.StreamScheduledModule(copy.deepcopy(base), grad_handoff="direct")
+        stacked = ss.StreamScheduledModule(copy.deepcopy(base))
+        with torch.no_grad():
+            stacked(x)  # plans (and fuses) once, so that fused_parameters() has groups to stack
         for name, model, params in (
             ("loop", loop, loop.parameters()),
             ("streamsched", default, default.module.parameters()),
             ("streamsched direct", direct, direct.module.parameters()),
+            ("streamsched stacked", stacked, stacked.fused_parameters()),
+            ("hand-written stacked", hand := hand_written(base), hand.parameters()),
         ):
             variants[f"{name}, {opt_name}"] = stepper(model, list(params), x, target, opt_kw)
 
@@ -92,24 +139,26 @@ def main() -> None:
         per_phase["total"] = statistics.median(sum(r) for r in runs) * 1e3
         rows[name] = per_phase
     print(
-        f"ParallelFCN({args.members}), batch {args.batch}, training step; {args.threads} thread(s); "
+        f"{label}, batch {args.batch}, training step; {args.threads} thread(s); "
         f"median ms of {args.rounds} interleaved rounds"
     )
     print(f"  {'variant':36s} {'zero_grad':>9s} {'forward':>8s} {'backward':>8s} {'step':>7s} {'total':>7s}  vs loop")
     for name, r in rows.items():
         loop_total = rows[f"loop, {name.split(', ', 1)[1]}"]["total"]
         print(
-            f"  {name:36s} {r['zero_grad']:9.2f} {r['forward']:8.2f} {r['backward']:8.2f} {r['step']:7.2f} "
-            f"{r['total']:7.2f}  {loop_total / r['total']:5.2f}x"
+            f"  {name:36s} {r['zero_grad']:9.3f} {r['forward']:8.3f} {r['backward']:8.3f} {r['step']:7.3f} "
+            f"{r['total']:7.3f}  {loop_total / r['total']:5.2f}x"
         )
     for opt_name in ("SGD", "SGD(fused=True)"):
         loop = rows[f"loop, {opt_name}"]
-        same_optimizer = [r for name, r in rows.items() if name.endswith(f", {opt_name}")]
-        optimizer_ms = min(r["zero_grad"] + r["step"] for r in same_optimizer)
+        per_member = [r for name, r in rows.items() if name.endswith(f", {opt_name}") and "stacked" not in name]
+        optimizer_ms = min(r["zero_grad"] + r["step"] for r in per_member)
+        stacked_row = rows[f"streamsched stacked, {opt_name}"]
         print(
-            f"  {opt_name}: zero_grad + step take at least {optimizer_ms:.2f} ms in every variant; against the "
-            f"loop's {loop['total']:.2f} ms no forward/backward can make the step more than "
-            f"{loop['total'] / optimizer_ms:.1f}x faster"
+            f"  {opt_name}: over the members' parameters, zero_grad + step take at least {optimizer_ms:.3f} ms; "
+            f"against the loop's {loop['total']:.2f} ms no forward/backward can make such a step more than "
+            f"{loop['total'] / optimizer_ms:.1f}x faster. Over fused_parameters() they take "
+            f"{stacked_row['zero_grad'] + stacked_row['step']:.3f} ms"
         )
     if args.out:
         with open(args.out, "w") as f:

@@ -20,6 +20,7 @@ import copy
 import logging
 import threading
 import time
+import warnings
 from collections import OrderedDict
 from typing import Any, Iterator, Optional
 
@@ -29,7 +30,7 @@ from torch import nn
 from . import _generation, _native
 from .config import SchedulerConfig, make_config
 from .effects import EffectRecorder, Effects, storage_key
-from .errors import ConfigError, TraceError
+from .errors import ConfigError, TraceError, UntraceableWarning
 from .meta import run_and_record
 from .nodes import node_label
 from .plan import Plan
@@ -92,6 +93,7 @@ class _State:
         # recomputed only when the generation moved (``.train()``, ``.eval()``).
         self.modes: dict[tuple, int] = {}
         self.mode_id = self.mode_of(model)
+        self.warned_untraceable = False
 
     def mode_of(self, model: nn.Module) -> int:
         flags = tuple(m.training for m in model.modules())
@@ -401,6 +403,15 @@ class StreamScheduledModule(nn.Module):
             # Remember that this call structure cannot be traced: later calls go
             # straight to eager dispatch instead of failing to trace again.
             st.traces.put(trace_key, exc)
+            # Said once, and only to users who did not ask for this with strict=False.
+            if not st.warned_untraceable and "strict" not in self.config.model_fields_set:
+                st.warned_untraceable = True
+                warnings.warn(
+                    f"{exc}\n[streamsched] {type(self.module).__name__} runs its own forward (eager dispatch: only "
+                    "@streamsched.branch calls are scheduled); pass strict=True to raise this error instead.",
+                    UntraceableWarning,
+                    stacklevel=3,
+                )
             return self._eager_dispatch(spec, tensors, exc)
         metas: dict = {}
         name = type(self.module).__name__

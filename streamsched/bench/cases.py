@@ -9,7 +9,7 @@ Example::
 
     >>> cases = suite_cases("cpu", quick=True, families=["critic_ensemble"])
     >>> [c.id for c in cases]
-    ['critic_ensemble/n4/b3']
+    ['critic_ensemble/n4/b3', 'critic_ensemble/n4/b3/train']
 """
 
 from __future__ import annotations
@@ -93,7 +93,17 @@ def _critic_ensemble(quick: bool, device: str) -> list[CaseSpec]:
             input_shapes=((b, 23),),
             small=True,
             params={"n": n, "batch": b},
-        )
+        ),
+        # Training step of the ensemble (forward, backward and an SGD step).
+        CaseSpec(
+            id=f"critic_ensemble/n{n}/b{b}/train",
+            family="critic_ensemble",
+            label=f"CriticEnsemble({n}), batch {b}, training step",
+            build=lambda: CriticEnsemble(n),
+            input_shapes=((b, 23),),
+            kind="train",
+            params={"n": n, "batch": b},
+        ),
     ]
 
 

@@ -1,5 +1,7 @@
-"""One training case: a full step (forward, MSE loss, backward, SGD step over the
-original model's parameters), the plain model against streamsched.
+"""One training case: a full step (forward, MSE loss, backward, SGD step), the plain
+model against streamsched. The SGD step is over the original model's parameters, except
+in the ``fused_parameters()`` variants (:data:`STACKED_CONFIGS`), whose optimizer steps
+each fused group as one stacked tensor (:mod:`streamsched.optim`).
 
 Correctness is checked on gradients: before any step, every variant runs one forward
 and backward on the same weights and input, and every parameter's ``.grad`` must equal
@@ -23,7 +25,7 @@ from .inference import MeasureOptions, free_memory, time_rows
 from .results import CaseResult, Row
 from .variant import SuiteContext, first_line
 
-__all__ = ["GRAD_ATOL", "TRAIN_CONFIGS", "run_training_case", "grad_error"]
+__all__ = ["GRAD_ATOL", "TRAIN_CONFIGS", "STACKED_CONFIGS", "run_training_case", "grad_error"]
 
 GRAD_ATOL = 1e-5
 """Largest absolute difference of any gradient element from eager's."""
@@ -33,6 +35,12 @@ TRAIN_CONFIGS: list[tuple[str, dict[str, Any]]] = [
     ("streamsched, grad_handoff=direct", {"grad_handoff": "direct"}),
     ("streamsched, no fusion", {"fuse": False}),
 ]
+
+STACKED_CONFIGS: list[tuple[str, dict[str, Any]]] = [
+    ("streamsched, fused_parameters()", {}),
+]
+"""Variants whose optimizer is built over ``sm.fused_parameters()`` (called right after
+the first call, so the gradient check covers the stacked route too)."""
 
 
 def grad_error(model: nn.Module, reference: dict[str, torch.Tensor]) -> tuple[float, str | None]:
@@ -64,8 +72,11 @@ def run_training_case(spec: CaseSpec, ctx: SuiteContext, opts: MeasureOptions) -
         return F.mse_loss(out, target), out
 
     eager_model = copy.deepcopy(base)
-    variants: list[tuple[str, nn.Module, Row]] = [("eager", eager_model, Row("eager", "ok"))]
-    for name, config in TRAIN_CONFIGS:
+    optimized: dict[str, list[torch.Tensor]] = {"eager": list(eager_model.parameters())}
+    eager_row = Row("eager", "ok", info={"optimizer_tensors": len(optimized["eager"])})
+    variants: list[tuple[str, nn.Module, Row]] = [("eager", eager_model, eager_row)]
+    configs = [(n, c, False) for n, c in TRAIN_CONFIGS] + [(n, c, True) for n, c in STACKED_CONFIGS]
+    for name, config, stacked in configs:
         row = Row(name, "ok", info={"config": config})
         try:
             sm = StreamScheduledModule(copy.deepcopy(base), **config)
@@ -75,6 +86,10 @@ def run_training_case(spec: CaseSpec, ctx: SuiteContext, opts: MeasureOptions) -
             plan = sm.plan
             if plan is not None:
                 row.info.update(executor=plan.executor, tasks=len(plan.tasks), fused_groups=len(plan.fused_groups))
+            optimized[name] = sm.fused_parameters() if stacked else list(sm.module.parameters())
+            row.info["optimizer_tensors"] = len(optimized[name])
+            if stacked:
+                row.info["optimizer_params"] = "sm.fused_parameters()"
         except Exception as exc:  # noqa: BLE001 - a failing variant is a row
             row.status, row.reason, row.detail = "error", "first call failed", first_line(exc, 400)
             sm = None
@@ -105,8 +120,8 @@ def run_training_case(spec: CaseSpec, ctx: SuiteContext, opts: MeasureOptions) -
             row.reason = o.reason or f"max abs output error {o.max_abs_err:.2e} > tolerance {out_tol:.1e}"
         model.zero_grad(set_to_none=True)
 
-    def step_of(model: nn.Module) -> Callable[[], None]:
-        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    def step_of(model: nn.Module, params: list[torch.Tensor]) -> Callable[[], None]:
+        optimizer = torch.optim.SGD(params, lr=1e-3)
 
         def step() -> None:
             optimizer.zero_grad(set_to_none=True)
@@ -117,7 +132,7 @@ def run_training_case(spec: CaseSpec, ctx: SuiteContext, opts: MeasureOptions) -
         return step
 
     rows = [row for _, _, row in variants]
-    calls = {name: step_of(model) for name, model, row in variants if model is not None}
+    calls = {name: step_of(model, optimized[name]) for name, model, row in variants if model is not None}
     time_rows(rows, calls, ctx, opts)
     del variants, calls, base, eager_model
     free_memory(device)
@@ -132,7 +147,8 @@ def run_training_case(spec: CaseSpec, ctx: SuiteContext, opts: MeasureOptions) -
         warmup=opts.warmup,
         correctness=(
             f"max abs error of every parameter's .grad vs eager after one forward+backward on the same weights "
-            f"(tolerance {GRAD_ATOL:.0e}); the output error is in info"
+            f"(tolerance {GRAD_ATOL:.0e}; with fused_parameters() the members' .grad are views of the stacked "
+            "gradients); the output error is in info"
         ),
         rows=rows,
     )

@@ -2,7 +2,9 @@
 
 The pass itself lives in :mod:`streamsched.passes.fuse`; this package holds what the
 fused graph runs with, and :class:`FusionContext`, which owns the stacked parameters of
-one wrapped model across all its plans (so two plans never stack the same weights twice).
+one wrapped model across all its plans (so two plans never stack the same weights twice),
+and the :class:`StackedParameter` of each group once ``fused_parameters()`` asked for
+them (kept across re-planning, so an optimizer holding them stays valid).
 """
 
 from __future__ import annotations
@@ -14,8 +16,16 @@ import torch
 from torch import fx, nn
 
 from .params import GatherStacked, StackedTensors
+from .stacked import StackedLayoutError, StackedParameter, stacked_owner
 
-__all__ = ["FusionContext", "StackedTensors", "GatherStacked"]
+__all__ = [
+    "FusionContext",
+    "StackedTensors",
+    "GatherStacked",
+    "StackedParameter",
+    "StackedLayoutError",
+    "stacked_owner",
+]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +52,8 @@ class FusionContext:
         self.direct_grads = False
         self._stacks: dict[tuple, StackedTensors] = {}
         self._claimed: dict[int, tuple] = {}
+        # Stacked parameters by stack key; they outlive invalidate() (an optimizer holds them).
+        self._params: dict[tuple, StackedParameter] = {}
 
     def stack_for(self, owners: Sequence[tuple[nn.Module, str]], concat: bool = False) -> StackedTensors:
         key = (tuple((id(m), n) for m, n in owners), concat)
@@ -68,7 +80,50 @@ class FusionContext:
         if alias:
             for t in tensors:
                 self._claimed[id(t)] = key
+            param = self._params.get(key)
+            if param is not None and param.active:
+                if all(a is b for a, b in zip(param._ss.members, stack.tensors)):
+                    stack.bind(param)  # re-planned (after .to(), invalidate()): same parameter, new storage
+                else:
+                    param._deactivate()
+                    del self._params[key]
         return stack
+
+    # --- fused_parameters() ------------------------------------------------------------
+
+    def stacked_parameters(self) -> list[torch.Tensor]:
+        """Every parameter of the model once, each aliased fused group as one active
+        :class:`StackedParameter` (at its first member's place), the others as themselves."""
+        names = {id(m): name for name, m in self.model.named_modules(remove_duplicate=False)}
+        holder: dict[int, StackedParameter] = {}
+        for key, stack in list(self._stacks.items()):
+            if not stack.alias or not all(isinstance(t, nn.Parameter) for t in stack.tensors):
+                continue
+            stack.check(full=True)
+            param = self._params.get(key)
+            if param is None or not all(a is b for a, b in zip(param._ss.members, stack.tensors)):
+                member_names = [_qualified(names, m, n) for m, n in stack.owners]
+                param = StackedParameter.over(stack.stack, stack.tensors, member_names, stack.sizes)
+                self._params[key] = param
+            stack.bind(param)
+            param._activate()
+            for t in stack.tensors:
+                holder[id(t)] = param
+        out: list[torch.Tensor] = []
+        seen: set[int] = set()
+        for p in self.model.parameters():
+            q = holder.get(id(p), p)
+            if id(q) not in seen:
+                seen.add(id(q))
+                out.append(q)
+        return out
+
+    def member_parameters(self) -> None:
+        """Back to per-member gradients: the kernels read the members again."""
+        for stack in self._stacks.values():
+            stack.unbind()
+        for param in self._params.values():
+            param._deactivate()
 
     def fuse(self, graph: fx.Graph, root: nn.Module, metas: dict, config: Any, device: Any):
         from ..passes.fuse import fuse_graph
@@ -84,3 +139,8 @@ class FusionContext:
     def invalidate(self) -> None:
         self._stacks.clear()
         self._claimed.clear()
+
+
+def _qualified(names: dict[int, str], module: nn.Module, attr: str) -> str:
+    prefix = names.get(id(module), "")
+    return f"{prefix}.{attr}" if prefix else attr

@@ -105,10 +105,12 @@ class LinearKernel(FusedKernel):
         b = self.bias.value(grad) if self.bias is not None else None
         if self.in_layout == SHARED:
             return F.linear(x, w.reshape(n * fout, fin), b.reshape(n * fout) if b is not None else None)
-        xs = to_stack(x, self.in_layout, n, self.in_shape).reshape(n, -1, fin)
+        xs = to_stack(x, self.in_layout, n, self.in_shape)
+        if xs.dim() != 3:  # members' inputs of other than 2 dims: one batch dim for bmm
+            xs = xs.reshape(n, -1, fin)
         wt = w.transpose(1, 2)
         y = torch.bmm(xs, wt) if b is None else torch.baddbmm(b.unsqueeze(1), xs, wt)
-        return y.view((n,) + self.out_shape)
+        return y if len(self.out_shape) == 2 else y.view((n,) + self.out_shape)
 
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}

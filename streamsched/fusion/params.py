@@ -21,6 +21,11 @@ with ``torch.stack`` on every call (``copy`` mode): slower, never stale.
 
 Members of different sizes along dim 0 (heads of different widths reading one input)
 are held concatenated instead of stacked (``concat=True``).
+
+``StreamScheduledModule.fused_parameters()`` turns each aliased group of parameters into
+a :class:`~streamsched.fusion.stacked.StackedParameter` bound here (``bind``): the
+kernels then read that leaf, and its ``.grad`` (which every member's ``.grad`` is a view
+of) receives the stacked gradient, for optimizers that update the group at once.
 """
 
 from __future__ import annotations
@@ -107,6 +112,9 @@ class StackedTensors:
         self._ptrs: list[int] = []
         self._guard: Any = None
         self._handoff: Any = None
+        # The StackedParameter the kernels read while fused_parameters() is on (see
+        # streamsched.fusion.stacked): a leaf whose .grad the members' .grad are views of.
+        self.param: Any = None
         self.rebuilds = 0
         if self.alias:
             self._restack()
@@ -134,7 +142,39 @@ class StackedTensors:
         self._guard = nat.StackGuard(self.tensors) if nat is not None else None
         if self.direct_grads and nat is not None:
             self._handoff = nat.GradHandOff(self.tensors, list(self.sizes or ()))
+        if self.param is not None:
+            if all(a is b for a, b in zip(self.param._ss.members, self.tensors)):
+                self.param._rebind(stack)
+            else:
+                # A member was replaced by another Parameter object: the optimizer holding
+                # the stacked parameter no longer holds this group (as after assigning a
+                # new Parameter in the loop). Gradients go to the members again.
+                log.warning(
+                    "fusion: a member of the stacked parameter %s... was replaced; it is no longer updated by "
+                    "optimizers built from fused_parameters() (call fused_parameters() again)",
+                    self.param._ss.names[0],
+                )
+                self.param._deactivate()
+                self.param = None
         self.rebuilds += 1
+
+    # --- the stacked parameter ----------------------------------------------------------
+
+    def bind(self, param: Any) -> None:
+        """Have the kernels read ``param`` (a StackedParameter over these members)."""
+        assert self.alias and self.stack is not None
+        self.param = param
+        stack = self.stack
+        if not (
+            param.data_ptr() == stack.data_ptr()
+            and param.shape == stack.shape
+            and param.dtype == stack.dtype
+            and param.device == stack.device
+        ):
+            param._rebind(stack)
+
+    def unbind(self) -> None:
+        self.param = None
 
     def check(self, full: bool = False) -> None:
         """Re-stack if any member no longer aliases the stack.
@@ -167,6 +207,12 @@ class StackedTensors:
             return torch.cat(current, 0) if self.concat else torch.stack(current, 0)
         stack = self.stack
         assert stack is not None
+        param = self.param
+        if param is not None:
+            if grad:
+                param._sync()
+                return param
+            return stack
         first, last = self.tensors[0], self.tensors[-1]
         if grad and (first.requires_grad or last.requires_grad):
             if self._handoff is not None and not self._handoff.hooked():
@@ -179,7 +225,10 @@ class StackedTensors:
         """How gradients reach the members now: ``"direct"`` (one native call),
         ``"autograd"`` (an edge per member: the default, copy mode, or members with
         gradient hooks), or ``"unavailable"`` (``direct`` asked for without the native
-        extension)."""
+        extension), or ``"stacked"`` (``fused_parameters()``: into the stacked
+        parameter's ``.grad``, which the members' ``.grad`` are views of)."""
+        if self.param is not None:
+            return "stacked"
         if self._handoff is not None:
             return "autograd" if self._handoff.hooked() else "direct"
         if self.direct_grads and self.alias and native() is None:
