@@ -410,7 +410,7 @@ class _ClipPlan:
         self.members = list(members)  # keeps the ids of the key alive
         self.version = layout_version()
         n = len(self.members)
-        rows: "OrderedDict[int, tuple[StackedParameter, list[int]]]" = OrderedDict()
+        rows: OrderedDict[int, tuple[StackedParameter, list[int]]] = OrderedDict()
         self.loose: list[tuple[torch.Tensor, int]] = []
         for j, member in enumerate(self.members):
             params = member.parameters() if isinstance(member, nn.Module) else member
@@ -444,7 +444,7 @@ class _ClipPlan:
         return t
 
 
-_CLIP_PLANS: "OrderedDict[tuple, _ClipPlan]" = OrderedDict()
+_CLIP_PLANS: OrderedDict[tuple, _ClipPlan] = OrderedDict()
 
 
 def _clip_plan(members: Sequence[Any]) -> _ClipPlan:

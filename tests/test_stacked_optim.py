@@ -95,9 +95,7 @@ def test_fused_parameters_are_the_stacked_storage_of_the_members():
     # Every parameter exactly once: either as itself or inside one stacked parameter.
     assert {id(p) for p in loose} | held == {id(p) for p in model.parameters()}
     assert not {id(p) for p in loose} & held
-    assert sum(s.numel() for s in stacked) + sum(p.numel() for p in loose) == sum(
-        p.numel() for p in model.parameters()
-    )
+    assert sum(s.numel() for s in stacked) + sum(p.numel() for p in loose) == sum(p.numel() for p in model.parameters())
     for s in stacked:
         assert s.is_leaf and s.requires_grad and s.active
         for i, m in enumerate(s.members):
@@ -106,7 +104,9 @@ def test_fused_parameters_are_the_stacked_storage_of_the_members():
     # The same objects every time (an optimizer built earlier stays valid).
     assert [id(p) for p in sm.fused_parameters()] == [id(p) for p in params]
     # Planning order: model.parameters() order with each group at its first member.
-    first = {id(s): min(i for i, p in enumerate(model.parameters()) if id(p) in {id(m) for m in s.members}) for s in stacked}
+    first = {
+        id(s): min(i for i, p in enumerate(model.parameters()) if id(p) in {id(m) for m in s.members}) for s in stacked
+    }
     assert sorted(first.values()) == [first[id(s)] for s in stacked]
 
 
@@ -413,7 +413,9 @@ def test_moving_the_model_keeps_the_stacked_parameters():
 def test_different_lr_per_member_is_refused():
     sm, model, _, _ = setup("parallel_fcn")
     groups = [{"params": m.parameters(), "lr": 0.01 * (i + 1)} for i, m in enumerate(model.mlps)]
-    with pytest.raises(StackedLayoutError, match=r"mlps\.0\.fc1\.weight \(lr=0\.01\) and mlps\.1\.fc1\.weight \(lr=0\.02\)"):
+    with pytest.raises(
+        StackedLayoutError, match=r"mlps\.0\.fc1\.weight \(lr=0\.01\) and mlps\.1\.fc1\.weight \(lr=0\.02\)"
+    ):
         sm.fused_parameters(groups)
     # The per-member optimizer itself is fine; converting its state into stacks is not.
     members_opt = torch.optim.SGD([{"params": m.parameters(), "lr": 0.01 * (i + 1)} for i, m in enumerate(model.mlps)])

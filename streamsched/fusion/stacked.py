@@ -62,7 +62,7 @@ class StackedLayoutError(StreamSchedError, ValueError):
 
 
 # id(member) -> the active StackedParameter holding it (checked by identity on use).
-_OWNER: "weakref.WeakValueDictionary[int, StackedParameter]" = weakref.WeakValueDictionary()
+_OWNER: weakref.WeakValueDictionary[int, StackedParameter] = weakref.WeakValueDictionary()
 _layout_version = 0
 
 
@@ -77,7 +77,7 @@ def _moved() -> None:
     _layout_version += 1
 
 
-def stacked_owner(p: torch.Tensor) -> Optional[tuple["StackedParameter", int]]:
+def stacked_owner(p: torch.Tensor) -> Optional[tuple[StackedParameter, int]]:
     """``(S, i)`` when ``p`` is member ``i`` of an active stacked parameter ``S``."""
     s = _OWNER.get(id(p))
     if s is None:
@@ -150,7 +150,7 @@ class StackedParameter(nn.Parameter):
         members: Sequence[nn.Parameter],
         names: Sequence[str],
         sizes: Optional[Sequence[int]] = None,
-    ) -> "StackedParameter":
+    ) -> StackedParameter:
         """A stacked parameter sharing ``stack``'s storage (which the members alias)."""
         flags = {bool(m.requires_grad) for m in members}
         if len(flags) > 1:
@@ -418,7 +418,7 @@ class StackedParameter(nn.Parameter):
         _moved()
 
 
-def _after(s: "StackedParameter") -> None:
+def _after(s: StackedParameter) -> None:
     """After ``s``'s gradient accumulated: autograd may have replaced ``.grad`` (under
     ``create_graph=True``, or where it was ``None``); take it in."""
     link = s.__dict__["_ss"]
