@@ -292,6 +292,15 @@ class StreamScheduledModule(nn.Module):
         finally:
             st.observer = previous
 
+    def fused_parameters(self, param_groups: Any = None) -> list:
+        """The model's parameters for an optimizer that steps each fused group as one
+        stacked tensor: ``torch.optim.SGD(sm.fused_parameters(), lr=...)``. Call the model
+        once first (fusion is planned on the first call). See
+        :func:`streamsched.optim.fused_parameters`."""
+        from .optim import fused_parameters
+
+        return fused_parameters(self, param_groups)
+
     def invalidate(self) -> None:
         """Drop every cached trace, plan and stacked parameter; the next call re-plans."""
         st = self._ss
