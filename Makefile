@@ -3,6 +3,8 @@
 # native extension streamsched._C (built in place, about two minutes the first time).
 
 PYTHON ?= python3
+# Plain `make` runs the tests (the CUDA environment rules below come first in the file).
+.DEFAULT_GOAL := all
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check
