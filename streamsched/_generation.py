@@ -1,19 +1,26 @@
-"""A process-wide counter that moves whenever any module registers a submodule,
-parameter or buffer (``setattr`` of one, ``register_*``, construction of a module),
-deletes an attribute (``del model.head``, ``del model.layers[0]``), or sets a *watched*
-plain attribute: ``training`` (``.train()``, ``.eval()``, ``bn.training = False``) and
-every flag a trace read from a traced-through module (``drop_prob``, ``use_cache``...),
-whose value the trace baked in.
+"""A process-wide counter that moves whenever a *tracked* module (one inside the tree of
+a wrapped model, see :func:`track`) registers a submodule, parameter or buffer
+(``setattr`` of one, ``register_*``), deletes an attribute (``del model.head``,
+``del model.layers[0]``), or sets a *watched* plain attribute: ``training``
+(``.train()``, ``.eval()``, ``bn.training = False``) and every flag a trace read from a
+traced-through module (``drop_prob``, ``use_cache``...), whose value the trace baked in.
 
 Wrappers compare it with the value they last validated against: unchanged means no
-module anywhere was re-wired, so the per-call check costs one integer comparison.
-When it moved, the wrapper re-checks that every module its plans call is still in
-place (and re-traces if not).
+module of a wrapped model was re-wired, so the per-call check costs one integer
+comparison. When it moved, the wrapper re-checks that every module its plans call is
+still in place (and re-traces if not).
+
+Modules outside every wrapped tree do not move it: constructing a module, and the
+temporary containers some forwards build on every call (``self.layers[:n]`` makes a new
+``ModuleList`` and registers each layer into it, as Hugging Face decoders do), would
+otherwise send every wrapper through that re-check on every call. A module registered
+into a tracked one becomes tracked, with its whole subtree.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any, Callable, Iterable
 
 from torch.nn.modules import module as _module
@@ -31,10 +38,48 @@ def _bump(*_args, **_kwargs) -> None:
     return None
 
 
+# Every module of every wrapped model's tree: id -> weak reference (identity, not hash:
+# the check runs on every registration anywhere and must cost a dict lookup).
+_tracked: dict[int, weakref.ref] = {}
+
+
+def _untrack(ref: weakref.ref, key: int) -> None:
+    if _tracked.get(key) is ref:
+        del _tracked[key]
+
+
+def track(model: _module.Module) -> None:
+    """Count the re-wiring of ``model`` and of every module below it from now on."""
+    for m in model.modules():
+        key = id(m)
+        ref = _tracked.get(key)
+        if ref is None or ref() is not m:
+            _tracked[key] = weakref.ref(m, lambda r, key=key: _untrack(r, key))
+
+
+def tracked(module: Any) -> bool:
+    ref = _tracked.get(id(module))
+    return ref is not None and ref() is module
+
+
+def _registered(module: Any, _name: str, value: Any) -> None:
+    if tracked(module):
+        _bump()
+        if isinstance(value, _module.Module):
+            track(value)
+    return None
+
+
+def _registered_tensor(module: Any, _name: str, _value: Any) -> None:
+    if tracked(module):
+        _bump()
+    return None
+
+
 _handles = (
-    _module.register_module_module_registration_hook(_bump),
-    _module.register_module_parameter_registration_hook(_bump),
-    _module.register_module_buffer_registration_hook(_bump),
+    _module.register_module_module_registration_hook(_registered),
+    _module.register_module_parameter_registration_hook(_registered_tensor),
+    _module.register_module_buffer_registration_hook(_registered_tensor),
 )
 
 # PyTorch has no hook for removals; wrap __delattr__ (behaviour unchanged) so that
@@ -43,7 +88,8 @@ _original_delattr = _module.Module.__delattr__
 
 
 def _delattr(self, name: str) -> None:
-    _bump()
+    if tracked(self):
+        _bump()
     _original_delattr(self, name)
 
 
@@ -66,7 +112,7 @@ def watch(names: Iterable[str]) -> None:
 
 
 def _setattr(self, name: str, value: Any) -> None:
-    if name in _watched:
+    if name in _watched and tracked(self):
         _bump()
     if _on_setattr:
         callback = _on_setattr.get(threading.get_ident())

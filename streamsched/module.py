@@ -66,12 +66,107 @@ class _LRU(OrderedDict):
             self.popitem(last=False)
 
 
+_LEAF_SCALARS = (bool, int, float, str)
+# Eager-dispatch calls in a row that launch no branch before a call structure runs as written.
+_QUIET_CALLS = 3
+
+
+class _AsWritten:
+    """What ``sm.plan`` reports for an untraceable forward that runs as written."""
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+
+
+class _Slot:
+    """Stands for one argument in a bind made to learn where each leaf comes from."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+class _Binder:
+    """``CallBinder.bind`` with a fast path for the calls its own does not take: keyword
+    arguments, parameters with defaults (``forward(x, mask=None)``), scalar flags.
+
+    The full bind (``inspect`` and pytree, some 15 us) runs once per call *shape*: how
+    many positional arguments, which keywords in which order, and for each value whether
+    it is a tensor, ``None`` or which scalar; the spec depends on nothing else. A second
+    bind with a placeholder for each argument tells which argument (or default) each leaf
+    is; checked against the full bind's leaves, that is reused by later calls of the shape.
+    Calls with any other kind of value (lists, dicts, objects) take the full bind.
+    """
+
+    _MAX_SHAPES = 64
+
+    def __init__(self, binder: CallBinder):
+        self.binder = binder
+        self.shapes: dict[tuple, Any] = {}
+
+    def bind(self, args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
+        binder = self.binder
+        if not kwargs and binder._simple_arity == len(args):
+            return binder.bind(args, kwargs)  # positional tensors only: its own fast path
+        values = args + tuple(kwargs.values()) if kwargs else args
+        tags: list[Any] = []
+        for v in values:
+            if isinstance(v, torch.Tensor):
+                tags.append(0)
+            elif v is None:
+                tags.append(1)
+            elif type(v) in _LEAF_SCALARS:
+                tags.append((type(v), v))
+            else:
+                return binder.bind(args, kwargs)
+        shape = (len(args), tuple(kwargs), tuple(tags))
+        entry = self.shapes.get(shape)
+        if entry is None:
+            leaves, spec = binder.bind(args, kwargs)
+            if len(self.shapes) < self._MAX_SHAPES:
+                self.shapes[shape] = self._learn(args, kwargs, values, leaves, spec)
+            return leaves, spec
+        if entry is False:
+            return binder.bind(args, kwargs)
+        spec, picks, consts = entry
+        pool = values + consts if consts else values
+        return [pool[i] for i in picks], spec
+
+    def _learn(self, args: tuple, kwargs: dict, values: tuple, leaves: list[Any], spec: Any) -> Any:
+        """``(spec, picks, consts)`` for this call shape (leaf ``k`` is ``(values + consts)[picks[k]]``),
+        or False where that would not give exactly the full bind's leaves."""
+        n = len(args)
+        slot_args = tuple(None if v is None else _Slot(i) for i, v in enumerate(args))
+        slot_kwargs = {k: (None if v is None else _Slot(n + j)) for j, (k, v) in enumerate(kwargs.items())}
+        try:
+            slot_leaves, _ = self.binder.bind(slot_args, slot_kwargs)
+        except Exception:  # noqa: BLE001 - no shortcut then
+            return False
+        picks: list[int] = []
+        consts: list[Any] = []
+        for leaf in slot_leaves:
+            if type(leaf) is _Slot:
+                picks.append(leaf.index)
+            else:  # a default the bind filled in: the same object on every call
+                picks.append(len(values) + len(consts))
+                consts.append(leaf)
+        pool = values + tuple(consts)
+        if len(picks) != len(leaves) or any(pool[i] is not leaf for i, leaf in zip(picks, leaves)):
+            return False
+        return spec, picks, tuple(consts)
+
+
 class _State:
     """Everything the wrapper caches; kept out of nn.Module's attribute machinery."""
 
     def __init__(self, model: nn.Module, config: SchedulerConfig):
         self.binder = CallBinder(model)
+        self.bind = _Binder(self.binder).bind
         self.traces: _LRU = _LRU(config.plan_cache_size)
+        # Eager dispatch, per call structure: calls in a row that launched no branch, or
+        # an _AsWritten once there were enough of them.
+        self.quiet: _LRU = _LRU(config.plan_cache_size)
         self.plans: _LRU = _LRU(config.plan_cache_size)
         self.last: Optional[Schedule] = None
         # (key, schedule) of the most recent traced call: the common case skips the LRU.
@@ -104,46 +199,129 @@ class _State:
 
 
 class _Trial:
-    """Times a plan's executor against serial on its first scheduled calls (``executor="auto"``).
+    """Times the ways of running one signature on its first calls (``executor="auto"``)
+    and keeps the fastest.
 
-    The estimate decides whether streams (or CPU lanes) should pay; this checks it on the
-    real machine: the two executors alternate for ``rounds`` calls each, and the faster
-    one (by its best time) stays. Streams are then never kept where they lose.
+    The candidates: the plan's executor, ``serial`` (when the plan chose another one) and
+    ``eager``, the model's own forward run as written (unless ``sync_log``, ``chaos``, CUDA
+    graphs or ``grad_handoff="direct"`` ask for the schedule itself). The estimate decides whether
+    streams or lanes should pay and the schedule whether tracing pays at all; this checks
+    both on the real machine. Calls take the candidates in turn and each keeps its fastest
+    time (the best of ``rounds``: robust to bursts of machine noise and to a cold first
+    call); a candidate more than ``_DROP`` times slower than the leader is dropped at once,
+    so that a trial costs little even where one way is ten times slower. Where the
+    schedule and the model's forward come out within ``close`` of each other, they take
+    more calls, up to ``max_rounds`` each (those calls cost nothing: both ways run at
+    about the same speed). The schedule stays unless the model's own forward is more than
+    ``margin`` faster.
     """
 
-    def __init__(self, candidate: str, rounds: int = 3):
-        self.candidates = [candidate, "serial"]
+    # A candidate slower than the leader by this factor is dropped: after its first call
+    # (which may be cold), and after two or more.
+    _DROP_FIRST = 4.0
+    _DROP = 2.0
+
+    def __init__(
+        self,
+        executor: str,
+        eager: bool = False,
+        rounds: int = 5,
+        margin: float = 0.02,
+        max_rounds: int = 15,
+        close: float = 0.04,
+    ):
+        self.executor = executor
+        self.candidates = [executor] + (["serial"] if executor != "serial" else []) + (["eager"] if eager else [])
+        self.live = list(self.candidates)
         self.rounds = rounds
+        self.margin = margin
+        self.max_rounds = max(rounds, max_rounds)
+        self.close = close
         self.samples: dict[str, list[float]] = {c: [] for c in self.candidates}
         self.turn = 0
 
     def next(self) -> str:
-        name = self.candidates[self.turn % 2]
+        name = self.live[self.turn % len(self.live)]
         self.turn += 1
         return name
 
     def add(self, name: str, seconds: float) -> None:
         self.samples[name].append(seconds)
+        if len(self.live) < 2 or any(not self.samples[c] for c in self.live):
+            return
+        leader = min(min(self.samples[c]) for c in self.live)
+        for c in list(self.live):
+            factor = self._DROP_FIRST if len(self.samples[c]) < 2 else self._DROP
+            if min(self.samples[c]) > factor * leader:
+                self.live.remove(c)
 
     def done(self) -> bool:
-        return all(len(v) >= self.rounds for v in self.samples.values())
+        if len(self.live) == 1:
+            return True
+        counts = [len(self.samples[c]) for c in self.live]
+        if min(counts) < self.rounds:
+            return False
+        scheduled = [min(self.samples[c]) for c in self.live if c != "eager"]
+        if "eager" in self.live and scheduled and min(counts) < self.max_rounds:
+            # A close call: more calls make the fastest of each more certain.
+            return abs(min(self.samples["eager"]) / min(scheduled) - 1.0) >= self.close
+        return True
 
-    def decide(self, plan: Plan) -> Plan:
-        best = {name: min(v) * 1e6 for name, v in self.samples.items()}
-        candidate = self.candidates[0]
-        keep = candidate if best[candidate] < best["serial"] else "serial"
-        measured = (
-            f"measured {candidate} {best[candidate]:.0f} us vs serial {best['serial']:.0f} us (best of {self.rounds})"
+    def decide(self, plan: Plan) -> tuple[Plan, bool]:
+        """The plan with the decision and its figures, and whether to run the model as written."""
+        from .plan import ExecutorTrial
+
+        best = {c: round(min(v) * 1e6, 1) for c, v in self.samples.items() if v}
+        executor = self.executor
+        scheduled = [c for c in (executor, "serial") if c in self.live and c in self.samples]
+        if not scheduled:  # every way of running the schedule was dropped: far behind eager
+            keep = min((c for c in (executor, "serial") if c in best), key=lambda c: best[c])
+        elif len(scheduled) == 2:
+            # The plan's executor must be faster than serial to stay (as before).
+            keep = executor if best[executor] < best["serial"] else "serial"
+        else:
+            keep = scheduled[0]
+        eager = "eager" in self.live and (not scheduled or best["eager"] < (1.0 - self.margin) * best[keep])
+        chosen = "eager" if eager else keep
+        trial = ExecutorTrial(
+            best_us=best,
+            calls={c: len(v) for c, v in self.samples.items() if v},
+            rounds=self.rounds,
+            max_rounds=self.max_rounds,
+            margin=self.margin,
+            chosen=chosen,
+            schedule_executor=keep,
         )
-        if keep == candidate:
-            return plan.model_copy(update={"reason": f"{plan.reason}; {measured}"})
-        return plan.model_copy(
-            update={
-                "executor": "serial",
-                "reason": f"{candidate} estimated to pay but {measured}: running serially",
-                "notes": [*plan.notes, "tasks run in issue order on the caller's stream"],
-            }
-        )
+        figures = ", ".join(f"{c} {best[c]:.0f} us" for c in self.candidates if c in best)
+        counts = {len(v) for v in self.samples.values() if v}
+        if len(counts) == 1:
+            measured = f"measured {figures} (fastest of {counts.pop()} calls each)"
+        else:
+            calls = ", ".join(f"{c} {len(v)}" for c, v in self.samples.items() if v)
+            measured = f"measured {figures} (fastest call of each; calls: {calls})"
+        update: dict[str, Any] = {"trial": trial}
+        if eager:
+            update.update(
+                executor="eager",
+                reason=(
+                    f"the model's own forward measured faster than the schedule ({keep}): {measured}; "
+                    "calls with this signature run the model as written"
+                ),
+                notes=[
+                    *plan.notes,
+                    f"running the model's own forward (no trace): {best['eager']:.0f} us vs {best[keep]:.0f} us "
+                    f"for the schedule on {keep}; observers, sync_log and chaos still run the schedule",
+                ],
+            )
+        elif keep != executor:
+            update.update(
+                executor=keep,
+                reason=f"{executor} estimated to pay but {measured}: running serially",
+                notes=[*plan.notes, "tasks run in issue order on the caller's stream"],
+            )
+        else:
+            update["reason"] = f"{plan.reason}; {measured}"
+        return plan.model_copy(update=update), eager
 
 
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
@@ -214,6 +392,10 @@ class StreamScheduledModule(nn.Module):
         self.__dict__["_parameters"] = model._parameters
         self.__dict__["_buffers"] = model._buffers
         self.__dict__["module"] = model
+        # Re-wiring the model (or the wrapper, which holds the same dicts) moves the
+        # generation the wrapper checks on every call; other modules' registrations do not.
+        _generation.track(model)
+        _generation.track(self)
         self.__dict__["config"] = cfg
         self.__dict__["_ss"] = _State(model, cfg)
         self.training = model.training
@@ -306,6 +488,7 @@ class StreamScheduledModule(nn.Module):
         st = self._ss
         with st.lock:
             st.traces.clear()
+            st.quiet.clear()
             st.plans.clear()
             st.last = None
             st.hot = None
@@ -325,7 +508,7 @@ class StreamScheduledModule(nn.Module):
             if st.generation != _generation.current():
                 self._revalidate()
             try:
-                leaves, spec = st.binder.bind(args, kwargs)
+                leaves, spec = st.bind(args, kwargs)
             except TypeError as exc:
                 raise TypeError(f"{type(self.module).__name__}.forward(): {exc}") from None
             tensors = [leaves[i] for i in spec.tensor_positions]
@@ -349,9 +532,16 @@ class StreamScheduledModule(nn.Module):
                     schedule = None
             st.calls += 1
             if schedule is None:
-                return self._first_call(key, spec, tensors)
+                return self._first_call(key, spec, tensors, args, kwargs)
             st.last = schedule
             st.hot = (key, schedule)
+            if st.observer is None:
+                if schedule.eager:
+                    # The first calls measured the model's own forward faster: run it as
+                    # written (its own output types: no rebuild).
+                    return self._forward_as_written(args, kwargs)
+                if schedule.trial is not None and not self.config.sync_log and self.config.chaos is None:
+                    return self._run_trial(schedule, schedule.trial, tensors, args, kwargs)
             return schedule.rebuild(self._run(schedule, tensors))
 
     # --- internals --------------------------------------------------------------------
@@ -398,12 +588,12 @@ class StreamScheduledModule(nn.Module):
             st.traces.put(trace_key, traced)
         return traced
 
-    def _first_call(self, key: Any, spec: Any, tensors: list[torch.Tensor]) -> Any:
+    def _first_call(self, key: Any, spec: Any, tensors: list[torch.Tensor], args: tuple, kwargs: dict) -> Any:
         st = self._ss
         # A trace bakes in the training flags of the modules it traced through.
         trace_key = (spec.key, st.mode_id)
         if not self.config.strict and isinstance(st.traces.get_fresh(trace_key), TraceError):
-            return self._eager_dispatch(spec, tensors, st.traces[trace_key])
+            return self._eager_dispatch(spec, tensors, st.traces[trace_key], trace_key, args, kwargs)
         try:
             traced = self._trace(trace_key, spec)
         except TraceError as exc:
@@ -421,7 +611,7 @@ class StreamScheduledModule(nn.Module):
                     UntraceableWarning,
                     stacklevel=3,
                 )
-            return self._eager_dispatch(spec, tensors, exc)
+            return self._eager_dispatch(spec, tensors, exc, trace_key, args, kwargs)
         metas: dict = {}
         name = type(self.module).__name__
 
@@ -445,36 +635,91 @@ class StreamScheduledModule(nn.Module):
             schedule.plan = schedule.plan.model_copy(
                 update={"notes": [*schedule.plan.notes, f"task costs measured: profile {self.config.profile}"]}
             )
-        if self.config.executor == "auto" and schedule.plan.executor != "serial":
-            schedule.trial = _Trial(schedule.plan.executor)
+        if self.config.executor == "auto":
+            eager = self._may_run_as_written()
+            if eager or schedule.plan.executor != "serial":
+                schedule.trial = _Trial(schedule.plan.executor, eager=eager)
         st.plans.put(key, schedule)
         st.last = schedule
         return rebuild(result)
 
-    def _eager_dispatch(self, spec: Any, tensors: list[torch.Tensor], reason: TraceError) -> Any:
+    def _eager_dispatch(
+        self, spec: Any, tensors: list[torch.Tensor], reason: TraceError, trace_key: Any, args: tuple, kwargs: dict
+    ) -> Any:
+        st = self._ss
+        quiet = st.quiet.get_fresh(trace_key)
+        automatic = self.config.executor == "auto" and st.observer is None and self._may_run_as_written()
+        if automatic and isinstance(quiet, _AsWritten):
+            st.last = quiet
+            return self._forward_as_written(args, kwargs)
         from .runtime.eager import run_eager_dispatch
 
-        return run_eager_dispatch(self, spec, tensors, reason)
+        out = run_eager_dispatch(self, spec, tensors, reason)
+        if automatic:
+            # A forward that calls no @streamsched.branch has nothing to dispatch: after
+            # a few such calls in a row, it runs as written (the same calls, minus the
+            # dispatch bookkeeping).
+            plan = st.last.plan
+            count = 0 if plan.tasks else (quiet if isinstance(quiet, int) else 0) + 1
+            if count < _QUIET_CALLS:
+                st.quiet.put(trace_key, count)
+            else:
+                why = (str(reason).strip().splitlines() or [type(reason).__name__])[0]
+                update = {
+                    "executor": "eager",
+                    "reason": (
+                        f"eager dispatch: the model cannot be traced ({why}); its forward made no "
+                        f"@streamsched.branch call in {count} calls with these arguments: it runs as written"
+                    ),
+                }
+                st.quiet.put(trace_key, _AsWritten(plan.model_copy(update=update)))
+        return out
 
-    def _run_trial(self, schedule: Schedule, trial: _Trial, tensors: list[torch.Tensor]) -> Any:
+    def _may_run_as_written(self) -> bool:
+        """Whether ``executor="auto"`` may pick the model's own forward: not where the
+        schedule itself is what was asked for (``sync_log`` and ``chaos`` exist to exercise
+        it, a CUDA graph replays it, ``grad_handoff="direct"`` is a backward the trial's
+        forward timings do not see)."""
+        cfg = self.config
+        return not cfg.sync_log and cfg.chaos is None and cfg.cuda_graph is False and cfg.grad_handoff != "direct"
+
+    def _forward_as_written(self, args: tuple, kwargs: dict) -> Any:
+        # The class's forward, as the trace calls it: hooks on the model itself run on no
+        # path of the wrapper (the wrapper's own hooks run around every call).
+        module = self.module
+        return type(module).forward(module, *args, **kwargs)
+
+    def _run_trial(
+        self, schedule: Schedule, trial: _Trial, tensors: list[torch.Tensor], args: tuple, kwargs: dict
+    ) -> Any:
         name = trial.next()
-        executor = self._ss.serial if name == "serial" else self._executor(schedule)
-        cuda = schedule.plan.device.startswith("cuda")
+        device = schedule.plan.device
+        cuda = device.startswith("cuda")
+        if name != "eager":
+            executor = self._ss.serial if name == "serial" else self._executor(schedule)
         if cuda:
-            torch.cuda.synchronize(schedule.plan.device)
+            torch.cuda.synchronize(device)
+        # Each way timed as the calls after the trial would run it: the schedule with its
+        # stacked-parameter checks and output rebuild, the model's forward as it is.
         start = time.perf_counter()
         try:
-            out = executor.run(schedule.program, tensors)
+            if name == "eager":
+                out = self._forward_as_written(args, kwargs)
+            else:
+                for stack in schedule.stacks:
+                    stack.check()
+                out = schedule.rebuild(executor.run(schedule.program, tensors))
         except Exception as exc:
-            where = failing_node(schedule.program, exc)
-            if where is not None:
-                annotate_exception(exc, f"module '{where}' of {type(self.module).__name__}")
+            if name != "eager":
+                where = failing_node(schedule.program, exc)
+                if where is not None:
+                    annotate_exception(exc, f"module '{where}' of {type(self.module).__name__}")
             raise
         if cuda:
-            torch.cuda.synchronize(schedule.plan.device)
+            torch.cuda.synchronize(device)
         trial.add(name, time.perf_counter() - start)
         if trial.done():
-            schedule.plan = trial.decide(schedule.plan)
+            schedule.plan, schedule.eager = trial.decide(schedule.plan)
             schedule.trial = None
         return out
 
@@ -498,7 +743,7 @@ class StreamScheduledModule(nn.Module):
 
     def _executor(self, schedule: Schedule) -> Any:
         st = self._ss
-        name = schedule.plan.executor
+        name = schedule.plan.schedule_executor
         if name == "serial":
             return st.serial
         if name == "threads":
@@ -566,9 +811,6 @@ class StreamScheduledModule(nn.Module):
         chaos = Chaos(cfg.chaos, st.calls) if cfg.chaos is not None else None
         for stack in schedule.stacks:
             stack.check()
-        trial = schedule.trial
-        if trial is not None and sync_log is None and chaos is None and st.observer is None:
-            return self._run_trial(schedule, trial, tensors)
         graphs = self._graph_executor(schedule, tensors)
         executor = graphs if graphs is not None else self._executor(schedule)
         try:

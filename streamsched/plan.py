@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import PlanError
 
-__all__ = ["Plan", "PlannedTask", "FusedGroupInfo", "OpaqueModule", "UnfusedGroup"]
+__all__ = ["Plan", "PlannedTask", "FusedGroupInfo", "OpaqueModule", "UnfusedGroup", "ExecutorTrial"]
 
 
 class PlannedTask(BaseModel):
@@ -83,6 +83,36 @@ class UnfusedGroup(BaseModel):
     reason: str
 
 
+class ExecutorTrial(BaseModel):
+    """What the first calls of a signature measured (``executor="auto"``).
+
+    The candidates are the plan's executor, ``serial`` and ``eager`` (the model's own
+    forward, run as written). Each call of the trial runs one candidate, in turn; a
+    candidate far behind the leader is dropped early, the rest get ``rounds`` calls each
+    (up to ``max_rounds`` where the schedule and the forward are close). The figures are
+    each candidate's fastest call.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    best_us: dict[str, float]
+    """Candidate -> its fastest timed call, in microseconds."""
+    calls: dict[str, int]
+    """Candidate -> how many calls it was timed over."""
+    rounds: int
+    """Calls each candidate gets unless it is dropped earlier."""
+    max_rounds: int = 0
+    """Up to how many calls each where the schedule and the model's forward were close."""
+    margin: float
+    """How much faster (a fraction) the model's own forward must be to replace the schedule."""
+    chosen: str
+    """What runs this signature from now on: an executor name, or ``eager``."""
+    schedule_executor: str
+    """The faster executor of the schedule: what runs when the schedule does (``chosen``
+    itself, unless that is ``eager``; observers, ``sync_log`` and ``chaos`` always run the
+    schedule)."""
+
+
 class Plan(BaseModel):
     """A schedule for one model and one input signature."""
 
@@ -93,6 +123,9 @@ class Plan(BaseModel):
     device: str
     mode: Literal["traced", "eager-dispatch"] = "traced"
     executor: str
+    """``serial``, ``streams``, ``threads``, or ``eager``: the model's own forward runs this
+    signature because the first calls measured it faster than the schedule (``trial``
+    has the figures)."""
     reason: str
     """Why this executor was chosen."""
     stream_bound: int
@@ -113,6 +146,15 @@ class Plan(BaseModel):
     """Ordering edges added for in-place writes on shared storage (beyond data edges)."""
     unfused: list[UnfusedGroup] = Field(default_factory=list)
     """Candidate groups the fusion pass left alone, with the reason."""
+    trial: Optional[ExecutorTrial] = None
+    """With ``executor="auto"``, once the first calls have been timed: what they measured."""
+
+    @property
+    def schedule_executor(self) -> str:
+        """The executor the schedule runs on (under ``eager``: the one it would use)."""
+        if self.trial is not None:
+            return self.trial.schedule_executor
+        return self.executor
 
     # --- serialisation ------------------------------------------------------------
 
@@ -168,6 +210,11 @@ class Plan(BaseModel):
                 lines.append(f"    {o.path}: {o.reason}")
             if len(self.opaque) > 10:
                 lines.append(f"    ... {len(self.opaque) - 10} more")
+        if self.trial is not None:
+            timed = ", ".join(
+                f"{name} {_us(us)}" for name, us in sorted(self.trial.best_us.items(), key=lambda kv: kv[1])
+            )
+            lines.append(f"  measured (fastest of the first calls): {timed} -> {self.trial.chosen}")
         if self.effect_edges:
             lines.append(f"  in-place effects: {self.effect_edges} ordering edge(s) keep writes in eager order")
         for note in self.notes:

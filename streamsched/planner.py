@@ -47,7 +47,10 @@ class Schedule:
     stacks: list[Any] = field(default_factory=list)
     """Stacked parameters the fused kernels read; checked before every call."""
     trial: Any = None
-    """With ``executor="auto"``: the timing of this plan's executor against serial, until decided."""
+    """With ``executor="auto"``: the timing of this plan's executor against serial and the
+    model's own forward, until decided."""
+    eager: bool = False
+    """Decided by the trial: calls with this signature run the model's own forward."""
     rebuild: Callable[[Any], Any] = field(default=lambda leaves: leaves)
     """Builds the model's own output (its container types) from the program's flat leaves."""
     alias_pattern: Optional[tuple] = None

@@ -92,7 +92,7 @@ def measure_profile(sm: Any, *inputs: Any, runs: int = 5) -> ScheduleProfile:
         torch_version=torch.__version__,
         streamsched_version=__version__,
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        executor=plan.executor,
+        executor=plan.schedule_executor,
         runs=len(observed),
         task_us={name: round(statistics.median(values), 3) for name, values in durations.items()},
         plan=plan,

@@ -484,7 +484,7 @@ def build_timeline(call: ObservedCall, runs: int) -> Timeline:
         signature=plan.signature,
         device=plan.device,
         device_name=device_name(plan.device),
-        executor=plan.executor,
+        executor=plan.schedule_executor,
         streams=streams,
         entries=entries,
         wall_us=wall,
