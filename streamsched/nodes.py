@@ -15,7 +15,7 @@ from torch import fx
 
 from .branch import BranchCall
 
-__all__ = ["node_label", "is_glue", "scope_of", "target_name", "VIEW_METHODS"]
+__all__ = ["node_label", "is_glue", "scope_of", "target_name", "VIEW_METHODS", "AUGMENTED_OPERATORS"]
 
 VIEW_METHODS = frozenset(
     {
@@ -48,6 +48,24 @@ VIEW_METHODS = frozenset(
         "type_as",
         "contiguous",
     }
+)
+
+# The operators of augmented assignment (``x += y``): traced as calls of these, they
+# write their first argument in place when it is a tensor, as the statement does.
+AUGMENTED_OPERATORS = (
+    operator.iadd,
+    operator.isub,
+    operator.imul,
+    operator.itruediv,
+    operator.ifloordiv,
+    operator.imod,
+    operator.ipow,
+    operator.imatmul,
+    operator.iand,
+    operator.ior,
+    operator.ixor,
+    operator.ilshift,
+    operator.irshift,
 )
 
 VIEW_FUNCTIONS = frozenset(

@@ -42,6 +42,7 @@ from torch import fx
 from . import _generation
 from .branch import is_branch_module
 from .errors import TraceError
+from .nodes import AUGMENTED_OPERATORS
 from .output_tree import OutputTree
 from .trace_guard import TraceSideEffectGuard
 
@@ -263,21 +264,7 @@ def _inplace_operator(op: Any) -> Any:
     return method
 
 
-for _op in (
-    operator.iadd,
-    operator.isub,
-    operator.imul,
-    operator.itruediv,
-    operator.ifloordiv,
-    operator.imod,
-    operator.ipow,
-    operator.imatmul,
-    operator.iand,
-    operator.ior,
-    operator.ixor,
-    operator.ilshift,
-    operator.irshift,
-):
+for _op in AUGMENTED_OPERATORS:
     setattr(_Proxy, f"__{_op.__name__}__", _inplace_operator(_op))
 
 

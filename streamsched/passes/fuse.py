@@ -62,7 +62,7 @@ from ..fusion.layout import (
     unstack,
 )
 from ..meta import ConstMeta, TensorMeta, ValueMeta
-from ..nodes import is_glue, node_label, target_name
+from ..nodes import AUGMENTED_OPERATORS, is_glue, node_label, target_name
 from ..plan import FusedGroupInfo, UnfusedGroup
 
 __all__ = ["fuse_graph", "FuseResult"]
@@ -272,24 +272,7 @@ def _inplace(node: fx.Node, module: Optional[nn.Module]) -> bool:
     return bool(node.kwargs.get("inplace", False))
 
 
-_INPLACE_OPERATORS = frozenset(
-    {
-        operator.setitem,
-        operator.iadd,
-        operator.isub,
-        operator.imul,
-        operator.itruediv,
-        operator.ifloordiv,
-        operator.imod,
-        operator.ipow,
-        operator.iand,
-        operator.ior,
-        operator.ixor,
-        operator.ilshift,
-        operator.irshift,
-        operator.imatmul,
-    }
-)
+_INPLACE_OPERATORS = frozenset({operator.setitem, *AUGMENTED_OPERATORS})
 
 
 def _signature(
