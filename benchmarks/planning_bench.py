@@ -28,9 +28,9 @@ import torch
 
 import streamsched as ss
 from streamsched.bench.report import environment, json_output_path
-from streamsched.graph import TaskGraph
+from streamsched.ir.graph import TaskGraph
 from streamsched.models import ParallelFCN
-from streamsched.passes.assign import assign_streams
+from streamsched.planning.assign import assign_streams
 
 BOUND = 8
 

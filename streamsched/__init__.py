@@ -27,7 +27,7 @@ from .errors import (
 )
 from .module import StreamScheduledModule
 from .observe import Timeline, timeline
-from .plan import FusedGroupInfo, Plan, PlannedTask
+from .planning.plan import FusedGroupInfo, Plan, PlannedTask
 from .prefetch import Prefetcher
 
 __version__ = "0.1.0"

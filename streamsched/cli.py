@@ -287,7 +287,7 @@ def _cmd_timeline(ns: argparse.Namespace) -> int:
 
 
 def _cmd_profile(ns: argparse.Namespace) -> int:
-    from .profiles import measure_profile
+    from .observe.profiles import measure_profile
 
     runs = _positive(ns.runs, "--runs")
     prepared = _Prepared(ns)

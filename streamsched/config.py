@@ -1,7 +1,7 @@
 """The user's options: a frozen, validated :class:`SchedulerConfig`.
 
 The config is what the user asked for; what the library decided (streams, fused groups,
-the executor it picked and why) lives in the :class:`~streamsched.plan.Plan`, a separate
+the executor it picked and why) lives in the :class:`~streamsched.planning.plan.Plan`, a separate
 object. The config never changes after construction.
 
 Example::

@@ -29,19 +29,19 @@ from torch import nn
 
 from . import _generation, _native
 from .config import SchedulerConfig, make_config
-from .effects import EffectRecorder, Effects, storage_key
 from .errors import ConfigError, TraceError, UntraceableWarning
-from .meta import run_and_record
-from .nodes import node_label
-from .plan import Plan
-from .planner import Schedule, make_schedule
+from .frontend.effects import EffectRecorder, Effects, storage_key
+from .frontend.meta import run_and_record
+from .frontend.nodes import node_label
+from .frontend.trace import CallBinder, Traced, trace_model
+from .planning.plan import Plan
+from .planning.planner import Schedule, make_schedule
 from .runtime.chaos import Chaos
 from .runtime.program import annotate_exception, failing_node
 from .runtime.serial import SerialExecutor
 from .runtime.streams import CudaBackend, SimulatedBackend, StreamExecutor
 from .runtime.synclog import SyncLog
 from .runtime.threads import ThreadExecutor
-from .trace import CallBinder, Traced, trace_model
 
 __all__ = ["StreamScheduledModule"]
 
@@ -269,7 +269,7 @@ class _Trial:
 
     def decide(self, plan: Plan) -> tuple[Plan, bool]:
         """The plan with the decision and its figures, and whether to run the model as written."""
-        from .plan import ExecutorTrial
+        from .planning.plan import ExecutorTrial
 
         best = {c: round(min(v) * 1e6, 1) for c, v in self.samples.items() if v}
         executor = self.executor
@@ -728,8 +728,8 @@ class StreamScheduledModule(nn.Module):
         if self.config.profile is None:
             return None
         from .errors import ProfileMismatchError
-        from .planner import _device_of, signature_text
-        from .profiles import check_profile, load_profile, profile_costs
+        from .observe.profiles import check_profile, load_profile, profile_costs
+        from .planning.planner import _device_of, signature_text
 
         st = self._ss
         if st.profile is None:

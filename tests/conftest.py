@@ -20,7 +20,7 @@ REAL_GPU = torch.cuda.is_available()
 
 
 def _test_shapes_gpu_model():
-    from streamsched.cost import DeviceModel
+    from streamsched.ir.cost import DeviceModel
 
     # Throughputs far below a GPU's: kernels of test shapes weigh, relative to a launch,
     # what large ones do on a real GPU.
@@ -59,9 +59,9 @@ def _cuda_device(request, monkeypatch):
         yield None
         return
     if request.node.get_closest_marker("gpu") is None:
-        import streamsched.cost
+        import streamsched.ir.cost
 
-        monkeypatch.setattr(streamsched.cost, "GPU_MODEL", TEST_SHAPES_GPU_MODEL)
+        monkeypatch.setattr(streamsched.ir.cost, "GPU_MODEL", TEST_SHAPES_GPU_MODEL)
     if REAL_GPU:
         yield None
         return

@@ -13,8 +13,8 @@ from torch import nn
 
 import streamsched as ss
 from streamsched import _generation
+from streamsched.frontend.trace import CallBinder
 from streamsched.module import StreamScheduledModule, _Binder
-from streamsched.trace import CallBinder
 
 from .helpers import assert_close
 

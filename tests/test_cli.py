@@ -18,8 +18,8 @@ import streamsched as ss
 from streamsched import envinfo
 from streamsched.cli import main, parse_options, parse_shape
 from streamsched.envinfo import environment_report, format_report, visible_nvml_devices
-from streamsched.plan import Plan
-from streamsched.profiles import load_profile
+from streamsched.observe.profiles import load_profile
+from streamsched.planning.plan import Plan
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from streamsched.graph import TaskGraph
+from streamsched.ir.graph import TaskGraph
 from streamsched.passes.coarsen import coarsen
 
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import streamsched as ss
-import streamsched.effects as effects_mod
+import streamsched.frontend.effects as effects_mod
 from streamsched.runtime.synclog import check_happens_before
 
 from .helpers import assert_close

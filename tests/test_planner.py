@@ -5,10 +5,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from streamsched.graph import TaskGraph
-from streamsched.matching import maximum_matching
-from streamsched.passes.assign import assign_streams, chain_cover, compute_waits
-from streamsched.plan import Plan, PlannedTask
+from streamsched.ir.graph import TaskGraph
+from streamsched.planning.assign import assign_streams, chain_cover, compute_waits
+from streamsched.planning.matching import maximum_matching
+from streamsched.planning.plan import Plan, PlannedTask
 
 from .test_graph import random_dag
 

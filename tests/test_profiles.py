@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import streamsched as ss
-from streamsched import profiles
 from streamsched.errors import ConfigError, ProfileMismatchError
+from streamsched.observe import profiles
+from streamsched.observe.profiles import ScheduleProfile, check_profile, load_profile, measure_profile, profile_costs
 from streamsched.observe.timeline import ObservedCall, TaskSpan
-from streamsched.profiles import ScheduleProfile, check_profile, load_profile, measure_profile, profile_costs
 
 from .helpers import ConvTowers, Towers
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 
-from ..graph import TaskGraph
+from ..ir.graph import TaskGraph
 
 __all__ = ["coarsen"]
 

@@ -38,7 +38,8 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from ..branch import BranchCall
-from ..cost import DeviceModel, estimate_node_cost
+from ..frontend.meta import ConstMeta, TensorMeta, ValueMeta
+from ..frontend.nodes import AUGMENTED_OPERATORS, is_glue, node_label, target_name
 from ..fusion.kernels import (
     BatchNormKernel,
     ConvKernel,
@@ -61,9 +62,8 @@ from ..fusion.layout import (
     stack_members,
     unstack,
 )
-from ..meta import ConstMeta, TensorMeta, ValueMeta
-from ..nodes import AUGMENTED_OPERATORS, is_glue, node_label, target_name
-from ..plan import FusedGroupInfo, UnfusedGroup
+from ..ir.cost import DeviceModel, estimate_node_cost
+from ..planning.plan import FusedGroupInfo, UnfusedGroup
 
 __all__ = ["fuse_graph", "FuseResult"]
 

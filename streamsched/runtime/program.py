@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import fx
 
-from ..nodes import node_label
+from ..frontend.nodes import node_label
 
 __all__ = ["CompiledTask", "Program", "compile_program", "annotate_exception"]
 
@@ -209,7 +209,7 @@ def compile_program(
     """Compile tasks (lists of fx nodes, indexed by task id) into a :class:`Program`.
 
     ``order`` is the issue order; ``stream``, ``waits`` and ``records`` come from the
-    stream assignment; ``effects`` (:class:`~streamsched.effects.Effects`) adds the
+    stream assignment; ``effects`` (:class:`~streamsched.frontend.effects.Effects`) adds the
     storages each task reads and writes in place to its logged reads and writes.
     """
     slot: dict[fx.Node, int] = {}

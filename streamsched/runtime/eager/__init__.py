@@ -35,7 +35,7 @@ Two hazards of running a branch beside the code after its call are handled:
   already have read the old value, so this is an :class:`EagerDispatchError` that names
   the branch.
 
-Each call records a :class:`~streamsched.plan.Plan` (``mode="eager-dispatch"``: one task
+Each call records a :class:`~streamsched.planning.plan.Plan` (``mode="eager-dispatch"``: one task
 per launched branch, with its lane or stream) and, with ``sync_log=True``, a
 :class:`~streamsched.runtime.synclog.SyncLog` of every fork, launch, record, wait and
 join, which :func:`~streamsched.runtime.synclog.check_happens_before` can replay.
@@ -50,7 +50,7 @@ The package, one job per module:
 - :mod:`.lanes`: the pool of CPU worker lanes;
 - :mod:`.streams`: the CUDA stream backend and its simulation on CPU;
 - :mod:`.writes`: in-place writes that could race a running branch;
-- :mod:`.plan`: the :class:`~streamsched.plan.Plan` a call reports (:class:`EagerSchedule`);
+- :mod:`.plan`: the :class:`~streamsched.planning.plan.Plan` a call reports (:class:`EagerSchedule`);
 - :mod:`.errors`: :class:`EagerDispatchError`.
 
 Example::

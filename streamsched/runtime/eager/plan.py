@@ -1,5 +1,5 @@
 """The plan an eager-dispatch call reports: a record taken when the call ends, built into a
-:class:`~streamsched.plan.Plan` the first time it is asked for."""
+:class:`~streamsched.planning.plan.Plan` the first time it is asked for."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from ...plan import Plan, PlannedTask
-from ...planner import signature_text
+from ...planning.plan import Plan, PlannedTask
+from ...planning.planner import signature_text
 from .policy import _Mode
 
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ class _CallRecord(NamedTuple):
 class EagerSchedule:
     """What ``StreamScheduledModule.plan`` reports for a call run by eager dispatch.
 
-    Every call makes one; its :class:`~streamsched.plan.Plan` is built when first asked for.
+    Every call makes one; its :class:`~streamsched.planning.plan.Plan` is built when first asked for.
     """
 
     def __init__(self, record: _CallRecord):

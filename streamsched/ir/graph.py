@@ -24,9 +24,9 @@ from typing import Iterable, Optional, Sequence
 
 from torch import fx
 
+from ..frontend.meta import ValueMeta
+from ..frontend.nodes import is_glue, node_label
 from .cost import DeviceModel, estimate_node_cost
-from .meta import ValueMeta
-from .nodes import is_glue, node_label
 
 __all__ = ["Task", "TaskGraph"]
 

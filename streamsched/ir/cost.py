@@ -14,8 +14,8 @@ from typing import Any, Optional
 import torch
 from torch import fx, nn
 
-from .meta import TensorMeta, ValueMeta, tensor_metas
-from .nodes import is_glue
+from ..frontend.meta import TensorMeta, ValueMeta, tensor_metas
+from ..frontend.nodes import is_glue
 
 __all__ = ["DeviceModel", "device_model_for", "estimate_node_cost", "node_flops"]
 

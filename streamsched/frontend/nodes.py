@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from .branch import BranchCall
+from ..branch import BranchCall
 
 __all__ = ["node_label", "is_glue", "scope_of", "target_name", "VIEW_METHODS", "AUGMENTED_OPERATORS"]
 

@@ -27,8 +27,8 @@ from typing import Any, Literal, Union
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from .errors import ConfigError, ProfileMismatchError
-from .plan import Plan
+from ..errors import ConfigError, ProfileMismatchError
+from ..planning.plan import Plan
 
 __all__ = ["ScheduleProfile", "measure_profile", "load_profile", "check_profile", "profile_costs"]
 
@@ -75,8 +75,8 @@ def measure_profile(sm: Any, *inputs: Any, runs: int = 5) -> ScheduleProfile:
     the CPU); the profile keeps the median per task name. Call it in the grad mode the
     profile is for (``torch.no_grad()`` for inference).
     """
-    from . import __version__
-    from .observe.timeline import device_name, record_runs
+    from .. import __version__
+    from .timeline import device_name, record_runs
 
     observed = record_runs(sm, *inputs, runs=runs, warmup=2)
     durations: dict[str, list[float]] = {}

@@ -21,7 +21,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .errors import PlanError
+from ..errors import PlanError
 
 __all__ = ["Plan", "PlannedTask", "FusedGroupInfo", "OpaqueModule", "UnfusedGroup", "ExecutorTrial"]
 

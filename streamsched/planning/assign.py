@@ -23,8 +23,8 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from ..graph import TaskGraph
-from ..matching import maximum_matching
+from ..ir.graph import TaskGraph
+from .matching import maximum_matching
 
 __all__ = ["Assignment", "assign_streams", "chain_cover", "compute_waits"]
 

@@ -14,17 +14,17 @@ from typing import Any, Callable, Optional
 import torch
 from torch import fx
 
-from .config import SchedulerConfig
-from .cost import device_model_for
-from .effects import Effects
-from .errors import ConfigError
-from .graph import TaskGraph
-from .meta import ValueMeta
-from .passes.assign import Assignment, assign_streams
-from .passes.coarsen import coarsen
+from ..config import SchedulerConfig
+from ..errors import ConfigError
+from ..frontend.effects import Effects
+from ..frontend.meta import ValueMeta
+from ..frontend.trace import Traced
+from ..ir.cost import device_model_for
+from ..ir.graph import TaskGraph
+from ..passes.coarsen import coarsen
+from ..runtime.program import Program, compile_program
+from .assign import Assignment, assign_streams
 from .plan import FusedGroupInfo, OpaqueModule, Plan, PlannedTask, UnfusedGroup
-from .runtime.program import Program, compile_program
-from .trace import Traced
 
 __all__ = ["Schedule", "make_schedule", "copy_graph"]
 

@@ -6,7 +6,7 @@ running statistics or a module writing its argument *changes a storage* other no
 read. Eager PyTorch orders all of these by program order; a scheduler that runs
 independent nodes side by side must order them by their effects.
 
-The first call of every signature runs node by node (:mod:`streamsched.meta`); under
+The first call of every signature runs node by node (:mod:`streamsched.frontend.meta`); under
 :class:`EffectRecorder` each node's dispatched ops are classified by their schemas
 (``Tensor(a!)`` arguments are writes, every other tensor argument a read) and mapped to
 storages (views alias their base). :func:`effect_edges` turns the per-node accesses into

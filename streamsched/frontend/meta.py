@@ -96,7 +96,7 @@ def run_and_record(
     Values are dropped after their last use, as ``torch.fx.Interpreter`` does, so the
     first call's peak memory is that of eager execution. ``on_error`` is called with the
     exception and the failing node before it propagates (to add the module path).
-    ``effects`` (an active :class:`~streamsched.effects.EffectRecorder`) is told which
+    ``effects`` (an active :class:`~streamsched.frontend.effects.EffectRecorder`) is told which
     node runs, so it attributes each storage access to its node.
     """
     nodes = list(graph.nodes)

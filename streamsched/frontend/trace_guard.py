@@ -19,7 +19,7 @@ from typing import Any, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import _generation
+from .. import _generation
 from .effects import fresh_outputs, op_accesses, storage_key
 
 __all__ = ["TraceSideEffectGuard", "SideEffectDuringTrace"]

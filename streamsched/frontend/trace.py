@@ -39,9 +39,9 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx
 
-from . import _generation
-from .branch import is_branch_module
-from .errors import TraceError
+from .. import _generation
+from ..branch import is_branch_module
+from ..errors import TraceError
 from .nodes import AUGMENTED_OPERATORS
 from .output_tree import OutputTree
 from .trace_guard import TraceSideEffectGuard
