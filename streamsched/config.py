@@ -30,6 +30,7 @@ from pydantic import (
     StrictBool,
     StrictFloat,
     StrictInt,
+    ValidationError,
     field_validator,
     model_validator,
 )
@@ -196,8 +197,6 @@ def make_config(config: Optional[SchedulerConfig], overrides: dict[str, Any], ow
     ``owner`` names the model being wrapped, so that the error says which wrapper was
     misconfigured.
     """
-    from pydantic import ValidationError
-
     if config is not None and not isinstance(config, SchedulerConfig):
         raise ConfigError(
             f"config must be a streamsched.SchedulerConfig, got {type(config).__name__} (wrapping {owner})"

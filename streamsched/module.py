@@ -21,49 +21,35 @@ import logging
 import threading
 import time
 import warnings
-from collections import OrderedDict
 from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
 
 from . import _generation, _native
+from ._lru import LRU
 from .config import SchedulerConfig, make_config
-from .errors import ConfigError, TraceError, UntraceableWarning
+from .errors import ConfigError, ProfileMismatchError, TraceError, UntraceableWarning
 from .frontend.effects import EffectRecorder, Effects, storage_key
 from .frontend.meta import run_and_record
 from .frontend.nodes import node_label
 from .frontend.trace import CallBinder, Traced, trace_model
+from .observe.nvtx_ranges import NvtxRanges
+from .observe.profiles import check_profile, load_profile, profile_costs
+from .optim import fused_parameters
+from .planning.choice import Trial
 from .planning.plan import Plan
-from .planning.planner import Schedule, make_schedule
+from .planning.planner import device_of, make_schedule, signature_text
+from .runtime import eager as eager_dispatch
 from .runtime.chaos import Chaos
-from .runtime.program import annotate_exception, failing_node
-from .runtime.serial import SerialExecutor
-from .runtime.streams import CudaBackend, SimulatedBackend, StreamExecutor
+from .runtime.graphs import GraphExecutor
+from .runtime.pool import ExecutorPool
+from .runtime.program import Program, annotate_exception, compile_program, failing_node
 from .runtime.synclog import SyncLog
-from .runtime.threads import ThreadExecutor
 
 __all__ = ["StreamScheduledModule"]
 
 log = logging.getLogger(__name__)
-
-
-class _LRU(OrderedDict):
-    def __init__(self, maxsize: int):
-        super().__init__()
-        self.maxsize = maxsize
-
-    def get_fresh(self, key: Any) -> Any:
-        value = self.get(key)
-        if value is not None:
-            self.move_to_end(key)
-        return value
-
-    def put(self, key: Any, value: Any) -> None:
-        self[key] = value
-        self.move_to_end(key)
-        while len(self) > self.maxsize:
-            self.popitem(last=False)
 
 
 _LEAF_SCALARS = (bool, int, float, str)
@@ -157,27 +143,56 @@ class _Binder:
         return spec, picks, tuple(consts)
 
 
+class _Compiled:
+    """One input signature as the wrapper runs it: the planner's schedule, the program
+    the runtime compiled from it, and how calls with the signature run."""
+
+    __slots__ = ("schedule", "program", "plan", "trial", "eager", "rebuild", "alias_pattern")
+
+    def __init__(self, schedule: _Compiled, program: Program, rebuild: Any):
+        self.schedule = schedule
+        self.program = program
+        # The plan; the ``auto`` trial adds its decision to it.
+        self.plan: Plan = schedule.plan
+        # With executor="auto": the timing of this plan's executor against serial and
+        # the model's own forward, until decided.
+        self.trial: Optional[Trial] = None
+        # Decided by the trial: calls with this signature run the model's own forward.
+        self.eager = False
+        # Builds the model's own output (its container types) from the program's leaves.
+        self.rebuild = rebuild
+        # Where the graph writes in place: how the inputs shared storage on the planning
+        # call (the effect edges hold for that aliasing only).
+        self.alias_pattern: Optional[tuple] = None
+
+    @property
+    def graph(self) -> Any:
+        return self.schedule.graph
+
+    @property
+    def task_graph(self) -> Any:
+        return self.schedule.task_graph
+
+
 class _State:
     """Everything the wrapper caches; kept out of nn.Module's attribute machinery."""
 
     def __init__(self, model: nn.Module, config: SchedulerConfig):
         self.binder = CallBinder(model)
         self.bind = _Binder(self.binder).bind
-        self.traces: _LRU = _LRU(config.plan_cache_size)
+        self.traces: LRU = LRU(config.plan_cache_size)
         # Eager dispatch, per call structure: calls in a row that launched no branch, or
         # an _AsWritten once there were enough of them.
-        self.quiet: _LRU = _LRU(config.plan_cache_size)
-        self.plans: _LRU = _LRU(config.plan_cache_size)
-        self.last: Optional[Schedule] = None
+        self.quiet: LRU = LRU(config.plan_cache_size)
+        self.plans: LRU = LRU(config.plan_cache_size)
+        self.last: Any = None  # what sm.plan reports: a _Compiled, or an eager-dispatch record
         # (key, schedule) of the most recent traced call: the common case skips the LRU.
         self.hot: Optional[tuple] = None
         self.lock = threading.RLock()
         self.generation = _generation.current()
         self.calls = 0
-        self.serial = SerialExecutor()
-        self.threads: Optional[ThreadExecutor] = None
-        self.streams: dict[str, StreamExecutor] = {}
-        self.graphs: dict[str, Any] = {}
+        self.executors = ExecutorPool(_native.native())
+        self.graphs = self.executors.graphs
         self.last_sync_log: Optional[SyncLog] = None
         self.fusion: Any = None
         # push(task, stream) / pop(task, stream) around every task, or None (free).
@@ -196,132 +211,6 @@ class _State:
         if mode is None:
             mode = self.modes[flags] = len(self.modes)
         return mode
-
-
-class _Trial:
-    """Times the ways of running one signature on its first calls (``executor="auto"``)
-    and keeps the fastest.
-
-    The candidates: the plan's executor, ``serial`` (when the plan chose another one) and
-    ``eager``, the model's own forward run as written (unless ``sync_log``, ``chaos``, CUDA
-    graphs or ``grad_handoff="direct"`` ask for the schedule itself). The estimate decides whether
-    streams or lanes should pay and the schedule whether tracing pays at all; this checks
-    both on the real machine. Calls take the candidates in turn and each keeps its fastest
-    time (the best of ``rounds``: robust to bursts of machine noise and to a cold first
-    call); a candidate more than ``_DROP`` times slower than the leader is dropped at once,
-    so that a trial costs little even where one way is ten times slower. Where the
-    schedule and the model's forward come out within ``close`` of each other, they take
-    more calls, up to ``max_rounds`` each (those calls cost nothing: both ways run at
-    about the same speed). The schedule stays unless the model's own forward is more than
-    ``margin`` faster.
-    """
-
-    # A candidate slower than the leader by this factor is dropped: after its first call
-    # (which may be cold), and after two or more.
-    _DROP_FIRST = 4.0
-    _DROP = 2.0
-
-    def __init__(
-        self,
-        executor: str,
-        eager: bool = False,
-        rounds: int = 5,
-        margin: float = 0.02,
-        max_rounds: int = 15,
-        close: float = 0.04,
-    ):
-        self.executor = executor
-        self.candidates = [executor] + (["serial"] if executor != "serial" else []) + (["eager"] if eager else [])
-        self.live = list(self.candidates)
-        self.rounds = rounds
-        self.margin = margin
-        self.max_rounds = max(rounds, max_rounds)
-        self.close = close
-        self.samples: dict[str, list[float]] = {c: [] for c in self.candidates}
-        self.turn = 0
-
-    def next(self) -> str:
-        name = self.live[self.turn % len(self.live)]
-        self.turn += 1
-        return name
-
-    def add(self, name: str, seconds: float) -> None:
-        self.samples[name].append(seconds)
-        if len(self.live) < 2 or any(not self.samples[c] for c in self.live):
-            return
-        leader = min(min(self.samples[c]) for c in self.live)
-        for c in list(self.live):
-            factor = self._DROP_FIRST if len(self.samples[c]) < 2 else self._DROP
-            if min(self.samples[c]) > factor * leader:
-                self.live.remove(c)
-
-    def done(self) -> bool:
-        if len(self.live) == 1:
-            return True
-        counts = [len(self.samples[c]) for c in self.live]
-        if min(counts) < self.rounds:
-            return False
-        scheduled = [min(self.samples[c]) for c in self.live if c != "eager"]
-        if "eager" in self.live and scheduled and min(counts) < self.max_rounds:
-            # A close call: more calls make the fastest of each more certain.
-            return abs(min(self.samples["eager"]) / min(scheduled) - 1.0) >= self.close
-        return True
-
-    def decide(self, plan: Plan) -> tuple[Plan, bool]:
-        """The plan with the decision and its figures, and whether to run the model as written."""
-        from .planning.plan import ExecutorTrial
-
-        best = {c: round(min(v) * 1e6, 1) for c, v in self.samples.items() if v}
-        executor = self.executor
-        scheduled = [c for c in (executor, "serial") if c in self.live and c in self.samples]
-        if not scheduled:  # every way of running the schedule was dropped: far behind eager
-            keep = min((c for c in (executor, "serial") if c in best), key=lambda c: best[c])
-        elif len(scheduled) == 2:
-            # The plan's executor must be faster than serial to stay (as before).
-            keep = executor if best[executor] < best["serial"] else "serial"
-        else:
-            keep = scheduled[0]
-        eager = "eager" in self.live and (not scheduled or best["eager"] < (1.0 - self.margin) * best[keep])
-        chosen = "eager" if eager else keep
-        trial = ExecutorTrial(
-            best_us=best,
-            calls={c: len(v) for c, v in self.samples.items() if v},
-            rounds=self.rounds,
-            max_rounds=self.max_rounds,
-            margin=self.margin,
-            chosen=chosen,
-            schedule_executor=keep,
-        )
-        figures = ", ".join(f"{c} {best[c]:.0f} us" for c in self.candidates if c in best)
-        counts = {len(v) for v in self.samples.values() if v}
-        if len(counts) == 1:
-            measured = f"measured {figures} (fastest of {counts.pop()} calls each)"
-        else:
-            calls = ", ".join(f"{c} {len(v)}" for c, v in self.samples.items() if v)
-            measured = f"measured {figures} (fastest call of each; calls: {calls})"
-        update: dict[str, Any] = {"trial": trial}
-        if eager:
-            update.update(
-                executor="eager",
-                reason=(
-                    f"the model's own forward measured faster than the schedule ({keep}): {measured}; "
-                    "calls with this signature run the model as written"
-                ),
-                notes=[
-                    *plan.notes,
-                    f"running the model's own forward (no trace): {best['eager']:.0f} us vs {best[keep]:.0f} us "
-                    f"for the schedule on {keep}; observers, sync_log and chaos still run the schedule",
-                ],
-            )
-        elif keep != executor:
-            update.update(
-                executor=keep,
-                reason=f"{executor} estimated to pay but {measured}: running serially",
-                notes=[*plan.notes, "tasks run in issue order on the caller's stream"],
-            )
-        else:
-            update["reason"] = f"{plan.reason}; {measured}"
-        return plan.model_copy(update=update), eager
 
 
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
@@ -479,8 +368,6 @@ class StreamScheduledModule(nn.Module):
         stacked tensor: ``torch.optim.SGD(sm.fused_parameters(), lr=...)``. Call the model
         once first (fusion is planned on the first call). See
         :func:`streamsched.optim.fused_parameters`."""
-        from .optim import fused_parameters
-
         return fused_parameters(self, param_groups)
 
     def invalidate(self) -> None:
@@ -494,8 +381,7 @@ class StreamScheduledModule(nn.Module):
             st.hot = None
             if st.fusion is not None:
                 st.fusion.invalidate()
-            for graphs in st.graphs.values():
-                graphs.forget()
+            st.executors.forget_graphs()
             st.generation = _generation.current()
 
     # The schedule is plain Python over generated code; dynamo tracing it only finds graph
@@ -625,10 +511,10 @@ class StreamScheduledModule(nn.Module):
         del recorder
         rebuild = traced.output_tree.rebuilder() if traced.output_tree is not None else _identity
         measured = self._measured_costs(tensors)
-        schedule = make_schedule(
+        planned = make_schedule(
             traced, metas, self.config, tensors, fusion=st.fusion, measured=measured, effects=effects
         )
-        schedule.rebuild = rebuild
+        schedule = _Compiled(planned, compile_program(planned), rebuild)
         if effects.writes_inputs:
             schedule.alias_pattern = _alias_pattern(tensors)
         if measured:
@@ -638,7 +524,7 @@ class StreamScheduledModule(nn.Module):
         if self.config.executor == "auto":
             eager = self._may_run_as_written()
             if eager or schedule.plan.executor != "serial":
-                schedule.trial = _Trial(schedule.plan.executor, eager=eager)
+                schedule.trial = Trial(schedule.plan.executor, eager=eager)
         st.plans.put(key, schedule)
         st.last = schedule
         return rebuild(result)
@@ -652,9 +538,7 @@ class StreamScheduledModule(nn.Module):
         if automatic and isinstance(quiet, _AsWritten):
             st.last = quiet
             return self._forward_as_written(args, kwargs)
-        from .runtime.eager import run_eager_dispatch
-
-        out = run_eager_dispatch(self, spec, tensors, reason)
+        out = eager_dispatch.run_eager_dispatch(self, spec, tensors, reason)
         if automatic:
             # A forward that calls no @streamsched.branch has nothing to dispatch: after
             # a few such calls in a row, it runs as written (the same calls, minus the
@@ -690,13 +574,13 @@ class StreamScheduledModule(nn.Module):
         return type(module).forward(module, *args, **kwargs)
 
     def _run_trial(
-        self, schedule: Schedule, trial: _Trial, tensors: list[torch.Tensor], args: tuple, kwargs: dict
+        self, schedule: _Compiled, trial: Trial, tensors: list[torch.Tensor], args: tuple, kwargs: dict
     ) -> Any:
         name = trial.next()
         device = schedule.plan.device
         cuda = device.startswith("cuda")
         if name != "eager":
-            executor = self._ss.serial if name == "serial" else self._executor(schedule)
+            executor = self._ss.executors.named(name, device)
         if cuda:
             torch.cuda.synchronize(device)
         # Each way timed as the calls after the trial would run it: the schedule with its
@@ -706,7 +590,7 @@ class StreamScheduledModule(nn.Module):
             if name == "eager":
                 out = self._forward_as_written(args, kwargs)
             else:
-                for stack in schedule.stacks:
+                for stack in schedule.program.stacks:
                     stack.check()
                 out = schedule.rebuild(executor.run(schedule.program, tensors))
         except Exception as exc:
@@ -727,76 +611,37 @@ class StreamScheduledModule(nn.Module):
         """Task costs from ``config.profile`` (checked against this model, input and device)."""
         if self.config.profile is None:
             return None
-        from .errors import ProfileMismatchError
-        from .observe.profiles import check_profile, load_profile, profile_costs
-        from .planning.planner import _device_of, signature_text
-
         st = self._ss
         if st.profile is None:
             st.profile = load_profile(self.config.profile)
-        device = _device_of(tensors, self.module)
+        device = device_of(tensors, self.module)
         try:
             check_profile(st.profile, type(self.module).__name__, signature_text(tensors), str(device))
         except ProfileMismatchError as exc:
             raise ProfileMismatchError(f"{exc} (profile {self.config.profile})") from None
         return profile_costs(st.profile)
 
-    def _executor(self, schedule: Schedule) -> Any:
-        st = self._ss
-        name = schedule.plan.schedule_executor
-        if name == "serial":
-            return st.serial
-        if name == "threads":
-            if st.threads is None:
-                st.threads = ThreadExecutor()
-            return st.threads
-        device = schedule.plan.device
-        executor = st.streams.get(device)
-        if executor is None:
-            dev = torch.device(device)
-            backend = CudaBackend(dev) if dev.type == "cuda" else SimulatedBackend()
-            executor = StreamExecutor(backend, native=_native.native())
-            st.streams[device] = executor
-        return executor
-
-    def _nvtx(self, schedule: Schedule) -> Any:
+    def _nvtx(self, schedule: _Compiled) -> Any:
         """The NVTX range observer, on CUDA plans, while a tool is there to see the ranges
         (Nsight Systems attached, or the torch profiler recording): free otherwise."""
         if not self.config.nvtx or not schedule.plan.device.startswith("cuda"):
             return None
         st = self._ss
         if st.nvtx is None:
-            from .observe.nvtx_ranges import NvtxRanges
-
             st.nvtx = NvtxRanges.create() or False
         if st.nvtx and st.nvtx.wanted():
             return st.nvtx
         return None
 
-    def _graph_executor(self, schedule: Schedule, tensors: list[torch.Tensor]) -> Any:
+    def _graph_executor(self, schedule: _Compiled, tensors: list[torch.Tensor]) -> Optional[GraphExecutor]:
         """The CUDA-graph executor for this call, or None when graphs do not apply."""
-        cfg = self.config
-        if cfg.cuda_graph is False or not schedule.plan.device.startswith("cuda"):
+        if self.config.cuda_graph is False or not schedule.plan.device.startswith("cuda"):
             return None
-        from .runtime.graphs import GraphExecutor
-
         if not GraphExecutor.captures(tensors):
             return None
-        st = self._ss
-        device = schedule.plan.device
-        graphs = st.graphs.get(device)
-        if graphs is None:
-            streams = st.streams.get(device)
-            if streams is None:
-                streams = StreamExecutor(CudaBackend(torch.device(device)), native=_native.native())
-                st.streams[device] = streams
-            graphs = GraphExecutor(
-                streams, self.module, cfg.graph_cache_size, cfg.clone_outputs, strict=cfg.cuda_graph is True
-            )
-            st.graphs[device] = graphs
-        return graphs
+        return self._ss.executors.graphs_for(schedule.plan.device, self.module, self.config)
 
-    def _run(self, schedule: Schedule, tensors: list[torch.Tensor]) -> Any:
+    def _run(self, schedule: _Compiled, tensors: list[torch.Tensor]) -> Any:
         st = self._ss
         cfg = self.config
         sync_log = None
@@ -809,13 +654,13 @@ class StreamScheduledModule(nn.Module):
             sync_log.expected_writers = program.expected_writers
             st.last_sync_log = sync_log
         chaos = Chaos(cfg.chaos, st.calls) if cfg.chaos is not None else None
-        for stack in schedule.stacks:
+        for stack in schedule.program.stacks:
             stack.check()
         graphs = self._graph_executor(schedule, tensors)
-        executor = graphs if graphs is not None else self._executor(schedule)
         try:
             if graphs is not None:
-                return graphs.run(schedule.program, tensors, sync_log, chaos, st.observer, schedule.stacks)
+                return graphs.run(schedule.program, tensors, sync_log, chaos, st.observer)
+            executor = st.executors.for_plan(schedule.plan)
             return executor.run(schedule.program, tensors, sync_log, chaos, st.observer or self._nvtx(schedule))
         except Exception as exc:
             where = failing_node(schedule.program, exc)

@@ -27,6 +27,7 @@ from typing import Any, Optional
 import torch
 import torch.utils._pytree as pytree
 from torch.cuda._sanitizer import EventHandler, UnsynchronizedAccessError
+from torch.utils._python_dispatch import _disable_current_modes
 
 __all__ = ["Emulator", "Report", "UnsynchronizedAccess", "CudaError"]
 
@@ -918,8 +919,6 @@ class _quiet:
     """Run torch ops with no PyTorch mode and no autograd (the emulator's own work)."""
 
     def __enter__(self) -> None:
-        from torch.utils._python_dispatch import _disable_current_modes
-
         self._modes = _disable_current_modes()
         self._modes.__enter__()
         self._fn = torch._C.DisableTorchFunction()

@@ -344,6 +344,8 @@ def _type_name(cls: type) -> str:
 
 def _is_compiled_module(m: torch.nn.Module) -> bool:
     try:
+        # Lazy: torch._dynamo is a large import that plain `import torch` avoids, and
+        # only a model holding a torch.compile'd submodule has an OptimizedModule to find.
         from torch._dynamo.eval_frame import OptimizedModule
     except ImportError:  # pragma: no cover - very old torch
         return False

@@ -19,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
@@ -233,8 +234,6 @@ class TaskGraph:
 
 def _topological_order(n: int, preds: list[set[int]], key) -> list[int]:
     """Kahn's algorithm; among ready groups the smallest ``key`` goes first."""
-    import heapq
-
     indeg = [len(p) for p in preds]
     succs: list[list[int]] = [[] for _ in range(n)]
     for v, ps in enumerate(preds):

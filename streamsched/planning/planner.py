@@ -1,61 +1,57 @@
-"""The pipeline from a trace to something runnable: fuse -> tasks -> coarsen -> assign -> compile.
+"""The pipeline from a trace to a plan: fuse -> tasks -> coarsen -> assign -> choose.
 
-Everything that depends on input shapes happens here, once per input signature; the
-result (a :class:`Schedule`) is cached by the module and reused on every later call with
-the same signature.
+Everything that depends on input shapes happens here, once per input signature. The
+result, a :class:`Schedule`, is the one contract between planning and the runtime: the
+:class:`~streamsched.planning.plan.Plan` users read, and the rewritten graph, task graph
+and stream assignment that plan describes. The runtime compiles it
+(:func:`streamsched.runtime.program.compile_program`); nothing here imports the runtime.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from torch import fx
 
 from ..config import SchedulerConfig
-from ..errors import ConfigError
 from ..frontend.effects import Effects
 from ..frontend.meta import ValueMeta
 from ..frontend.trace import Traced
 from ..ir.cost import device_model_for
 from ..ir.graph import TaskGraph
 from ..passes.coarsen import coarsen
-from ..runtime.program import Program, compile_program
 from .assign import Assignment, assign_streams
+from .choice import choose_executor
 from .plan import FusedGroupInfo, OpaqueModule, Plan, PlannedTask, UnfusedGroup
 
-__all__ = ["Schedule", "make_schedule", "copy_graph"]
+__all__ = ["Schedule", "make_schedule", "copy_graph", "device_of", "signature_text"]
 
 log = logging.getLogger(__name__)
 
-# Host cost of handing work to another CPU lane and of one cross-lane wait (measured
-# on a 2-core machine: queue hand-off plus threading.Event round trips).
-_THREAD_LANE_US = 40.0
-_THREAD_WAIT_US = 10.0
 
-
-@dataclass
+@dataclass(eq=False)
 class Schedule:
-    """A plan and its compiled program, for one input signature."""
+    """What the planner hands the runtime for one input signature.
+
+    ``plan`` is the report; the rest is what it describes, in the form the runtime
+    compiles: the rewritten ``graph`` (fused kernels in place), the ``task_graph`` over
+    it (task ``i`` is the nodes ``task_graph.tasks[i].nodes``), and the ``assignment``
+    (stream, issue order, waits and records of every task), exactly as ``plan.tasks``
+    lists them.
+    """
 
     plan: Plan
-    program: Program
     graph: fx.Graph
     task_graph: TaskGraph
+    assignment: Assignment
+    root: torch.nn.Module
+    effects: Effects
+    """The in-place effects recorded on the planning call (their storages are logged)."""
     stacks: list[Any] = field(default_factory=list)
     """Stacked parameters the fused kernels read; checked before every call."""
-    trial: Any = None
-    """With ``executor="auto"``: the timing of this plan's executor against serial and the
-    model's own forward, until decided."""
-    eager: bool = False
-    """Decided by the trial: calls with this signature run the model's own forward."""
-    rebuild: Callable[[Any], Any] = field(default=lambda leaves: leaves)
-    """Builds the model's own output (its container types) from the program's flat leaves."""
-    alias_pattern: Optional[tuple] = None
-    """Where the graph writes in place: how the inputs shared storage on the planning call
-    (the effect edges hold for that aliasing only)."""
 
 
 def copy_graph(graph: fx.Graph, metas: dict[fx.Node, ValueMeta]) -> tuple[fx.Graph, dict[fx.Node, ValueMeta]]:
@@ -68,57 +64,13 @@ def copy_graph(graph: fx.Graph, metas: dict[fx.Node, ValueMeta]) -> tuple[fx.Gra
     return new, new_metas
 
 
-def _device_of(inputs: list[torch.Tensor], root: torch.nn.Module) -> torch.device:
+def device_of(inputs: list[torch.Tensor], root: torch.nn.Module) -> torch.device:
     for t in inputs:
         if t.device.type != "cpu":
             return t.device
     for p in root.parameters():
         return p.device
     return inputs[0].device if inputs else torch.device("cpu")
-
-
-def _choose_executor(config: SchedulerConfig, device: torch.device, a: Assignment) -> tuple[str, str]:
-    requested = config.executor
-    if requested == "threads" and device.type == "cuda":
-        raise ConfigError(
-            f"executor='threads' runs CPU tensors, but this call's tensors are on {device}; "
-            "use executor='streams' (or 'auto') for CUDA"
-        )
-    if requested == "serial":
-        return "serial", "requested (executor='serial')"
-    if requested == "streams":
-        if device.type != "cuda":
-            return "streams", (
-                "requested (executor='streams'); the tensors are on the CPU, so streams are "
-                "simulated: tasks run in issue order and every synchronisation is still decided and logged"
-            )
-        return "streams", "requested (executor='streams')"
-    if requested == "threads":
-        return "threads", "requested (executor='threads')"
-    # auto
-    if a.num_streams <= 1:
-        return "serial", "no independent branches worth a stream of their own"
-    if device.type == "cuda":
-        if a.est_parallel_us < 0.95 * a.est_serial_us:
-            return "streams", (
-                f"independent branches: estimated {a.est_parallel_us:.0f} us on {a.num_streams} streams "
-                f"vs {a.est_serial_us:.0f} us on one"
-            )
-        return "serial", (
-            f"streams would not pay: estimated {a.est_parallel_us:.0f} us on {a.num_streams} streams "
-            f"vs {a.est_serial_us:.0f} us on one"
-        )
-    overhead = _THREAD_LANE_US * (a.num_streams - 1) + _THREAD_WAIT_US * sum(len(w) for w in a.waits)
-    threaded = a.est_parallel_us + overhead
-    if threaded < 0.7 * a.est_serial_us and a.est_serial_us - threaded > 1000.0:
-        return "threads", (
-            f"independent CPU branches: estimated {threaded:.0f} us on {a.num_streams} threads "
-            f"vs {a.est_serial_us:.0f} us serial"
-        )
-    return "serial", (
-        f"threads would not pay on CPU: estimated {threaded:.0f} us on {a.num_streams} threads "
-        f"(with hand-off costs) vs {a.est_serial_us:.0f} us serial"
-    )
 
 
 def _single_stream(tg: TaskGraph) -> Assignment:
@@ -154,7 +106,7 @@ def make_schedule(
     measured: Optional[dict[str, float]] = None,
     effects: Optional[Effects] = None,
 ) -> Schedule:
-    """Plan and compile one input signature of a traced model.
+    """Plan one input signature of a traced model.
 
     ``fusion`` is the module's :class:`~streamsched.fusion.FusionContext` (it owns the
     stacked parameters shared by all plans); ``measured`` maps task names to measured
@@ -168,7 +120,7 @@ def make_schedule(
     for node in graph.nodes:
         if node.name in involved:
             node.meta["streamsched_effect"] = True
-    device = _device_of(inputs, root)
+    device = device_of(inputs, root)
     dev = device_model_for(device)
     groups: list[FusedGroupInfo] = []
     unfused: list[UnfusedGroup] = []
@@ -205,7 +157,7 @@ def make_schedule(
             task.cost = measured.get(task.name, task.cost)
     bound = config.resolved_streams(max(1, tg.width()))
     assignment = assign_streams(tg, bound, float(config.min_task_cost), dev.launch_us)
-    executor, reason = _choose_executor(config, device, assignment)
+    executor, reason = choose_executor(config, device, assignment)
     if executor == "serial":
         est_serial = assignment.est_serial_us
         assignment = _single_stream(tg)
@@ -222,18 +174,6 @@ def make_schedule(
         else:
             notes.append(f"cuda_graph is ignored: the tensors are on {device}")
     critical = tg.critical_path()
-    program = compile_program(
-        graph,
-        root,
-        [t.nodes for t in tg.tasks],
-        [t.name for t in tg.tasks],
-        assignment.stream,
-        assignment.order,
-        assignment.waits,
-        assignment.records,
-        assignment.num_streams,
-        effects=effects,
-    )
     group_of_node = {g.node: g.id for g in groups}
     tasks = []
     for t in tg.tasks:
@@ -274,4 +214,4 @@ def make_schedule(
     log.debug(
         "planned %s: %d tasks, %d streams, executor %s (%s)", plan.model, len(tasks), plan.num_streams, executor, reason
     )
-    return Schedule(plan, program, graph, tg, stacks)
+    return Schedule(plan, graph, tg, assignment, root, effects, stacks)

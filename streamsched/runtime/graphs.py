@@ -40,11 +40,13 @@ from __future__ import annotations
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
+import torch.utils._pytree as pytree
 
 from .. import _generation
+from .executor import PerProgram
 from .program import Program, failing_node
 from .streams import StreamExecutor
 from .synclog import SyncLog
@@ -68,7 +70,7 @@ class _Captured:
     weight_ptrs: list[int]
     stack_versions: list[int] = field(default_factory=list)
 
-    def stale(self, stacks: list[Any]) -> bool:
+    def stale(self, stacks: tuple[Any, ...]) -> bool:
         if [s.rebuilds for s in stacks] != self.stack_versions:
             return True
         return any(t.data_ptr() != p for t, p in zip(self.weights, self.weight_ptrs))
@@ -80,16 +82,14 @@ def _autocast_on() -> bool:
     return any(torch.is_autocast_enabled(d) for d in ("cuda", "cpu"))
 
 
-def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(_map_tensors(v, fn) for v in value))
-    if isinstance(value, (list, tuple)):
-        return type(value)(_map_tensors(v, fn) for v in value)
-    if isinstance(value, dict):
-        return {k: _map_tensors(v, fn) for k, v in value.items()}
-    return value
+@dataclass
+class _ProgramState:
+    """What the graph executor knows of one program besides its captured graph."""
+
+    calls: int = 0
+    """Calls that could have replayed (``cuda_graph="auto"`` captures from the second)."""
+    failed: Optional[str] = None
+    """Why its capture failed (``"auto"``: it runs on plain streams from then on)."""
 
 
 class GraphExecutor:
@@ -117,6 +117,7 @@ class GraphExecutor:
         self._streams: dict[Any, Any] = {}  # the capture stream of each device
         self._generation = _generation.current()
         self._known = self._weights()
+        self._state: PerProgram[_ProgramState] = PerProgram()
 
     # --- decisions ------------------------------------------------------------------
 
@@ -156,7 +157,7 @@ class GraphExecutor:
 
     # --- capture and replay -----------------------------------------------------------
 
-    def _capture(self, program: Program, inputs: list[torch.Tensor], stacks: list[Any]) -> _Captured:
+    def _capture(self, program: Program, inputs: list[torch.Tensor], stacks: tuple[Any, ...]) -> _Captured:
         device = self.streams.backend.device
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
@@ -228,12 +229,11 @@ class GraphExecutor:
         log: Optional[SyncLog] = None,
         chaos: Any = None,
         observer: Any = None,
-        stacks: Optional[list[Any]] = None,
     ) -> Any:
         key = id(program)
-        stacks = stacks or []
-        failed = getattr(program, "_graph_failed", None)
-        if log is not None or chaos is not None or observer is not None or failed is not None:
+        stacks = program.stacks
+        state = self._state.get(program, lambda _: _ProgramState())
+        if log is not None or chaos is not None or observer is not None or state.failed is not None:
             # Logging, chaos and per-task observation need the host to see every task.
             return self.streams.run(program, inputs, log, chaos, observer)
         if not self.captures(inputs, self.module):
@@ -242,9 +242,8 @@ class GraphExecutor:
         if not self.strict:
             # "auto": capture a signature from its second scheduled call on, so shapes
             # seen once never pay for a capture.
-            seen = getattr(program, "_graph_calls", 0) + 1
-            program._graph_calls = seen  # type: ignore[attr-defined]
-            if seen < 2:
+            state.calls += 1
+            if state.calls < 2:
                 return self.streams.run(program, inputs)
         captured = self._graphs.get(key)
         if captured is not None and captured.stale(stacks):
@@ -261,7 +260,7 @@ class GraphExecutor:
                 torch.cuda.synchronize(self.streams.backend.device)
                 if self.strict:
                     raise CaptureError(f"could not capture the schedule into a CUDA graph: {reason}") from exc
-                program._graph_failed = reason  # type: ignore[attr-defined]
+                state.failed = reason
                 warnings.warn(
                     f"streamsched: CUDA graph capture failed, running this plan on plain streams: {reason}",
                     RuntimeWarning,
@@ -277,11 +276,20 @@ class GraphExecutor:
         captured.graph.replay()
         if not self.clone_outputs:
             return captured.static_output
-        return _map_tensors(captured.static_output, lambda t: t.clone())
+        return pytree.tree_map_only(torch.Tensor, lambda t: t.clone(), captured.static_output)
 
-    def forget(self) -> None:
-        """Drop every captured graph (weights moved, module converted)."""
-        self._graphs.clear()
+    def forget(self, program: Optional[Program] = None) -> None:
+        """Drop the captured graph of ``program``, or every one (weights moved, module
+        converted) when None, and what the stream executor made for it. Whether a
+        program's capture failed is remembered: it would fail again."""
+        if program is None:
+            self._graphs.clear()
+        else:
+            self._graphs.pop(id(program), None)
+        self.streams.forget(program)
+
+    def close(self) -> None:
+        self.forget()
 
     def __len__(self) -> int:
         return len(self._graphs)

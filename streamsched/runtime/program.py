@@ -22,6 +22,7 @@ import torch
 from torch import fx
 
 from ..frontend.nodes import node_label
+from ..planning.planner import Schedule
 
 __all__ = ["CompiledTask", "Program", "compile_program", "annotate_exception"]
 
@@ -46,7 +47,7 @@ class CompiledTask:
     seq: int = 0
 
 
-@dataclass
+@dataclass(eq=False)  # compared and hashed by identity: executors key their state by program
 class Program:
     """Everything an executor needs to run one plan."""
 
@@ -69,6 +70,9 @@ class Program:
     expected_writers: dict[tuple[int, int], int] = field(default_factory=dict)
     """``(task, location slot) -> task`` whose write that task must see first (eager
     order; -1: the state before the call), for the race checker."""
+    stacks: tuple[Any, ...] = ()
+    """The stacked parameters the fused kernels read: checked before every call (a member
+    re-assigned since is stacked again), and by a CUDA graph before replay."""
 
     def __post_init__(self) -> None:
         self.tasks_by_id = {t.id: t for t in self.tasks}
@@ -194,7 +198,27 @@ def _compile_function(name: str, body: list[str], emitter: _Emitter, filename: s
     return namespace[name]
 
 
-def compile_program(
+def compile_program(schedule: Schedule) -> Program:
+    """Compile the planner's :class:`~streamsched.planning.planner.Schedule` into a
+    :class:`Program`: one generated function per task of its task graph, issued in the
+    assignment's order, on its streams, with its waits and records."""
+    a = schedule.assignment
+    return _compile(
+        schedule.graph,
+        schedule.root,
+        [t.nodes for t in schedule.task_graph.tasks],
+        [t.name for t in schedule.task_graph.tasks],
+        a.stream,
+        a.order,
+        a.waits,
+        a.records,
+        a.num_streams,
+        effects=schedule.effects,
+        stacks=tuple(schedule.stacks),
+    )
+
+
+def _compile(
     graph: fx.Graph,
     root: torch.nn.Module,
     task_nodes: list[list[fx.Node]],
@@ -205,6 +229,7 @@ def compile_program(
     records: list[bool],
     num_streams: int,
     effects: Any = None,
+    stacks: tuple[Any, ...] = (),
 ) -> Program:
     """Compile tasks (lists of fx nodes, indexed by task id) into a :class:`Program`.
 
@@ -338,6 +363,7 @@ def compile_program(
         lines=lines,
         location_slots=location_slots,
         expected_writers=expected_writers,
+        stacks=stacks,
     )
     # The generated source stays readable in tracebacks for as long as the program
     # lives, and no longer: plans come and go (LRU), linecache must not grow with them.

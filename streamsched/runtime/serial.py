@@ -42,5 +42,8 @@ class SerialExecutor:
             log.output(program.output_slots)
         return program.output(env)
 
+    def forget(self, program: Optional[Program] = None) -> None:
+        pass  # nothing is kept between calls
+
     def close(self) -> None:
         pass

@@ -28,23 +28,18 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+import torch.utils._pytree as pytree
 
 from .chaos import Chaos
+from .executor import PerProgram
 from .program import Program, run_task
 from .synclog import SyncEntry, SyncLog
 
 __all__ = ["StreamExecutor", "CudaBackend", "SimulatedBackend"]
 
 
-def _tensors(value: Any):
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [v for v in pytree.tree_leaves(value) if isinstance(v, torch.Tensor)]
 
 
 class SimulatedBackend:
@@ -100,11 +95,8 @@ class CudaBackend:
         return [None] + self._pool[: count - 1]
 
     def events(self, program: Program) -> dict[int, Any]:
-        cache = getattr(program, "_cuda_events", None)
-        if cache is None:
-            cache = {t.id: torch.cuda.Event() for t in program.tasks if t.records}
-            program._cuda_events = cache  # type: ignore[attr-defined]
-        return cache
+        """One event per recording task (the executor keeps them per program)."""
+        return {t.id: torch.cuda.Event() for t in program.tasks if t.records}
 
     def current_stream(self) -> Any:
         return torch.cuda.current_stream(self.device)
@@ -159,37 +151,46 @@ class StreamExecutor:
         self.native = native
         if native is not None and backend.is_cuda and not native.cuda_compiled():
             self.native = None  # a CPU-only build cannot drive CUDA streams
+        # Made once per program and reused on every call: the native task table, the
+        # backend's events.
+        self._runtimes: PerProgram[Any] = PerProgram()
+        self._events: PerProgram[dict[int, Any]] = PerProgram()
+
+    def forget(self, program: Optional[Program] = None) -> None:
+        """Drop the native runtime and events made for ``program`` (all when None): its
+        tasks' waits, records or reads changed after it ran."""
+        self._runtimes.forget(program)
+        self._events.forget(program)
 
     def _runtime(self, program: Program) -> Any:
-        rt = getattr(program, "_native_runtime", None)
-        if rt is None:
-            nat = self.native
-            tasks = [
-                nat.TaskSync(
-                    t.id,
-                    t.stream,
-                    list(t.waits),
-                    t.records,
-                    list(t.reads),
-                    list(t.writes),
-                    list(t.cross_reads),
-                    list(t.frees),
-                )
-                for t in program.tasks
-            ]
-            device = 0
-            if self.backend.is_cuda and self.backend.device.index is not None:
-                device = self.backend.device.index
-            rt = nat.StreamRuntime(
-                tasks,
-                max(1, program.num_streams),
-                list(program.side_outputs),
-                list(program.output_slots),
-                bool(self.backend.is_cuda),
-                device,
+        return self._runtimes.get(program, self._make_runtime)
+
+    def _make_runtime(self, program: Program) -> Any:
+        nat = self.native
+        tasks = [
+            nat.TaskSync(
+                t.id,
+                t.stream,
+                list(t.waits),
+                t.records,
+                list(t.reads),
+                list(t.writes),
+                list(t.cross_reads),
+                list(t.frees),
             )
-            program._native_runtime = rt  # type: ignore[attr-defined]
-        return rt
+            for t in program.tasks
+        ]
+        device = 0
+        if self.backend.is_cuda and self.backend.device.index is not None:
+            device = self.backend.device.index
+        return nat.StreamRuntime(
+            tasks,
+            max(1, program.num_streams),
+            list(program.side_outputs),
+            list(program.output_slots),
+            bool(self.backend.is_cuda),
+            device,
+        )
 
     def _run_native(
         self, program: Program, inputs: list[Any], log: Optional[SyncLog], chaos: Optional[Chaos], observer: Any
@@ -236,7 +237,7 @@ class StreamExecutor:
         caller = be.current_stream()
         pool = be.streams(program.num_streams)
         streams = [caller] + pool[1:]
-        events = be.events(program)
+        events = self._events.get(program, be.events)
         side_ids = [s for s in program.streams_used() if s != 0]
         side = [streams[s] for s in side_ids]
         env = program.new_env(inputs)

@@ -21,8 +21,10 @@ from typing import Any, Optional
 import torch
 
 from .chaos import Chaos
+from .executor import PerProgram
 from .lanes import LanePool
 from .program import CompiledTask, Program, run_task
+from .serial import SerialExecutor
 from .synclog import SyncLog
 
 __all__ = ["ThreadExecutor"]
@@ -66,9 +68,6 @@ class _Call:
 
 def _lane_frees(program: Program) -> dict[int, tuple[int, ...]]:
     """Slots a lane may drop after a task: those read only on that lane, at their last read."""
-    cached = getattr(program, "_lane_frees", None)
-    if cached is not None:
-        return cached
     readers: dict[int, set[int]] = {}
     last: dict[int, int] = {}
     for task in program.tasks:
@@ -86,9 +85,7 @@ def _lane_frees(program: Program) -> dict[int, tuple[int, ...]]:
         producer_lane = program.tasks_by_id[producer].stream
         if len(lanes) == 1 and slot not in outputs and producer_lane in lanes:
             frees.setdefault(last[slot], []).append(slot)
-    result = {t: tuple(s) for t, s in frees.items()}
-    program._lane_frees = result  # type: ignore[attr-defined]
-    return result
+    return {t: tuple(s) for t, s in frees.items()}
 
 
 # One threaded call runs at a time (the pool's lock): lanes of two calls never queue
@@ -103,6 +100,13 @@ class ThreadExecutor:
 
     name = "threads"
 
+    def __init__(self) -> None:
+        self._frees: PerProgram[dict[int, tuple[int, ...]]] = PerProgram()
+        self._serial = SerialExecutor()
+
+    def forget(self, program: Optional[Program] = None) -> None:
+        self._frees.forget(program)
+
     def run(
         self,
         program: Program,
@@ -114,9 +118,7 @@ class ThreadExecutor:
         """Run one call; ``observer.push(task, lane)``/``pop`` bracket each task in its lane
         thread (so an observer must be thread-safe)."""
         if _POOL.in_lane() or _POOL.forked_child:
-            from .serial import SerialExecutor
-
-            return SerialExecutor().run(program, inputs, log, chaos, observer)
+            return self._serial.run(program, inputs, log, chaos, observer)
         with _POOL.lock:
             return self._run(program, inputs, log, chaos, observer)
 
@@ -129,7 +131,7 @@ class ThreadExecutor:
         env = program.new_env(inputs)
         events = {t.id: threading.Event() for t in program.tasks if t.records}
         call = _Call(env, events, {t.id: i for i, t in enumerate(program.tasks)})
-        frees = _lane_frees(program)
+        frees = self._frees.get(program, _lane_frees)
         state = _TorchState()
         side = [lane for lane in sorted(lanes) if lane != 0]
         _POOL.ensure(max(side, default=0))

@@ -1,0 +1,202 @@
+"""Choosing how a plan runs: one place for the estimate, the timed trial and its decision.
+
+Three questions, answered here and nowhere else:
+
+- **From the estimates** (:func:`choose_executor`), when a plan is made: ``serial``,
+  ``threads`` (CPU lanes) or ``streams``, from the assignment's estimated parallel and
+  serial times and the device (or the executor the configuration asks for).
+- **By timing the first calls** (:class:`Trial`, ``executor="auto"``): the plan's
+  executor, ``serial`` and the model's own forward, each the fastest of several calls;
+  the decision and its figures go into the plan (``plan.trial``).
+- **For eager dispatch on CPU** (:class:`LaneHistory`): whether a call's
+  ``@streamsched.branch`` calls run inline or on CPU lanes, from recent timings of both.
+
+The runtime measures (it runs the calls); the rules that turn measurements into a
+choice live here, so that they read as one policy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..config import SchedulerConfig
+from ..errors import ConfigError
+from .assign import Assignment
+from .plan import ExecutorTrial, Plan
+
+__all__ = ["choose_executor", "Trial"]
+
+# Host cost of handing work to another CPU lane and of one cross-lane wait (measured
+# on a 2-core machine: queue hand-off plus threading.Event round trips).
+_THREAD_LANE_US = 40.0
+_THREAD_WAIT_US = 10.0
+
+
+def choose_executor(config: SchedulerConfig, device: torch.device, a: Assignment) -> tuple[str, str]:
+    requested = config.executor
+    if requested == "threads" and device.type == "cuda":
+        raise ConfigError(
+            f"executor='threads' runs CPU tensors, but this call's tensors are on {device}; "
+            "use executor='streams' (or 'auto') for CUDA"
+        )
+    if requested == "serial":
+        return "serial", "requested (executor='serial')"
+    if requested == "streams":
+        if device.type != "cuda":
+            return "streams", (
+                "requested (executor='streams'); the tensors are on the CPU, so streams are "
+                "simulated: tasks run in issue order and every synchronisation is still decided and logged"
+            )
+        return "streams", "requested (executor='streams')"
+    if requested == "threads":
+        return "threads", "requested (executor='threads')"
+    # auto
+    if a.num_streams <= 1:
+        return "serial", "no independent branches worth a stream of their own"
+    if device.type == "cuda":
+        if a.est_parallel_us < 0.95 * a.est_serial_us:
+            return "streams", (
+                f"independent branches: estimated {a.est_parallel_us:.0f} us on {a.num_streams} streams "
+                f"vs {a.est_serial_us:.0f} us on one"
+            )
+        return "serial", (
+            f"streams would not pay: estimated {a.est_parallel_us:.0f} us on {a.num_streams} streams "
+            f"vs {a.est_serial_us:.0f} us on one"
+        )
+    overhead = _THREAD_LANE_US * (a.num_streams - 1) + _THREAD_WAIT_US * sum(len(w) for w in a.waits)
+    threaded = a.est_parallel_us + overhead
+    if threaded < 0.7 * a.est_serial_us and a.est_serial_us - threaded > 1000.0:
+        return "threads", (
+            f"independent CPU branches: estimated {threaded:.0f} us on {a.num_streams} threads "
+            f"vs {a.est_serial_us:.0f} us serial"
+        )
+    return "serial", (
+        f"threads would not pay on CPU: estimated {threaded:.0f} us on {a.num_streams} threads "
+        f"(with hand-off costs) vs {a.est_serial_us:.0f} us serial"
+    )
+
+
+class Trial:
+    """Times the ways of running one signature on its first calls (``executor="auto"``)
+    and keeps the fastest.
+
+    The candidates: the plan's executor, ``serial`` (when the plan chose another one) and
+    ``eager``, the model's own forward run as written (unless ``sync_log``, ``chaos``, CUDA
+    graphs or ``grad_handoff="direct"`` ask for the schedule itself). The estimate decides whether
+    streams or lanes should pay and the schedule whether tracing pays at all; this checks
+    both on the real machine. Calls take the candidates in turn and each keeps its fastest
+    time (the best of ``rounds``: robust to bursts of machine noise and to a cold first
+    call); a candidate more than ``_DROP`` times slower than the leader is dropped at once,
+    so that a trial costs little even where one way is ten times slower. Where the
+    schedule and the model's forward come out within ``close`` of each other, they take
+    more calls, up to ``max_rounds`` each (those calls cost nothing: both ways run at
+    about the same speed). The schedule stays unless the model's own forward is more than
+    ``margin`` faster.
+    """
+
+    # A candidate slower than the leader by this factor is dropped: after its first call
+    # (which may be cold), and after two or more.
+    _DROP_FIRST = 4.0
+    _DROP = 2.0
+
+    def __init__(
+        self,
+        executor: str,
+        eager: bool = False,
+        rounds: int = 5,
+        margin: float = 0.02,
+        max_rounds: int = 15,
+        close: float = 0.04,
+    ):
+        self.executor = executor
+        self.candidates = [executor] + (["serial"] if executor != "serial" else []) + (["eager"] if eager else [])
+        self.live = list(self.candidates)
+        self.rounds = rounds
+        self.margin = margin
+        self.max_rounds = max(rounds, max_rounds)
+        self.close = close
+        self.samples: dict[str, list[float]] = {c: [] for c in self.candidates}
+        self.turn = 0
+
+    def next(self) -> str:
+        name = self.live[self.turn % len(self.live)]
+        self.turn += 1
+        return name
+
+    def add(self, name: str, seconds: float) -> None:
+        self.samples[name].append(seconds)
+        if len(self.live) < 2 or any(not self.samples[c] for c in self.live):
+            return
+        leader = min(min(self.samples[c]) for c in self.live)
+        for c in list(self.live):
+            factor = self._DROP_FIRST if len(self.samples[c]) < 2 else self._DROP
+            if min(self.samples[c]) > factor * leader:
+                self.live.remove(c)
+
+    def done(self) -> bool:
+        if len(self.live) == 1:
+            return True
+        counts = [len(self.samples[c]) for c in self.live]
+        if min(counts) < self.rounds:
+            return False
+        scheduled = [min(self.samples[c]) for c in self.live if c != "eager"]
+        if "eager" in self.live and scheduled and min(counts) < self.max_rounds:
+            # A close call: more calls make the fastest of each more certain.
+            return abs(min(self.samples["eager"]) / min(scheduled) - 1.0) >= self.close
+        return True
+
+    def decide(self, plan: Plan) -> tuple[Plan, bool]:
+        """The plan with the decision and its figures, and whether to run the model as written."""
+        best = {c: round(min(v) * 1e6, 1) for c, v in self.samples.items() if v}
+        executor = self.executor
+        scheduled = [c for c in (executor, "serial") if c in self.live and c in self.samples]
+        if not scheduled:  # every way of running the schedule was dropped: far behind eager
+            keep = min((c for c in (executor, "serial") if c in best), key=lambda c: best[c])
+        elif len(scheduled) == 2:
+            # The plan's executor must be faster than serial to stay (as before).
+            keep = executor if best[executor] < best["serial"] else "serial"
+        else:
+            keep = scheduled[0]
+        eager = "eager" in self.live and (not scheduled or best["eager"] < (1.0 - self.margin) * best[keep])
+        chosen = "eager" if eager else keep
+        trial = ExecutorTrial(
+            best_us=best,
+            calls={c: len(v) for c, v in self.samples.items() if v},
+            rounds=self.rounds,
+            max_rounds=self.max_rounds,
+            margin=self.margin,
+            chosen=chosen,
+            schedule_executor=keep,
+        )
+        figures = ", ".join(f"{c} {best[c]:.0f} us" for c in self.candidates if c in best)
+        counts = {len(v) for v in self.samples.values() if v}
+        if len(counts) == 1:
+            measured = f"measured {figures} (fastest of {counts.pop()} calls each)"
+        else:
+            calls = ", ".join(f"{c} {len(v)}" for c, v in self.samples.items() if v)
+            measured = f"measured {figures} (fastest call of each; calls: {calls})"
+        update: dict[str, Any] = {"trial": trial}
+        if eager:
+            update.update(
+                executor="eager",
+                reason=(
+                    f"the model's own forward measured faster than the schedule ({keep}): {measured}; "
+                    "calls with this signature run the model as written"
+                ),
+                notes=[
+                    *plan.notes,
+                    f"running the model's own forward (no trace): {best['eager']:.0f} us vs {best[keep]:.0f} us "
+                    f"for the schedule on {keep}; observers, sync_log and chaos still run the schedule",
+                ],
+            )
+        elif keep != executor:
+            update.update(
+                executor=keep,
+                reason=f"{executor} estimated to pay but {measured}: running serially",
+                notes=[*plan.notes, "tasks run in issue order on the caller's stream"],
+            )
+        else:
+            update["reason"] = f"{plan.reason}; {measured}"
+        return plan.model_copy(update=update), eager
