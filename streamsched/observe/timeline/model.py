@@ -339,7 +339,7 @@ def record_runs(sm: Any, *inputs: Any, runs: int = 3, warmup: int = 2, **kwargs:
     ``cuda_graph``, observed calls run the plain streams schedule (a replayed graph has
     no per-task points to observe).
     """
-    from ..module import StreamScheduledModule
+    from ...module import StreamScheduledModule
 
     if not isinstance(sm, StreamScheduledModule):
         raise TypeError(f"timelines observe a StreamScheduledModule, got {type(sm).__name__}; wrap the model first")
@@ -459,7 +459,7 @@ def device_name(device: Union[str, torch.device]) -> str:
     if dev.type == "cuda" and torch.cuda.is_available():
         return torch.cuda.get_device_name(dev)
     if dev.type == "cpu":
-        from ..envinfo import cpu_name
+        from ...envinfo import cpu_name
 
         return cpu_name()
     return str(dev)
