@@ -14,6 +14,7 @@ a model that tracing should treat as opaque tasks.
 from __future__ import annotations
 
 from ._native import runtime_info
+from ._version import __version__
 from .branch import branch
 from .config import SchedulerConfig
 from .errors import (
@@ -29,8 +30,6 @@ from .module import StreamScheduledModule
 from .observe import Timeline, timeline
 from .planning.plan import FusedGroupInfo, Plan, PlannedTask
 from .prefetch import Prefetcher
-
-__version__ = "0.1.0"
 
 __all__ = [
     "StreamScheduledModule",

@@ -28,7 +28,10 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-__all__ = ["environment_report", "format_report", "visible_nvml_devices", "cpu_name"]
+from ._native import runtime_info
+from ._version import __version__
+
+__all__ = ["environment_report", "format_report", "visible_nvml_devices", "cpu_name", "device_name"]
 
 _ENVIRONMENT_KEYS = (
     "CUDA_VISIBLE_DEVICES",
@@ -51,6 +54,17 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "cpu"
+
+
+def device_name(device: Union[str, torch.device]) -> str:
+    """A human name for a device: the GPU's name (``"NVIDIA H100 80GB HBM3"``), or the
+    CPU's (:func:`cpu_name`); any other device as PyTorch writes it."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(dev)
+    if dev.type == "cpu":
+        return cpu_name()
+    return str(dev)
 
 
 def visible_nvml_devices(cuda_visible_devices: Optional[str], count: int) -> list[Union[int, str]]:
@@ -103,7 +117,7 @@ class _Nvml:
             if self._importer is not None:
                 lib = self._importer()
             else:
-                import pynvml as lib
+                import pynvml as lib  # lazy: only when a report asks for GPUs; without it the report says why
         except ImportError:
             self.reason = "nvidia-ml-py (pynvml) is not installed"
             return
@@ -218,8 +232,6 @@ def _gpus(nvml: _Nvml) -> tuple[dict[str, Any], list[dict[str, Any]]]:
 
 
 def _streamsched() -> dict[str, Any]:
-    from . import __version__, runtime_info
-
     try:
         runtime = runtime_info()
     except Exception as exc:  # noqa: BLE001 - a report must not raise

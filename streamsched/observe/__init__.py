@@ -14,6 +14,7 @@ Example::
 """
 
 from .nvtx_ranges import NvtxRanges
+from .observable import Observable
 from .timeline import IdleGap, TaskSpan, Timeline, timeline
 
-__all__ = ["NvtxRanges", "Timeline", "TaskSpan", "IdleGap", "timeline"]
+__all__ = ["NvtxRanges", "Observable", "Timeline", "TaskSpan", "IdleGap", "timeline"]

@@ -111,7 +111,7 @@ class NvtxRanges:
         if os.environ.get("NVTX_DISABLE"):
             return None
         try:
-            import nvtx
+            import nvtx  # lazy: only when ranges are asked for; without it NVTX is just off
         except ImportError:
             return None
         return cls(nvtx.get_domain(DOMAIN))

@@ -27,8 +27,12 @@ from typing import Any, Literal, Union
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from .._version import __version__
+from ..envinfo import device_name
 from ..errors import ConfigError, ProfileMismatchError
 from ..planning.plan import Plan
+from .observable import Observable
+from .timeline import record_runs
 
 __all__ = ["ScheduleProfile", "measure_profile", "load_profile", "check_profile", "profile_costs"]
 
@@ -68,16 +72,13 @@ class ScheduleProfile(BaseModel):
         return out
 
 
-def measure_profile(sm: Any, *inputs: Any, runs: int = 5) -> ScheduleProfile:
+def measure_profile(sm: Observable, *inputs: Any, runs: int = 5) -> ScheduleProfile:
     """Measure each task of ``sm(*inputs)`` over ``runs`` observed calls (after warming up).
 
     A task's cost is its duration (end - start, CUDA events on the GPU, the host clock on
     the CPU); the profile keeps the median per task name. Call it in the grad mode the
     profile is for (``torch.no_grad()`` for inference).
     """
-    from .. import __version__
-    from .timeline import device_name, record_runs
-
     observed = record_runs(sm, *inputs, runs=runs, warmup=2)
     durations: dict[str, list[float]] = {}
     for call in observed:

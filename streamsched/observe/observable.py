@@ -1,0 +1,70 @@
+"""What observing needs of a scheduled module, as a protocol.
+
+Timelines and profiles run a wrapped model with an observer attached and read back the
+schedule each call ran. :class:`streamsched.StreamScheduledModule` is such a module; this
+layer names only what it uses of it (:class:`Observable`), so that it does not import the
+layer that defines the wrapper.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any, Optional, Protocol
+
+from torch import nn
+
+from ..planning.plan import Plan
+
+__all__ = ["Observable", "ObservedSchedule", "ScheduleState", "is_observable"]
+
+
+class ObservedSchedule(Protocol):
+    """The schedule a call ran. Beside its plan, a traced model's schedule has ``program``
+    (the compiled tasks) and ``task_graph`` (their data dependencies); eager dispatch has
+    neither, and observing does without them."""
+
+    @property
+    def plan(self) -> Plan: ...
+
+
+class ScheduleState(Protocol):
+    """The wrapper's cached state (``sm._ss``), of which observing reads one field."""
+
+    @property
+    def last(self) -> Optional[ObservedSchedule]:
+        """The schedule of the most recent call (``None`` before the first)."""
+        ...
+
+
+class Observable(Protocol):
+    """A module whose calls can be observed task by task.
+
+    Calling it runs the model; ``observing(observer)`` is a context manager during which
+    the executors call ``observer.push(task, stream)`` and ``observer.pop(task, stream)``
+    around every task; ``_ss.last`` is the schedule the latest call ran (the wrapper has no
+    public name for the schedule itself: ``sm.plan`` is only its report); ``module`` is
+    the wrapped model, whose class names the timeline.
+    """
+
+    @property
+    def module(self) -> nn.Module: ...
+
+    @property
+    def _ss(self) -> ScheduleState: ...
+
+    def observing(self, observer: Any) -> AbstractContextManager[Any]: ...
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+def is_observable(obj: object) -> bool:
+    """Whether ``obj`` has what :class:`Observable` names (a plain ``nn.Module`` has no
+    ``observing``). Checked by attribute: ``isinstance`` against a runtime-checkable
+    protocol looks attributes up statically from Python 3.12 on, and would miss
+    ``module``, which ``nn.Module`` keeps in ``_modules``."""
+    return (
+        callable(obj)
+        and callable(getattr(obj, "observing", None))
+        and hasattr(getattr(obj, "_ss", None), "last")
+        and hasattr(obj, "module")
+    )
