@@ -42,7 +42,7 @@ if [ -n "$CUDA_HOME" ] && stage build 240 env USE_CUDA=1 "$PY" setup.py build_ex
   stage tests 200 "$PY" -m pytest -q -p no:cacheprovider tests -m "not slow" -o addopts="" --durations=15
   stage sanitizer 90 env TORCH_CUDA_SANITIZER=1 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests \
     -k "not graph and not capture and not peak_memory" -o addopts=""
-  stage timeline 40 "$PY" -m streamsched timeline streamsched.models:Inception3 --input-shape 1,3,299,299 \
+  stage timeline 40 "$PY" -m streamsched timeline benchmarks.zoo:Inception3 --input-shape 1,3,299,299 \
     --device cuda --out "$ALL/inception_b1"
   stage overhead 30 "$PY" benchmarks/overhead_bench.py --device cuda --out "$ALL/overhead.json"
   stage prefetch 40 "$PY" benchmarks/prefetch_bench.py --out "$ALL/prefetch.json"

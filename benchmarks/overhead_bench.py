@@ -36,11 +36,15 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-import streamsched as ss
-from streamsched import _native
-from streamsched.bench.report import environment, json_output_path
-from streamsched.bench.timing import Clock, measure_interleaved
-from streamsched.runtime import CudaBackend, SerialExecutor, SimulatedBackend, StreamExecutor, ThreadExecutor
+# The repository root, last on the path: benchmarks.suite and benchmarks.zoo come from this
+# checkout; streamsched from PYTHONPATH (another tree, to compare) or the installed package.
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+
+import streamsched as ss  # noqa: E402
+from benchmarks.suite.report import environment, json_output_path  # noqa: E402
+from benchmarks.suite.timing import Clock, measure_interleaved  # noqa: E402
+from streamsched import _native  # noqa: E402
+from streamsched.runtime import CudaBackend, SerialExecutor, SimulatedBackend, StreamExecutor, ThreadExecutor  # noqa: E402
 
 
 class Chains(nn.Module):

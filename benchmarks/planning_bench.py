@@ -26,11 +26,15 @@ from typing import Any, Optional
 
 import torch
 
-import streamsched as ss
-from streamsched.bench.report import environment, json_output_path
-from streamsched.ir.graph import TaskGraph
-from streamsched.models import ParallelFCN
-from streamsched.planning.assign import assign_streams
+# The repository root, last on the path: benchmarks.suite and benchmarks.zoo come from this
+# checkout; streamsched from PYTHONPATH (another tree, to compare) or the installed package.
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+
+import streamsched as ss  # noqa: E402
+from benchmarks.suite.report import environment, json_output_path  # noqa: E402
+from benchmarks.zoo import ParallelFCN  # noqa: E402
+from streamsched.ir.graph import TaskGraph  # noqa: E402
+from streamsched.planning.assign import assign_streams  # noqa: E402
 
 BOUND = 8
 

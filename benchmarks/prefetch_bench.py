@@ -38,9 +38,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from streamsched.bench.report import environment
-from streamsched.bench.timing import Clock, measure_interleaved
-from streamsched.prefetch import Prefetcher
+# The repository root, last on the path: benchmarks.suite and benchmarks.zoo come from this
+# checkout; streamsched from PYTHONPATH (another tree, to compare) or the installed package.
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.suite.report import environment  # noqa: E402
+from benchmarks.suite.timing import Clock, measure_interleaved  # noqa: E402
+from streamsched.prefetch import Prefetcher  # noqa: E402
 
 SCHEMA = "streamsched.prefetch_bench/1"
 DISTINCT_BATCHES = 4  # cycled: enough that no batch is still in a cache, few enough to fit in host memory

@@ -17,7 +17,7 @@ three ways on the same inputs:
 - ``torch.compile``: ``torch.compile(model)``, default mode (compile time reported apart).
 
 Each variant is checked against eager (largest absolute difference on the timed input),
-then all are timed in the same interleaved rounds (``streamsched.bench.timing``): one
+then all are timed in the same interleaved rounds (``benchmarks.suite.timing``): one
 sample per variant per round, the order rotated every round, a sample lasting about
 ``--sample-ms``. Reported per variant: median, minimum and p10-p90 spread of the samples,
 the ratio of medians (eager median / variant median: above 1 is faster than eager) and
@@ -48,14 +48,17 @@ from typing import Any, Callable
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# The repository root, last on the path: benchmarks.suite comes from this checkout;
+# streamsched from PYTHONPATH (another tree, to compare) or the installed package.
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import streamsched as ss  # noqa: E402
-from streamsched.bench.correctness import compare, tolerance  # noqa: E402
-from streamsched.bench.report import environment  # noqa: E402
-from streamsched.bench.timing import Clock, Stats, measure_interleaved  # noqa: E402
+from benchmarks.suite.correctness import compare, tolerance  # noqa: E402
+from benchmarks.suite.report import environment  # noqa: E402
+from benchmarks.suite.timing import Clock, Stats, measure_interleaved  # noqa: E402
 
 Inputs = tuple[tuple, dict]
 

@@ -30,15 +30,21 @@ import argparse
 import copy
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-import streamsched as ss
-from streamsched.envinfo import environment_report
-from streamsched.models import CriticEnsemble, ParallelFCN
-from streamsched.models.parallel_fcn import StackedFCN
+# The repository root, last on the path: benchmarks.suite and benchmarks.zoo come from this
+# checkout; streamsched from PYTHONPATH (another tree, to compare) or the installed package.
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+
+import streamsched as ss  # noqa: E402
+from benchmarks.zoo import CriticEnsemble, ParallelFCN  # noqa: E402
+from benchmarks.zoo.parallel_fcn import StackedFCN  # noqa: E402
+from streamsched.envinfo import environment_report  # noqa: E402
 
 PHASES = ("zero_grad", "forward", "backward", "step")
 

@@ -1,6 +1,6 @@
 """Inception-v3 with its towers scheduled side by side: the project's demo (`make demo`).
 
-Wraps the Inception-v3 architecture (defined in streamsched.models, no torchvision
+Wraps the Inception-v3 architecture (defined in benchmarks.zoo, no torchvision
 needed), checks it against eager PyTorch on fresh random inputs, and prints the plan
 and the speed of both, on whatever device is there (CUDA if available).
 
@@ -19,11 +19,13 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+# The repository root (benchmarks.zoo), last: streamsched is the installed one as before.
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _timing import time_variants  # noqa: E402
 
 import streamsched as ss  # noqa: E402
-from streamsched.models import Inception3  # noqa: E402
+from benchmarks.zoo import Inception3  # noqa: E402
 
 
 def main() -> None:

@@ -22,11 +22,13 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+# The repository root (benchmarks.zoo), last: streamsched is the installed one as before.
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _timing import time_variants  # noqa: E402
 
 import streamsched as ss  # noqa: E402
-from streamsched.models import GroupedConvFCN, ParallelFCN, StackedFCN  # noqa: E402
+from benchmarks.zoo import GroupedConvFCN, ParallelFCN, StackedFCN  # noqa: E402
 
 
 def main() -> None:

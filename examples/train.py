@@ -12,7 +12,7 @@ final parameters, and the median time per training step (forward, backward, Adam
 
 Models: ``towers`` (defined below: towers of different depths plus an ensemble of
 identical heads, regression; the default, about a minute on a 2-core CPU) or ``nasnet``
-(streamsched.models.NASNetCells, 10-way classification of 16x16 images; its depthwise
+(benchmarks.zoo.NASNetCells, 10-way classification of 16x16 images; its depthwise
 convolutions are slow on CPU, so give it a GPU or fewer steps).
 """
 
@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -29,8 +31,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import streamsched as ss
-from streamsched.models import NASNetCells
+# The repository root (benchmarks.zoo), last: streamsched is the installed one as before.
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import streamsched as ss  # noqa: E402
+from benchmarks.zoo import NASNetCells  # noqa: E402
 
 
 class TowersAndHeads(nn.Module):

@@ -3,16 +3,20 @@
 ::
 
     python -m streamsched info [--json]
-    python -m streamsched plan streamsched.models:Inception3 --input-shape 1,3,299,299 [num_streams=4 ...]
-    python -m streamsched timeline streamsched.models:Inception3 --input-shape 1,3,299,299 --out out/inception
-    python -m streamsched profile streamsched.models:Inception3 --input-shape 1,3,299,299 --out prof.json
-    python -m streamsched bench [...]        # streamsched.bench
-    python -m streamsched stress [...]       # streamsched.stress
+    python -m streamsched plan benchmarks.zoo:Inception3 --input-shape 1,3,299,299 [num_streams=4 ...]
+    python -m streamsched timeline benchmarks.zoo:Inception3 --input-shape 1,3,299,299 --out out/inception
+    python -m streamsched profile benchmarks.zoo:Inception3 --input-shape 1,3,299,299 --out prof.json
+    python -m streamsched bench [...]        # benchmarks.suite (source checkout only)
+    python -m streamsched stress [...]       # benchmarks.stress (source checkout only)
 
 ``MODULE:FACTORY`` names a callable that returns the ``nn.Module`` to wrap (a class with
 default arguments, or a function); ``key=value`` arguments are
 :class:`~streamsched.SchedulerConfig` options. A bad argument is reported in one line on
 stderr with exit status 2; a model that fails to run, with status 1.
+
+``benchmarks.zoo`` (the reference models), the benchmark suite and the stress driver live
+in the source tree's ``benchmarks/`` folder, not in the installed package: run those
+commands from the repository root of a checkout.
 """
 
 from __future__ import annotations
@@ -22,16 +26,28 @@ import contextlib
 import difflib
 import importlib
 import json
+import os
 import sys
+from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from ._version import __version__
+from .envinfo import environment_report, format_report
+from .errors import ConfigError, ProfileMismatchError
+from .module import StreamScheduledModule
+from .observe.profiles import measure_profile
+from .observe.timeline import timeline
 
 __all__ = ["main", "build_parser", "parse_shape", "parse_options", "load_factory"]
 
 PROG = "python -m streamsched"
 _DTYPES = ("float32", "float64", "float16", "bfloat16")
+# Commands run by a module of the source checkout (see _delegate), not of the package.
 _DELEGATES = {
-    "bench": "streamsched.bench",
-    "stress": "streamsched.stress",
+    "bench": "benchmarks.suite",
+    "stress": "benchmarks.stress",
 }
 
 
@@ -91,7 +107,7 @@ def load_factory(target: str) -> Callable[[], Any]:
     """Import ``MODULE:FACTORY`` (``FACTORY`` may be dotted: ``module:Class.build``)."""
     module_name, sep, attr = target.partition(":")
     if not sep or not module_name or not attr:
-        raise UsageError(f"expected MODULE:FACTORY (for example streamsched.models:Inception3), got {target!r}")
+        raise UsageError(f"expected MODULE:FACTORY (for example benchmarks.zoo:Inception3), got {target!r}")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
@@ -113,7 +129,7 @@ def load_factory(target: str) -> Callable[[], Any]:
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "target", metavar="MODULE:FACTORY", help="callable returning the nn.Module, e.g. streamsched.models:Inception3"
+        "target", metavar="MODULE:FACTORY", help="callable returning the nn.Module, e.g. benchmarks.zoo:Inception3"
     )
     parser.add_argument(
         "--input-shape",
@@ -145,8 +161,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
-    from . import __version__
-
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="streamsched: run the independent branches of a PyTorch model side by side; see what ran where.",
@@ -182,8 +196,6 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
 
 
 def _cmd_info(ns: argparse.Namespace) -> int:
-    from .envinfo import environment_report, format_report
-
     report = environment_report()
     print(json.dumps(report, indent=2) if ns.json else format_report(report))
     return 0
@@ -193,11 +205,6 @@ class _Prepared:
     """The wrapped model, a source of fresh inputs, and the grad mode to call it in."""
 
     def __init__(self, ns: argparse.Namespace):
-        import torch
-
-        from .errors import ConfigError
-        from .module import StreamScheduledModule
-
         try:
             device = torch.device(ns.device)
         except RuntimeError as exc:
@@ -226,8 +233,6 @@ class _Prepared:
         self.grad = torch.enable_grad if ns.train else torch.no_grad
 
     def inputs(self) -> list[Any]:
-        import torch
-
         return [
             torch.randn(shape, generator=self.generator, dtype=torch.float32).to(self.device, self.dtype)
             for shape in self.shapes
@@ -240,8 +245,6 @@ class _Prepared:
     @contextlib.contextmanager
     def running(self, what: str):
         """Report a failure of the model (or of a config that only shows at plan time) in one line."""
-        from .errors import ConfigError, ProfileMismatchError
-
         with self.grad():
             try:
                 yield
@@ -274,8 +277,6 @@ def _positive(value: int, flag: str) -> int:
 
 
 def _cmd_timeline(ns: argparse.Namespace) -> int:
-    from .observe.timeline import timeline
-
     runs, warmup = _positive(ns.runs, "--runs"), _positive(ns.warmup, "--warmup")
     prepared = _Prepared(ns)
     with prepared.running("timing"):
@@ -287,8 +288,6 @@ def _cmd_timeline(ns: argparse.Namespace) -> int:
 
 
 def _cmd_profile(ns: argparse.Namespace) -> int:
-    from .observe.profiles import measure_profile
-
     runs = _positive(ns.runs, "--runs")
     prepared = _Prepared(ns)
     with prepared.running("profiling"):
@@ -315,9 +314,33 @@ def _exit_status(code: Any) -> int:
     return 1
 
 
+def _find_checkout() -> Optional[Path]:
+    """The source checkout that holds ``benchmarks/suite/``: the parent of the ``streamsched``
+    package directory (an in-place or editable install), else the current directory; None
+    when neither has it (an installed package run from elsewhere)."""
+    package_root = Path(__file__).resolve().parent.parent
+    for root in (package_root, Path.cwd().resolve()):
+        if (root / "benchmarks" / "suite").is_dir():
+            return root
+    return None
+
+
 def _delegate(command: str, argv: list[str]) -> int:
     module_name = _DELEGATES[command]
+    root = _find_checkout()
+    if root is None:
+        print(
+            f"{PROG} {command}: error: {module_name} is not part of the installed package: the benchmark suite "
+            "lives in the source tree's benchmarks/ folder; run this command from the root of a streamsched checkout",
+            file=sys.stderr,
+        )
+        return 1
+    if not any(os.path.realpath(entry or os.curdir) == str(root) for entry in sys.path):
+        sys.path.insert(0, str(root))
     try:
+        # A function-level import of an optional component: the suite and the stress driver
+        # live in the checkout's benchmarks/, outside the package, and only these commands
+        # need them; importing the library must never depend on a checkout.
         module = importlib.import_module(module_name)
     except ImportError as exc:
         print(f"{PROG} {command}: error: {module_name} is not available: {exc}", file=sys.stderr)

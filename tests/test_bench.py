@@ -13,14 +13,14 @@ import pytest
 import torch
 from torch import nn
 
-from streamsched.bench import SuiteOptions, main, run_suite
-from streamsched.bench import peers as peer_registry
-from streamsched.bench.cases import parse_families, suite_cases
-from streamsched.bench.correctness import compare, tolerance
-from streamsched.bench.peers import compile_skip_reason
-from streamsched.bench.timing import Clock, Stats, measure_interleaved, percentile
-from streamsched.bench.training import grad_error
-from streamsched.bench.variant import BuiltCase, SuiteContext, Variant
+from benchmarks.suite import SuiteOptions, main, run_suite
+from benchmarks.suite import peers as peer_registry
+from benchmarks.suite.cases import parse_families, suite_cases
+from benchmarks.suite.correctness import compare, tolerance
+from benchmarks.suite.peers import compile_skip_reason
+from benchmarks.suite.timing import Clock, Stats, measure_interleaved, percentile
+from benchmarks.suite.training import grad_error
+from benchmarks.suite.variant import BuiltCase, SuiteContext, Variant
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import streamsched as ss
-from streamsched import envinfo
+from streamsched import cli, envinfo
 from streamsched.cli import main, parse_options, parse_shape
 from streamsched.envinfo import environment_report, format_report, visible_nvml_devices
 from streamsched.observe.profiles import load_profile
@@ -23,7 +23,7 @@ from streamsched.planning.plan import Plan
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-INCEPTION = ["streamsched.models:Inception3", "--input-shape", "1,3,75,75"]
+INCEPTION = ["benchmarks.zoo:Inception3", "--input-shape", "1,3,75,75"]
 TOWERS = ["tests.helpers:Towers", "--input-shape", "4,64"]
 
 
@@ -260,12 +260,12 @@ def test_profile_command_writes_a_profile(capsys, tmp_path):
     "argv, message",
     [
         (["plan", "no_such_module_xyz:Model", "--input-shape", "1,3"], "cannot import module 'no_such_module_xyz'"),
-        (["plan", "streamsched.models:Incepton3", "--input-shape", "1,3"], "did you mean Inception3"),
-        (["plan", "streamsched.models", "--input-shape", "1,3"], "expected MODULE:FACTORY"),
+        (["plan", "benchmarks.zoo:Incepton3", "--input-shape", "1,3"], "did you mean Inception3"),
+        (["plan", "benchmarks.zoo", "--input-shape", "1,3"], "expected MODULE:FACTORY"),
         (["plan", "builtins:dict", "--input-shape", "1,3"], "not an nn.Module"),
         (["plan", *INCEPTION[:2], "1,three,75"], "bad input shape '1,three,75'"),
         (["plan", *INCEPTION[:2], "1,0"], "bad input shape '1,0'"),
-        (["plan", "streamsched.models:Inception3"], "--input-shape"),
+        (["plan", "benchmarks.zoo:Inception3"], "--input-shape"),
         (["plan", *TOWERS, "num_stream=4"], "did you mean 'num_streams'"),
         (["plan", *TOWERS, "num_streams=0"], "num_streams"),
         (["plan", *TOWERS, "fast"], "key=value"),
@@ -290,7 +290,7 @@ def test_cuda_device_without_cuda_is_a_usage_error(capsys):
 
 
 def test_a_model_that_fails_on_the_inputs_exits_1_naming_the_module(capsys):
-    code, _, err = run(capsys, "plan", "streamsched.models:Inception3", "--input-shape", "1,4,75,75")
+    code, _, err = run(capsys, "plan", "benchmarks.zoo:Inception3", "--input-shape", "1,4,75,75")
     assert code == 1
     assert "Conv2d_1a_3x3" in err and "4 channels" in err
     assert "Traceback" not in err
@@ -304,15 +304,17 @@ def test_help_everywhere(capsys, command):
     assert code == 0 and command in out
 
 
-# --- bench and stress are delegated --------------------------------------------------------------
+# --- bench and stress are delegated to the checkout's benchmarks/ -------------------------------
+
+DELEGATES = {"bench": "benchmarks.suite", "stress": "benchmarks.stress"}
 
 
 @pytest.mark.parametrize("command", ["bench", "stress"])
 def test_delegated_commands_get_their_arguments_untouched(capsys, monkeypatch, command):
     seen = []
-    fake = types.ModuleType(f"streamsched.{command}")
+    fake = types.ModuleType(DELEGATES[command])
     fake.main = lambda argv: seen.append(argv) or 3
-    monkeypatch.setitem(sys.modules, f"streamsched.{command}", fake)
+    monkeypatch.setitem(sys.modules, DELEGATES[command], fake)
     argv = ["--help", "--out", "x", "plan=1", "-k"]
     assert main([command, *argv]) == 3
     assert seen == [argv]
@@ -320,7 +322,37 @@ def test_delegated_commands_get_their_arguments_untouched(capsys, monkeypatch, c
 
 @pytest.mark.parametrize("command", ["bench", "stress"])
 def test_delegated_command_that_cannot_be_imported_exits_1(capsys, monkeypatch, command):
-    monkeypatch.setitem(sys.modules, f"streamsched.{command}", None)  # "import" now fails
+    monkeypatch.setitem(sys.modules, DELEGATES[command], None)  # "import" now fails
     code, _, err = run(capsys, command, "--quick")
     assert code == 1
-    assert f"streamsched.{command} is not available" in err
+    assert f"{DELEGATES[command]} is not available" in err
+
+
+@pytest.mark.parametrize("command", ["bench", "stress"])
+def test_delegated_command_outside_a_checkout_says_where_the_suite_lives(capsys, monkeypatch, command):
+    monkeypatch.setattr(cli, "_find_checkout", lambda: None)
+    code, _, err = run(capsys, command, "--quick")
+    assert code == 1
+    assert "benchmarks/" in err and "checkout" in err
+    assert "Traceback" not in err
+
+
+def test_the_checkout_is_found_beside_the_package_from_any_directory(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    assert cli._find_checkout() == REPO
+
+
+@pytest.mark.parametrize("command", ["bench", "stress"])
+def test_python_dash_m_streamsched_delegates_run_from_the_repository_root(command):
+    done = subprocess.run(
+        [sys.executable, "-m", "streamsched", command, "--help"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"python -m streamsched {command}" in done.stdout
+
+
+def test_importing_the_library_imports_nothing_from_the_checkout():
+    code = "import sys, streamsched, streamsched.cli; print([m for m in sys.modules if m.startswith('benchmarks')])"
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -23,7 +23,7 @@ from torch import nn
 from torch._dynamo.eval_frame import OptimizedModule
 
 import streamsched as ss
-from streamsched.models import CriticEnsemble
+from benchmarks.zoo import CriticEnsemble
 
 from .helpers import Towers, assert_close
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import streamsched as ss
-from streamsched.models import CriticEnsemble, Inception3, NASNetCells, ParallelFCN
+from benchmarks.zoo import CriticEnsemble, Inception3, NASNetCells, ParallelFCN
 from streamsched.runtime.graphs import CaptureError
 from streamsched.testing import check_happens_before
 

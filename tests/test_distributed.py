@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import streamsched as ss
-from streamsched.models import CriticEnsemble, ParallelFCN
+from benchmarks.zoo import CriticEnsemble, ParallelFCN
 
 from .helpers import Towers, assert_close
 

@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 import streamsched as ss
-from streamsched.models import ParallelFCN
+from benchmarks.zoo import ParallelFCN
 from streamsched.runtime.serial import SerialExecutor
 from streamsched.runtime.threads import ThreadExecutor
 

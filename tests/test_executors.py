@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import streamsched as ss
+from benchmarks.zoo import CriticEnsemble, Inception3, MultiTaskHeads, NASNetCells, ParallelFCN, RandWire
 from streamsched import _native
-from streamsched.models import CriticEnsemble, Inception3, MultiTaskHeads, NASNetCells, ParallelFCN, RandWire
 from streamsched.runtime import SimulatedBackend, StreamExecutor, SyncLog, check_happens_before
 
 from .helpers import ConvTowers, RandomDag, Towers, assert_close, check_against_eager, random_dag_spec

@@ -5,8 +5,8 @@ import torch
 from torch import nn
 
 import streamsched as ss
+from benchmarks.zoo import CriticEnsemble, MultiTaskHeads, ParallelFCN
 from streamsched.fusion.kernels import FusedKernel
-from streamsched.models import CriticEnsemble, MultiTaskHeads, ParallelFCN
 
 from .helpers import assert_close, assert_sgd_steps_match_the_loop, check_against_eager
 

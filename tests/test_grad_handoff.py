@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 import streamsched as ss
+from benchmarks.zoo import CriticEnsemble, MultiTaskHeads, ParallelFCN
 from streamsched._native import native
-from streamsched.models import CriticEnsemble, MultiTaskHeads, ParallelFCN
 
 from .helpers import assert_close, assert_sgd_steps_match_the_loop, flatten
 

@@ -164,7 +164,7 @@ def test_plans_of_a_real_model_round_trip():
     import torch
 
     import streamsched as ss
-    from streamsched.models import Inception3
+    from benchmarks.zoo import Inception3
 
     sm = ss.StreamScheduledModule(Inception3().eval(), executor="streams")
     with torch.no_grad():

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import streamsched as ss
-from streamsched import stress
+from benchmarks import stress
 
 from .helpers import Towers, assert_close
 

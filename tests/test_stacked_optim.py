@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import streamsched as ss
+from benchmarks.zoo import CriticEnsemble, MultiTaskHeads, ParallelFCN
 from streamsched import optim as sso
 from streamsched.fusion import StackedLayoutError, StackedParameter
-from streamsched.models import CriticEnsemble, MultiTaskHeads, ParallelFCN
 
 from .helpers import assert_close, flatten
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import streamsched as ss
-from streamsched.models import CriticEnsemble, NASNetCells, ParallelFCN
+from benchmarks.zoo import CriticEnsemble, NASNetCells, ParallelFCN
 
 from .helpers import ConvTowers, Towers, assert_close
 

@@ -9,7 +9,7 @@ in the same interleaved rounds; the report gives ratios against eager.
 
 Run it with ``python -m streamsched bench`` (or ``make bench``)::
 
-    >>> from streamsched.bench import main
+    >>> from benchmarks.suite import main
     >>> main(["--quick", "--models", "critic_ensemble", "--out", "/tmp/bench"])  # doctest: +SKIP
     0
 

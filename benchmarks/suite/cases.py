@@ -20,7 +20,7 @@ from typing import Any, Callable, Literal, Optional, Sequence
 import torch
 from torch import nn
 
-from ..models import CriticEnsemble, Inception3, MultiTaskHeads, NASNetCells, ParallelFCN, RandWire
+from benchmarks.zoo import CriticEnsemble, Inception3, MultiTaskHeads, NASNetCells, ParallelFCN, RandWire
 
 __all__ = ["CaseSpec", "FAMILIES", "suite_cases", "parse_families"]
 
@@ -206,10 +206,10 @@ def parse_families(text: Optional[str]) -> list[str]:
         key = name.lower()
         key = _ALIASES.get(key.replace("_", ""), key)
         if key not in FAMILIES:
-            raise ValueError(f"streamsched.bench: unknown model {name!r}; known models: {', '.join(FAMILIES)}")
+            raise ValueError(f"benchmarks.suite: unknown model {name!r}; known models: {', '.join(FAMILIES)}")
         wanted.append(key)
     if not wanted:
-        raise ValueError(f"streamsched.bench: --models names no model; known models: {', '.join(FAMILIES)}")
+        raise ValueError(f"benchmarks.suite: --models names no model; known models: {', '.join(FAMILIES)}")
     return [f for f in FAMILIES if f in wanted]
 
 

@@ -31,8 +31,9 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .. import __version__, runtime_info
-from ..envinfo import cpu_name
+from streamsched import __version__, runtime_info
+from streamsched.envinfo import cpu_name
+
 from .results import CaseResult
 
 __all__ = ["SCHEMA", "environment", "build_report", "markdown", "write_report", "json_output_path"]

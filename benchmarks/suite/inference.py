@@ -129,7 +129,7 @@ def run_inference_case(spec: CaseSpec, ctx: SuiteContext, opts: MeasureOptions, 
         variants = _build_variants(case, ctx, peers)
         names = [v.name for v in variants]
         if len(set(names)) != len(names):
-            raise ValueError(f"streamsched.bench: two variants of {spec.id} share a name: {names}")
+            raise ValueError(f"benchmarks.suite: two variants of {spec.id} share a name: {names}")
         rows = check_rows(variants, [inputs, fresh], references, opts.rtol)
         calls = {v.name: (lambda v=v: v.call(*inputs)) for v in variants if v.call is not None}
         time_rows(rows, calls, ctx, opts)

@@ -53,7 +53,7 @@ class Variant:
         cls, name: str, status: VariantStatus, reason: str, detail: Optional[str] = None, **info: Any
     ) -> Variant:
         if status == "ok":
-            raise ValueError("streamsched.bench: an unavailable variant needs a status other than 'ok'")
+            raise ValueError("benchmarks.suite: an unavailable variant needs a status other than 'ok'")
         return cls(name=name, status=status, reason=reason, detail=detail, info=dict(info))
 
 

@@ -1,4 +1,4 @@
-"""``python -m streamsched.bench [args]``: the benchmark suite (same as ``python -m streamsched bench``)."""
+"""``python -m benchmarks.suite [args]``: the benchmark suite (same as ``python -m streamsched bench``)."""
 
 from __future__ import annotations
 

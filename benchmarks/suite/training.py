@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import StreamScheduledModule
+from streamsched import StreamScheduledModule
+
 from .cases import CaseSpec
 from .correctness import compare, tolerance
 from .inference import MeasureOptions, free_memory, time_rows

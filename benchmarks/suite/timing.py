@@ -144,9 +144,9 @@ def measure_interleaved(
     one. Round ``r`` visits the functions in an order rotated by ``r``.
     """
     if rounds < 1:
-        raise ValueError(f"streamsched.bench: rounds must be at least 1, got {rounds}")
+        raise ValueError(f"benchmarks.suite: rounds must be at least 1, got {rounds}")
     if warmup < 0:
-        raise ValueError(f"streamsched.bench: warmup must be >= 0, got {warmup}")
+        raise ValueError(f"benchmarks.suite: warmup must be >= 0, got {warmup}")
     names = list(fns)
     for name in names:
         for _ in range(warmup):

@@ -2,7 +2,7 @@
 
 Example::
 
-    >>> from streamsched.bench.suite import SuiteOptions, run_suite
+    >>> from benchmarks.suite.suite import SuiteOptions, run_suite
     >>> report = run_suite(SuiteOptions(quick=True, families=["multitask_heads"], compile="off"))  # doctest: +SKIP
     >>> report["cases"][0]["rows"][0]["name"]  # doctest: +SKIP
     'eager'
@@ -74,24 +74,24 @@ class SuiteOptions:
         try:
             device = torch.device(self.device)
         except RuntimeError as exc:
-            raise ValueError(f"streamsched.bench: --device {self.device!r} is not a device: {exc}") from None
+            raise ValueError(f"benchmarks.suite: --device {self.device!r} is not a device: {exc}") from None
         if device.type not in ("cpu", "cuda"):
-            raise ValueError(f"streamsched.bench: --device must be cpu or cuda, got {self.device!r}")
+            raise ValueError(f"benchmarks.suite: --device must be cpu or cuda, got {self.device!r}")
         if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("streamsched.bench: --device cuda, but CUDA is not available here (torch.cuda)")
+            raise ValueError("benchmarks.suite: --device cuda, but CUDA is not available here (torch.cuda)")
         unknown = [f for f in self.families if f not in FAMILIES]
         if unknown or not self.families:
-            raise ValueError(f"streamsched.bench: unknown models {unknown}; known models: {', '.join(FAMILIES)}")
+            raise ValueError(f"benchmarks.suite: unknown models {unknown}; known models: {', '.join(FAMILIES)}")
         if self.rounds is not None and self.rounds < 1:
-            raise ValueError(f"streamsched.bench: --rounds must be at least 1, got {self.rounds}")
+            raise ValueError(f"benchmarks.suite: --rounds must be at least 1, got {self.rounds}")
         if self.warmup is not None and self.warmup < 0:
-            raise ValueError(f"streamsched.bench: --warmup must be >= 0, got {self.warmup}")
+            raise ValueError(f"benchmarks.suite: --warmup must be >= 0, got {self.warmup}")
         if self.compile not in ("auto", "on", "off"):
-            raise ValueError(f"streamsched.bench: compile must be auto, on or off, got {self.compile!r}")
+            raise ValueError(f"benchmarks.suite: compile must be auto, on or off, got {self.compile!r}")
         if self.compile_budget_s <= 0:
-            raise ValueError(f"streamsched.bench: --compile-budget must be positive, got {self.compile_budget_s}")
+            raise ValueError(f"benchmarks.suite: --compile-budget must be positive, got {self.compile_budget_s}")
         if self.threads is not None and self.threads < 1:
-            raise ValueError(f"streamsched.bench: --threads must be at least 1, got {self.threads}")
+            raise ValueError(f"benchmarks.suite: --threads must be at least 1, got {self.threads}")
         return device
 
 
@@ -106,8 +106,8 @@ def run_suite(
     on_case: Optional[Callable[[dict[str, Any]], None]] = None,
 ) -> dict[str, Any]:
     """Run every case of ``options.families`` and return the report (see
-    :mod:`streamsched.bench.report` for its schema). ``peers`` replaces the registry
-    :data:`streamsched.bench.peers.PEERS` for inference cases; the registry is read
+    :mod:`benchmarks.suite.report` for its schema). ``peers`` replaces the registry
+    :data:`benchmarks.suite.peers.PEERS` for inference cases; the registry is read
     at call time, so a peer appended to it takes part in the next run. ``on_case`` gets
     the report of the cases done so far after each case (the command line writes it, so
     that a run stopped by a time limit still leaves its results)."""

@@ -20,8 +20,9 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from .. import StreamScheduledModule
-from ..models import CriticEnsemble, GroupedConvFCN, ParallelFCN, StackedFCN
+from benchmarks.zoo import CriticEnsemble, GroupedConvFCN, ParallelFCN, StackedFCN
+from streamsched import StreamScheduledModule
+
 from .variant import BuiltCase, SuiteContext, Variant, first_line
 
 __all__ = [

@@ -11,6 +11,8 @@
   caches must stay bounded and resident memory must not grow.
 
     python -m streamsched stress [--runs 1000] [--soak 10000] [--device cuda]
+
+(``python -m benchmarks.stress [...]`` from the repository root is the same.)
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from .module import StreamScheduledModule
-from .runtime.synclog import check_happens_before
+from streamsched.module import StreamScheduledModule
+from streamsched.runtime.synclog import check_happens_before
 
 __all__ = ["main", "run_chaos", "run_mutations", "run_soak", "StressReport"]
 
@@ -103,7 +105,7 @@ class _RandomBranchy(nn.Module):
 
 
 def _models(device: torch.device, seed: int) -> list[tuple[str, nn.Module, Callable[[], tuple]]]:
-    from .models import NASNetCells, ParallelFCN, RandWire
+    from benchmarks.zoo import NASNetCells, ParallelFCN, RandWire
 
     rng = random.Random(seed)
     out: list[tuple[str, nn.Module, Callable[[], tuple]]] = [
@@ -272,3 +274,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         with open(args.json, "w") as fh:
             json.dump(asdict(report) | {"clean": report.clean}, fh, indent=2)
     return 0 if report.clean else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
