@@ -180,6 +180,8 @@ class _State:
     def __init__(self, model: nn.Module, config: SchedulerConfig):
         self.binder = CallBinder(model)
         self.bind = _Binder(self.binder).bind
+        # What eager dispatch reads of the model, and keeps between its calls.
+        self.dispatch = eager_dispatch.DispatchContext.for_model(model, config, self.binder)
         self.traces: LRU = LRU(config.plan_cache_size)
         # Eager dispatch, per call structure: calls in a row that launched no branch, or
         # an _AsWritten once there were enough of them.
@@ -538,12 +540,16 @@ class StreamScheduledModule(nn.Module):
         if automatic and isinstance(quiet, _AsWritten):
             st.last = quiet
             return self._forward_as_written(args, kwargs)
-        out = eager_dispatch.run_eager_dispatch(self, spec, tensors, reason)
+        done = eager_dispatch.run_eager_dispatch(st.dispatch.for_call(st.calls, st.observer), spec, tensors, reason)
+        st.last = done.schedule
+        if done.sync_log is not None:
+            st.last_sync_log = done.sync_log
+        out = done.result()  # the call's exception, if any, raised once the call is recorded
         if automatic:
             # A forward that calls no @streamsched.branch has nothing to dispatch: after
             # a few such calls in a row, it runs as written (the same calls, minus the
             # dispatch bookkeeping).
-            plan = st.last.plan
+            plan = done.schedule.plan
             count = 0 if plan.tasks else (quiet if isinstance(quiet, int) else 0) + 1
             if count < _QUIET_CALLS:
                 st.quiet.put(trace_key, count)

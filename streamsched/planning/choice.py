@@ -17,7 +17,8 @@ choice live here, so that they read as one policy.
 
 from __future__ import annotations
 
-from typing import Any
+import collections
+from typing import Any, Protocol, Sequence
 
 import torch
 
@@ -26,12 +27,19 @@ from ..errors import ConfigError
 from .assign import Assignment
 from .plan import ExecutorTrial, Plan
 
-__all__ = ["choose_executor", "Trial"]
+__all__ = ["choose_executor", "Trial", "LaneHistory"]
 
 # Host cost of handing work to another CPU lane and of one cross-lane wait (measured
 # on a 2-core machine: queue hand-off plus threading.Event round trips).
 _THREAD_LANE_US = 40.0
 _THREAD_WAIT_US = 10.0
+# Eager dispatch under executor="auto" on CPU (LaneHistory): a call's branches must save
+# about this much (microseconds, estimated from their inline times) before lanes are
+# tried; calls of one call structure timed in each way before it decides, and how often
+# (in calls) it re-times the way it does not use.
+_MIN_SAVING_US = 1000.0
+_MEASURED_CALLS = 3
+_RETIME_EVERY = 64
 
 
 def choose_executor(config: SchedulerConfig, device: torch.device, a: Assignment) -> tuple[str, str]:
@@ -200,3 +208,65 @@ class Trial:
         else:
             update["reason"] = f"{plan.reason}; {measured}"
         return plan.model_copy(update=update), eager
+
+
+class _Timed(Protocol):
+    """One branch call of a timed call: its time inline, in microseconds."""
+
+    cost_us: float
+
+
+class LaneHistory:
+    """Recent timings of one call structure under eager dispatch, for ``executor="auto"``
+    on CPU: whether its ``@streamsched.branch`` calls run inline or on CPU lanes.
+
+    Whether CPU lanes pay cannot be told in advance: PyTorch may already spread each
+    kernel over every core, and a hand-off costs tens of microseconds. So "auto" measures
+    (the runtime times each call and hands the time to :meth:`record`; :meth:`decide` is
+    the rule): the first calls run their branches inline and time them (uncontended); if
+    running them side by side could save a millisecond, the next calls try lanes; from
+    then on the mode whose fastest recent call was faster is used (lanes must win by
+    10%). The first calls of each path through a forward pay for warm-up, so now and then
+    one call re-times the mode not in use: a decision taken on cold timings does not stick.
+    """
+
+    def __init__(self) -> None:
+        self.wall_us: dict[str, collections.deque] = {m: collections.deque(maxlen=4) for m in ("inline", "lanes")}
+        self.branch_us: collections.deque = collections.deque(maxlen=4)  # (count, total) of inline calls
+        self.settled_calls = 0
+
+    def record(self, mode: str, wall_us: float, launches: Sequence[_Timed]) -> None:
+        """One call that ran its branches ``mode`` ("inline" or "lanes") took ``wall_us``;
+        ``launches`` are its branch calls."""
+        if not launches:
+            return  # nothing ran aside: the mode made no difference
+        self.wall_us[mode].append(wall_us)
+        if mode == "inline":
+            self.branch_us.append((len(launches), sum(launch.cost_us for launch in launches)))
+
+    def decide(self, lanes: int) -> tuple[str, str]:
+        """``("inline" | "lanes", why)`` for the next call, which may use ``lanes`` lanes."""
+        inline, launched = self.wall_us["inline"], self.wall_us["lanes"]
+        if len(inline) < _MEASURED_CALLS:
+            return "inline", "the first calls with this call structure run their branches inline, timed"
+        # The cheapest recent call: early calls pay for warm-up, and any call for noise.
+        count, total_us = min(self.branch_us, key=lambda b: b[1])
+        parallel_us = total_us / max(1, min(lanes, count)) + _THREAD_LANE_US * count
+        if total_us - parallel_us <= _MIN_SAVING_US:
+            return "inline", (
+                f"CPU lanes would not pay: {count} branch(es) take {total_us:.0f} us in all "
+                f"(estimated {parallel_us:.0f} us on {lanes} lane(s), with hand-offs)"
+            )
+        if len(launched) < _MEASURED_CALLS:
+            return "lanes", (
+                f"trying {lanes} CPU lane(s): {count} branch(es) take {total_us:.0f} us in all inline "
+                f"(estimated {parallel_us:.0f} us side by side)"
+            )
+        best_inline, best_lanes = min(inline), min(launched)
+        timings = f"{best_lanes / 1e3:.2f} ms per call on {lanes} lane(s) vs {best_inline / 1e3:.2f} ms inline"
+        mode, why = ("lanes", "faster") if best_lanes < 0.9 * best_inline else ("inline", "no faster")
+        self.settled_calls += 1
+        if self.settled_calls % _RETIME_EVERY == 0:
+            other = "inline" if mode == "lanes" else "lanes"
+            return other, f"re-timing {other} (one call in {_RETIME_EVERY}): so far {timings}"
+        return mode, f"CPU lanes measured {why}: {timings}"

@@ -18,9 +18,10 @@ an earlier one implies. Streams are created once per module and reused; events o
 plan (``cudaEventDisableTiming``). The caller's current stream is restored afterwards,
 so the module composes with the caller's own streams, also inside ``torch.cuda.stream``.
 
-The stream operations go through a *backend*. :class:`CudaBackend` drives real CUDA;
-:class:`SimulatedBackend` runs the work immediately on CPU while the executor still
-makes every decision and logs it, which is how the same logic is tested without a GPU.
+The stream operations go through a *backend* (:mod:`.backends`, shared with eager
+dispatch). :class:`CudaBackend` drives real CUDA; :class:`SimulatedBackend` runs the work
+immediately on CPU while the executor still makes every decision and logs it, which is
+how the same logic is tested without a GPU. Both are importable from here.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any, Optional
 import torch
 import torch.utils._pytree as pytree
 
+from .backends import CudaBackend, SimulatedBackend
 from .chaos import Chaos
 from .executor import PerProgram
 from .program import Program, run_task
@@ -40,100 +42,6 @@ __all__ = ["StreamExecutor", "CudaBackend", "SimulatedBackend"]
 
 def _tensors(value: Any) -> list[torch.Tensor]:
     return [v for v in pytree.tree_leaves(value) if isinstance(v, torch.Tensor)]
-
-
-class SimulatedBackend:
-    """Stream operations as no-ops: work runs at once, in issue order, on the CPU."""
-
-    is_cuda = False
-
-    def streams(self, count: int) -> list[Any]:
-        return list(range(count))
-
-    def events(self, program: Program) -> dict[int, Any]:
-        return {t.id: t.id for t in program.tasks if t.records}
-
-    def current_stream(self) -> Any:
-        return 0
-
-    def set_stream(self, stream: Any) -> None:
-        pass
-
-    def fork(self, caller: Any, side: list[Any]) -> None:
-        pass
-
-    def wait(self, stream: Any, event: Any) -> None:
-        pass
-
-    def record(self, stream: Any, event: Any) -> None:
-        pass
-
-    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
-        pass
-
-    def join(self, caller: Any, side: list[Any]) -> None:
-        pass
-
-    def chaos(self, chaos: Chaos, lane: int) -> None:
-        chaos.delay(lane)
-
-
-class CudaBackend:
-    """Real CUDA streams and events on one device."""
-
-    is_cuda = True
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self._pool: list[torch.cuda.Stream] = []
-        self._fork_event: Optional[torch.cuda.Event] = None
-
-    def streams(self, count: int) -> list[Any]:
-        # The pool is created once per module and grows only to the widest plan.
-        while len(self._pool) < count - 1:
-            self._pool.append(torch.cuda.Stream(device=self.device))
-        return [None] + self._pool[: count - 1]
-
-    def events(self, program: Program) -> dict[int, Any]:
-        """One event per recording task (the executor keeps them per program)."""
-        return {t.id: torch.cuda.Event() for t in program.tasks if t.records}
-
-    def current_stream(self) -> Any:
-        return torch.cuda.current_stream(self.device)
-
-    def set_stream(self, stream: Any) -> None:
-        # torch.cuda.set_stream also makes the stream's device the current one: on a module
-        # of another device than the current, keep the caller's current device.
-        index = self.device.index
-        if index is None or torch.cuda.current_device() == index:
-            torch.cuda.set_stream(stream)
-        else:
-            with torch.cuda.device(index):
-                torch.cuda.set_stream(stream)
-
-    def fork(self, caller: Any, side: list[Any]) -> None:
-        if self._fork_event is None:
-            self._fork_event = torch.cuda.Event()
-        self._fork_event.record(caller)
-        for s in side:
-            s.wait_event(self._fork_event)
-
-    def wait(self, stream: Any, event: Any) -> None:
-        stream.wait_event(event)
-
-    def record(self, stream: Any, event: Any) -> None:
-        event.record(stream)
-
-    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
-        if tensor.is_cuda:
-            tensor.record_stream(stream)
-
-    def join(self, caller: Any, side: list[Any]) -> None:
-        for s in side:
-            caller.wait_stream(s)
-
-    def chaos(self, chaos: Chaos, lane: int) -> None:
-        chaos.gpu_delay(lane)
 
 
 class StreamExecutor:

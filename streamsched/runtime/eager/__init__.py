@@ -10,7 +10,8 @@ returns at once a :class:`PendingValue` that stands for the branch's result:
   lane 0). Grad mode, inference mode and autocast are carried into the lane. The pending
   value waits for the branch the first time it is used. ``executor="threads"`` always
   does this; ``"auto"`` first times a few calls inline and on lanes and keeps the faster
-  (see :class:`_AutoHistory`); ``"serial"`` runs every branch inline, as eager does.
+  (see :class:`~streamsched.planning.choice.LaneHistory`); ``"serial"`` runs every branch
+  inline, as eager does.
 - CUDA: the branch is issued at once from the calling thread onto a pool stream that
   first waits for the caller's stream; an event is recorded after it. The first use on
   a stream makes that stream wait on the event and ``record_stream``s the result there.
@@ -40,17 +41,28 @@ per launched branch, with its lane or stream) and, with ``sync_log=True``, a
 :class:`~streamsched.runtime.synclog.SyncLog` of every fork, launch, record, wait and
 join, which :func:`~streamsched.runtime.synclog.check_happens_before` can replay.
 
-The package, one job per module:
+The wrapper hands each call a :class:`DispatchContext` (the model, its configuration, the
+call's number and observer, and what dispatch keeps between calls) and records what
+:func:`run_eager_dispatch` returns (:class:`DispatchResult`: the output or the exception
+to raise, the call's :class:`EagerSchedule`, its SyncLog).
+
+The package, one job per module, each importing only the ones listed after it:
 
 - :mod:`.dispatch`: :func:`run_eager_dispatch`, the flow of one call from start to join;
-- :mod:`.call`: ``_EagerCall``, the state of one call, installed as the branch launcher;
-- :mod:`.policy`: how a call runs its branches, and the timing-based ``executor="auto"`` choice;
-- :mod:`.pending`: :class:`PendingValue` and :func:`resolve`, and the walkers over call arguments;
-- :mod:`.launch`: the book-keeping of one launched branch;
-- :mod:`.lanes`: the pool of CPU worker lanes;
-- :mod:`.streams`: the CUDA stream backend and its simulation on CPU;
-- :mod:`.writes`: in-place writes that could race a running branch;
+- :mod:`.call`: ``_EagerCall``, the state of one call, installed as the branch launcher:
+  it routes each branch call and gives pending values their results;
+- :mod:`.launchers`: launching onto CPU lanes and onto streams, and joining them;
+- :mod:`.body`: running a branch's body, with the checks every launch makes;
+- :mod:`.calllog`: the call's SyncLog entries and the ids (slots) they name values by;
 - :mod:`.plan`: the :class:`~streamsched.planning.plan.Plan` a call reports (:class:`EagerSchedule`);
+- :mod:`.policy`: how a call runs its branches (inline, lanes or streams);
+- :mod:`.context`: :class:`DispatchContext`;
+- :mod:`.writes`: the forward's in-place writes that could race a running branch;
+- :mod:`.pending`: :class:`PendingValue` and :func:`resolve`;
+- :mod:`.launch`: the book-keeping of one launched branch;
+- :mod:`.values`: the walkers over call arguments, and which memory a tensor is;
+- :mod:`.streams`: the stream backends (:mod:`streamsched.runtime.backends`) branches go to;
+- :mod:`.lanes`: the pool of CPU worker lanes;
 - :mod:`.errors`: :class:`EagerDispatchError`.
 
 Example::
@@ -74,11 +86,20 @@ Example::
     'eager-dispatch'
 """
 
-from .dispatch import run_eager_dispatch
+from ...planning.choice import LaneHistory as _AutoHistory  # noqa: F401 - the name tests drive the "auto" rule by
+from .context import DispatchContext
+from .dispatch import DispatchResult, run_eager_dispatch
 from .errors import EagerDispatchError
 from .launch import _Launch as _Launch  # re-exported: tests build launches by hand
 from .pending import PendingValue, resolve
 from .plan import EagerSchedule
-from .policy import _AutoHistory as _AutoHistory  # re-exported: tests drive the "auto" policy directly
 
-__all__ = ["run_eager_dispatch", "resolve", "PendingValue", "EagerSchedule", "EagerDispatchError"]
+__all__ = [
+    "run_eager_dispatch",
+    "DispatchContext",
+    "DispatchResult",
+    "resolve",
+    "PendingValue",
+    "EagerSchedule",
+    "EagerDispatchError",
+]

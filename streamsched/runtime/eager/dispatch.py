@@ -4,49 +4,65 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
 from ...branch import _eager_launcher
+from ...frontend.trace import CallSpec
 from ..synclog import SyncLog
 from .call import _EagerCall
-from .plan import EagerSchedule, _CallRecord
+from .context import DispatchContext
+from .plan import EagerSchedule
 from .policy import _choose_mode
 from .writes import _WriteGuard
 
 
-def run_eager_dispatch(sm: Any, spec: Any, tensors: list[torch.Tensor], reason: BaseException) -> Any:
-    """Run one call of ``sm`` (a ``StreamScheduledModule``) by eager dispatch.
+class DispatchResult(NamedTuple):
+    """What one eager-dispatch call leaves for the wrapper to record, raised or not."""
+
+    output: Any  # the forward's output, every pending value resolved (None if it raised)
+    schedule: EagerSchedule  # what ``sm.plan`` reports for the call
+    sync_log: Optional[SyncLog]  # the call's SyncLog, with ``sync_log=True``
+    error: Optional[BaseException]  # what the call raises, once the wrapper recorded the rest
+
+    def result(self) -> Any:
+        """The output, or the call's exception raised."""
+        if self.error is not None:
+            raise self.error
+        return self.output
+
+
+def run_eager_dispatch(
+    context: DispatchContext, spec: CallSpec, tensors: list[torch.Tensor], reason: BaseException
+) -> DispatchResult:
+    """Run one call of ``context.model`` by eager dispatch.
 
     ``spec`` and ``tensors`` describe the call's arguments as ``CallBinder.bind`` split
     them; ``reason`` is the ``TraceError`` that ruled tracing out. Runs the model's own
     ``forward`` in the calling thread with every ``@streamsched.branch`` call launched
-    (see the module docstring), and returns its output with every pending value resolved.
-    Every launched branch has finished (CPU) or been joined into the caller's stream
-    (CUDA) when this returns or raises; ``sm.plan`` then describes the call.
+    (see the package docstring), and returns its output with every pending value
+    resolved, or the exception to raise, with the call's record and SyncLog
+    (:class:`DispatchResult`). Every launched branch has finished (CPU) or been joined
+    into the caller's stream (CUDA) when this returns.
     """
-    st = sm._ss
     leaves: list[Any] = [None] * spec.treedef.num_leaves
     for pos, value in spec.static_leaves:
         leaves[pos] = value
     for pos, value in zip(spec.tensor_positions, tensors):
         leaves[pos] = value
-    args, kwargs = st.binder.rebuild(leaves, spec)
+    args, kwargs = context.binder.rebuild(leaves, spec)
 
     device = next((t.device for t in tensors), torch.device("cpu"))
-    mode = _choose_mode(sm, spec, device)
-    log: Optional[SyncLog] = None
-    if sm.config.sync_log:
-        log = SyncLog()
-        st.last_sync_log = log
-    call = _EagerCall(sm, tensors, device, log, mode)
+    mode = _choose_mode(context, spec.key, device)
+    log = SyncLog() if context.config.sync_log else None
+    call = _EagerCall(context, tensors, device, log, mode)
     if log is not None:
         log.input_slots = call.input_slots
     # Nothing runs beside the forward when every branch runs inline: no writes to guard.
-    guard = contextlib.nullcontext() if call.all_inline else _WriteGuard(call)
+    guard = contextlib.nullcontext() if call.all_inline else _WriteGuard(call.launches, call.before_write)
 
-    model = sm.module
+    model = context.model
     output: Any = None
     error: Optional[BaseException] = None
     start = time.perf_counter_ns()
@@ -54,24 +70,24 @@ def run_eager_dispatch(sm: Any, spec: Any, tensors: list[torch.Tensor], reason: 
     try:
         with guard:
             output = call.finish(type(model).forward(model, *args, **kwargs))
-    except BaseException as exc:  # noqa: BLE001 - re-raised below, after the join
+    except BaseException as exc:  # noqa: BLE001 - handed to the wrapper, after the join
         error = exc
     finally:
         _eager_launcher.reset(token)
         failure = call.join()
         call.open = False
         if mode.history is not None and error is None and failure is None:
+            # The measuring; the rule that turns it into a choice is mode.history's.
             mode.history.record(mode.cpu, (time.perf_counter_ns() - start) / 1e3, call.launches)
-        st.last = EagerSchedule(_CallRecord.of(call, tensors, reason, device))
+        schedule = EagerSchedule(call.record(tensors, reason, device))
+    # Eager execution would have stopped at the earliest failing branch, before anything
+    # the forward did after it: that is the exception to raise (unless the caller was
+    # interrupted).
+    if failure is not None and (error is None or isinstance(error, Exception)):
+        error = failure
     try:
-        # Eager execution would have stopped at the earliest failing branch, before
-        # anything the forward did after it: that is the exception to raise (unless the
-        # caller was interrupted).
-        if failure is not None and (error is None or isinstance(error, Exception)):
-            raise failure
-        if error is not None:
-            raise error
-        call.log_output(output)
-        return output
+        if error is None:
+            call.log_output(output)
     finally:
         call.close()
+    return DispatchResult(None if error is not None else output, schedule, log, error)

@@ -1,29 +1,37 @@
 """One launched branch: where it ran, what it read and wrote, its outcome, and what an
-observer sees of it."""
+observer sees of it.
+
+A launch belongs to the call that made it (``launch.call``), which gives its result to
+whoever uses it (:class:`_Consumer`): the lower modules (:mod:`.pending`) know a call
+only by that one method.
+"""
 
 from __future__ import annotations
 
 import concurrent.futures
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, Protocol
 
-from .pending import _tensors
-from .writes import _storage_key
+from .values import _storage_key, _tensors
 
-if TYPE_CHECKING:
-    from .call import _EagerCall
+
+class _Consumer(Protocol):
+    """What a launch needs of its call: the result for the current thread and stream,
+    after the waits it needs (see ``_EagerCall.consume``)."""
+
+    def consume(self, launch: _Launch) -> Any: ...
 
 
 class _Launch:
     """Book-keeping of one branch call: where it ran, what it read and wrote, its outcome."""
 
-    def __init__(self, call: _EagerCall, task_id: int, name: str, kind: str):
+    def __init__(self, call: Optional[_Consumer], task_id: int, name: str, kind: str):
         self.call = call
         self.id = task_id
         self.name = name
         self.kind = kind  # "lane", "stream" or "inline"
         self.stream = 0
-        self.backend: Any = None
+        self.backend: Any = None  # a StreamBackend, for stream launches
         self.future: Optional[concurrent.futures.Future] = None
         self.value: Any = None  # the result, for stream launches
         self.event: Any = None
@@ -37,6 +45,10 @@ class _Launch:
         self.consumers: set = set()  # stream keys (or lanes) that already waited for this branch
         self.cross_waits = 0
         self.cost_us = 0.0
+
+    def result(self) -> Any:
+        """The result for the current thread and stream, after the waits it needs."""
+        return self.call.consume(self)
 
     def peek(self) -> tuple[bool, Any]:
         """The raw result, for questions that need no synchronisation (its length, its
@@ -52,7 +64,7 @@ class _Launch:
         if self.kind == "lane":
             return self.future.done()
         if self.kind == "stream":
-            return self.backend.key(self.backend.current()) in self.consumers
+            return self.backend.key(self.backend.current_stream()) in self.consumers
         return True
 
     def reads_storage(self, keys: set) -> bool:

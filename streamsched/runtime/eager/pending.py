@@ -1,63 +1,20 @@
 """Pending values: what a launched branch call returns, standing for the branch's result.
 
 :class:`PendingValue` is used like the result itself and waits for the branch the first
-time it is used; :func:`resolve` replaces every pending value inside a structure by its
-result. The walkers over call arguments (which never wait) live here too, as they are
-the one place that tells a pending value from any other value.
+time it is used (through its launch, :meth:`~.launch._Launch.result`); :func:`resolve`
+replaces every pending value inside a structure by its result.
 """
 
 from __future__ import annotations
 
-import collections
 import copy
 import operator
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-if TYPE_CHECKING:
-    from .launch import _Launch
-
-
-# --- walking call arguments ---------------------------------------------------------------
-#
-# Any attribute probe of a pending value waits for its branch; these walkers look at exact
-# types only, so walking a structure never waits.
-
-
-def _map(value: Any, leaf: Callable[[Any], Any]) -> Any:
-    kind = type(value)
-    if kind is PendingValue:
-        return leaf(value)
-    if kind is list:
-        return [_map(v, leaf) for v in value]
-    if kind is tuple:
-        return tuple(_map(v, leaf) for v in value)
-    if kind is dict:
-        return {k: _map(v, leaf) for k, v in value.items()}
-    if issubclass(kind, tuple) and hasattr(kind, "_fields"):
-        return kind(*(_map(v, leaf) for v in value))
-    if kind is collections.OrderedDict:
-        return kind((k, _map(v, leaf)) for k, v in value.items())
-    return leaf(value)
-
-
-def _leaves(value: Any, out: Optional[list] = None) -> list[Any]:
-    if out is None:
-        out = []
-    kind = type(value)
-    if kind is list or kind is tuple:
-        for v in value:
-            _leaves(v, out)
-    elif kind is dict or kind is collections.OrderedDict:
-        for v in value.values():
-            _leaves(v, out)
-    elif kind is not PendingValue and issubclass(kind, tuple) and hasattr(kind, "_fields"):
-        for v in value:
-            _leaves(v, out)
-    else:
-        out.append(value)
-    return out
+from .launch import _Launch
+from .values import _map
 
 
 def _resolve_leaf(value: Any) -> Any:
@@ -68,10 +25,6 @@ def resolve(value: Any) -> Any:
     """``value`` with every pending value in it (also inside lists, tuples, dicts) replaced
     by the branch result it stands for, waiting for the branches as needed."""
     return _map(value, _resolve_leaf)
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    return [v for v in _leaves(value) if isinstance(v, torch.Tensor)]
 
 
 # --- the pending value ---------------------------------------------------------------------
@@ -121,7 +74,7 @@ class PendingValue:
     def _ss_resolve(self) -> Any:
         launch = self._ss_launch
         if launch is not None:
-            return launch.call.consume(launch)
+            return launch.result()
         value = self._ss_parent._ss_resolve()  # the parent's waits, for this stream
         cached = self._ss_cached
         if cached is _UNSET:
@@ -231,6 +184,8 @@ class PendingValue:
         return dir(self._ss_resolve())
 
     def __array__(self, *args: Any, **kwargs: Any) -> Any:
+        # numpy is optional (neither torch nor streamsched requires it), and only numpy calls
+        # __array__: it is imported by then.
         import numpy
 
         return numpy.asarray(self._ss_resolve(), *args, **kwargs)

@@ -4,16 +4,14 @@
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Iterable, NamedTuple
 
 import torch
 
 from ...planning.plan import Plan, PlannedTask
 from ...planning.planner import signature_text
+from .launch import _Launch
 from .policy import _Mode
-
-if TYPE_CHECKING:
-    from .call import _EagerCall
 
 
 class _TaskRecord(NamedTuple):
@@ -43,7 +41,14 @@ class _CallRecord(NamedTuple):
 
     @classmethod
     def of(
-        cls, call: _EagerCall, tensors: list[torch.Tensor], reason: BaseException, device: torch.device
+        cls,
+        model: torch.nn.Module,
+        launches: list[_Launch],
+        mode: _Mode,
+        notes: Iterable[str],
+        tensors: list[torch.Tensor],
+        reason: BaseException,
+        device: torch.device,
     ) -> _CallRecord:
         first_line = (str(reason).strip().splitlines() or [type(reason).__name__])[0]
         tasks = tuple(
@@ -58,17 +63,9 @@ class _CallRecord(NamedTuple):
                 launch.cross_waits,
                 launch.kind == "stream" and launch.backend.is_cuda,
             )
-            for launch in call.launches
+            for launch in launches
         )
-        return cls(
-            type(call.model).__name__,
-            signature_text(tensors),
-            str(device),
-            first_line,
-            call.mode,
-            tuple(call.notes),
-            tasks,
-        )
+        return cls(type(model).__name__, signature_text(tensors), str(device), first_line, mode, tuple(notes), tasks)
 
 
 class EagerSchedule:

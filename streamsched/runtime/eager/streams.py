@@ -1,135 +1,43 @@
-"""Stream backends for branches launched onto streams: CUDA streams, and their simulation on CPU.
+"""The stream backends branches are launched onto (:mod:`streamsched.runtime.backends`).
 
-Both backends take the same decisions (fork, record, wait, ``record_stream``, join); the
-simulated one runs each branch at once in the calling thread, so that the CUDA logic is
-exercised and logged on CPU.
+One :class:`~streamsched.runtime.backends.CudaBackend` per CUDA device, shared by every
+eager-dispatch call of the process (so ``shared=True``: calls in several threads may
+fork from it at once), and one :class:`~streamsched.runtime.backends.SimulatedBackend`
+for ``executor="streams"`` on CPU, whose thread without a current stream is the CPU lane
+it runs (the caller: lane 0).
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
-from ..chaos import Chaos
+from ..backends import CudaBackend, SimulatedBackend, StreamBackend
 from .lanes import _LANES
 
-
-class _CudaStreams:
-    """A pool of CUDA streams on one device, shared by every eager-dispatch call."""
-
-    is_cuda = True
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self._pool: list[torch.cuda.Stream] = []
-        self._lane_of: dict[int, int] = {}
-
-    def stream(self, lane: int) -> torch.cuda.Stream:
-        while len(self._pool) < lane:
-            s = torch.cuda.Stream(device=self.device)
-            self._pool.append(s)
-            self._lane_of[s.cuda_stream] = len(self._pool)
-        return self._pool[lane - 1]
-
-    def current(self) -> torch.cuda.Stream:
-        return torch.cuda.current_stream(self.device)
-
-    def key(self, stream: torch.cuda.Stream) -> int:
-        return stream.cuda_stream
-
-    def lane_of(self, stream: torch.cuda.Stream) -> int:
-        # The caller's stream, or any stream the user made current, is stream 0 of the log.
-        return self._lane_of.get(stream.cuda_stream, 0)
-
-    def fork(self, side: torch.cuda.Stream, caller: torch.cuda.Stream) -> None:
-        side.wait_stream(caller)
-
-    def use(self, stream: torch.cuda.Stream) -> Any:
-        return torch.cuda.stream(stream)
-
-    def record(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
-        event = torch.cuda.Event()
-        event.record(stream)
-        return event
-
-    def wait(self, stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
-        stream.wait_event(event)
-
-    def record_stream(self, tensor: torch.Tensor, stream: torch.cuda.Stream) -> None:
-        # Memory on other devices is not allocated through this device's streams.
-        if tensor.is_cuda and tensor.device == self.device:
-            tensor.record_stream(stream)
-
-    def join(self, caller: torch.cuda.Stream, side: torch.cuda.Stream) -> None:
-        caller.wait_stream(side)
-
-    def chaos(self, chaos: Chaos, lane: int) -> None:
-        chaos.gpu_delay(lane)
-
-
-class _SimulatedStreams:
-    """Streams as lane numbers: work runs at once in the calling thread while every
-    decision is still taken and logged, so the CUDA logic is exercised on CPU."""
-
-    is_cuda = False
-
-    def __init__(self) -> None:
-        self._local = threading.local()
-
-    def stream(self, lane: int) -> int:
-        return lane
-
-    def current(self) -> int:
-        current = getattr(self._local, "stream", None)
-        return _LANES.current_lane() if current is None else current
-
-    def key(self, stream: int) -> int:
-        return stream
-
-    def lane_of(self, stream: int) -> int:
-        return stream
-
-    def fork(self, side: int, caller: int) -> None:
-        pass
-
-    @contextlib.contextmanager
-    def use(self, stream: int) -> Iterator[None]:
-        previous = getattr(self._local, "stream", None)
-        self._local.stream = stream
-        try:
-            yield
-        finally:
-            self._local.stream = previous
-
-    def record(self, stream: int) -> None:
-        return None
-
-    def wait(self, stream: int, event: Any) -> None:
-        pass
-
-    def record_stream(self, tensor: torch.Tensor, stream: int) -> None:
-        pass
-
-    def join(self, caller: int, side: int) -> None:
-        pass
-
-    def chaos(self, chaos: Chaos, lane: int) -> None:
-        chaos.delay(lane)
-
-
-_SIMULATED = _SimulatedStreams()
-_CUDA_STREAMS: dict[torch.device, _CudaStreams] = {}
+_SIMULATED = SimulatedBackend(default_stream=_LANES.current_lane)
+_CUDA_STREAMS: dict[torch.device, CudaBackend] = {}
 _CUDA_LOCK = threading.Lock()
 
+# The name the tests patch to drop eager dispatch's waits (one class serves both users).
+_CudaStreams = CudaBackend
 
-def _cuda_streams(device: torch.device) -> _CudaStreams:
+
+def _cuda_streams(device: torch.device) -> CudaBackend:
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     with _CUDA_LOCK:
         backend = _CUDA_STREAMS.get(device)
         if backend is None:
-            backend = _CUDA_STREAMS[device] = _CudaStreams(device)
+            backend = _CUDA_STREAMS[device] = CudaBackend(device, shared=True)
     return backend
+
+
+def _record_stream(backend: StreamBackend, tensor: torch.Tensor, stream: Any) -> None:
+    # Memory on other devices is not allocated through this device's streams. (The
+    # simulation is left out before a tensor property is read: in the forward's thread
+    # each read goes through the write guard.)
+    if backend.is_cuda and tensor.is_cuda and tensor.device == backend.device:
+        backend.record_stream(tensor, stream)

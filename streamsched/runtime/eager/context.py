@@ -1,0 +1,38 @@
+"""What eager dispatch is given of the wrapped model: the :class:`DispatchContext`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..._lru import LRU
+from ...config import SchedulerConfig
+from ...frontend.trace import CallBinder
+
+
+@dataclass(frozen=True)
+class DispatchContext:
+    """Everything one eager-dispatch call reads of the wrapped model, passed explicitly.
+
+    The wrapper keeps one per model (:meth:`for_model`) and hands each call a copy with
+    that call's number and observer (:meth:`for_call`). ``lane_histories`` is the state
+    eager dispatch keeps between calls: per call structure (``CallSpec.key``), the
+    :class:`~streamsched.planning.choice.LaneHistory` that ``executor="auto"`` decides by
+    on CPU, at most ``config.plan_cache_size`` of them.
+    """
+
+    model: torch.nn.Module
+    config: SchedulerConfig
+    binder: CallBinder  # rebuilds forward's arguments from a call's leaves
+    lane_histories: LRU
+    call_number: int = 0  # seeds chaos delays
+    observer: Any = None  # push(task, stream) / pop(task, stream) around every branch, or None
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, config: SchedulerConfig, binder: CallBinder) -> DispatchContext:
+        return cls(model, config, binder, LRU(config.plan_cache_size))
+
+    def for_call(self, call_number: int, observer: Any) -> DispatchContext:
+        return DispatchContext(self.model, self.config, self.binder, self.lane_histories, call_number, observer)
