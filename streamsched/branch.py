@@ -32,6 +32,7 @@ import functools
 from typing import Any, Callable, Optional, TypeVar
 
 import torch
+import torch.utils._pytree as pytree
 from torch import fx
 
 __all__ = ["branch", "is_branch_module", "BranchCall"]
@@ -79,19 +80,7 @@ class BranchCall:
 
 
 def _find_proxy(obj: Any) -> Optional[fx.Proxy]:
-    if isinstance(obj, fx.Proxy):
-        return obj
-    if isinstance(obj, (list, tuple)):
-        for item in obj:
-            found = _find_proxy(item)
-            if found is not None:
-                return found
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            found = _find_proxy(item)
-            if found is not None:
-                return found
-    return None
+    return next((leaf for leaf in pytree.tree_leaves(obj) if isinstance(leaf, fx.Proxy)), None)
 
 
 def _module_path(tracer: fx.Tracer, module: torch.nn.Module) -> str:

@@ -352,7 +352,9 @@ class StreamScheduledModule(nn.Module):
     @contextlib.contextmanager
     def observing(self, observer: Any) -> Iterator[Any]:
         """Call ``observer.push(task, stream)`` and ``observer.pop(task, stream)`` around
-        every task of the calls made inside the block (on the task's lane or stream).
+        every task of the calls made inside the block (on the task's lane or stream), and,
+        if the observer has one, ``observer.ran(schedule)`` after each call with what it
+        ran (``schedule.plan``; for a traced model also ``.program`` and ``.task_graph``).
 
         Timelines and profiles use this; the first call with a new input signature runs
         unscheduled (it records shapes), so warm up before observing.
@@ -393,44 +395,57 @@ class StreamScheduledModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         st = self._ss
         with st.lock:
-            if st.generation != _generation.current():
-                self._revalidate()
-            try:
-                leaves, spec = st.bind(args, kwargs)
-            except TypeError as exc:
-                raise TypeError(f"{type(self.module).__name__}.forward(): {exc}") from None
-            tensors = [leaves[i] for i in spec.tensor_positions]
-            key = (
-                spec.key,
-                tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in tensors),
-                st.mode_id,
-                torch.is_grad_enabled(),
-                _autocast_key(),
-            )
-            hot = st.hot
-            if hot is not None and hot[0] == key:
-                # The same signature as the previous call: no LRU bookkeeping.
-                schedule = hot[1]
-            else:
-                schedule = st.plans.get_fresh(key)
-            if schedule is not None and schedule.alias_pattern is not None:
-                # The plan orders in-place effects for the way its inputs alias each
-                # other on the call that made it; other aliasing needs another plan.
-                if _alias_pattern(tensors) != schedule.alias_pattern:
-                    schedule = None
-            st.calls += 1
-            if schedule is None:
-                return self._first_call(key, spec, tensors, args, kwargs)
-            st.last = schedule
-            st.hot = (key, schedule)
             if st.observer is None:
-                if schedule.eager:
-                    # The first calls measured the model's own forward faster: run it as
-                    # written (its own output types: no rebuild).
-                    return self._forward_as_written(args, kwargs)
-                if schedule.trial is not None and not self.config.sync_log and self.config.chaos is None:
-                    return self._run_trial(schedule, schedule.trial, tensors, args, kwargs)
-            return schedule.rebuild(self._run(schedule, tensors))
+                return self._call(args, kwargs)
+            out = self._call(args, kwargs)
+            # Observers that ask are told which schedule the call ran (timelines read its
+            # program and task graph): the wrapper hands it over, nobody reaches in.
+            ran = getattr(st.observer, "ran", None)
+            if ran is not None:
+                ran(st.last)
+            return out
+
+    def _call(self, args: tuple, kwargs: dict) -> Any:
+        """One call, under the lock: bind, find or make the plan, run it."""
+        st = self._ss
+        if st.generation != _generation.current():
+            self._revalidate()
+        try:
+            leaves, spec = st.bind(args, kwargs)
+        except TypeError as exc:
+            raise TypeError(f"{type(self.module).__name__}.forward(): {exc}") from None
+        tensors = [leaves[i] for i in spec.tensor_positions]
+        key = (
+            spec.key,
+            tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in tensors),
+            st.mode_id,
+            torch.is_grad_enabled(),
+            _autocast_key(),
+        )
+        hot = st.hot
+        if hot is not None and hot[0] == key:
+            # The same signature as the previous call: no LRU bookkeeping.
+            schedule = hot[1]
+        else:
+            schedule = st.plans.get_fresh(key)
+        if schedule is not None and schedule.alias_pattern is not None:
+            # The plan orders in-place effects for the way its inputs alias each
+            # other on the call that made it; other aliasing needs another plan.
+            if _alias_pattern(tensors) != schedule.alias_pattern:
+                schedule = None
+        st.calls += 1
+        if schedule is None:
+            return self._first_call(key, spec, tensors, args, kwargs)
+        st.last = schedule
+        st.hot = (key, schedule)
+        if st.observer is None:
+            if schedule.eager:
+                # The first calls measured the model's own forward faster: run it as
+                # written (its own output types: no rebuild).
+                return self._forward_as_written(args, kwargs)
+            if schedule.trial is not None and not self.config.sync_log and self.config.chaos is None:
+                return self._run_trial(schedule, schedule.trial, tensors, args, kwargs)
+        return schedule.rebuild(self._run(schedule, tensors))
 
     # --- internals --------------------------------------------------------------------
 

@@ -20,7 +20,9 @@ import torch
 from torch import nn
 
 import streamsched as ss
-from streamsched.runtime.eager import EagerDispatchError, PendingValue, _AutoHistory, _Launch
+from streamsched.planning.choice import LaneHistory
+from streamsched.runtime.eager import EagerDispatchError, PendingValue
+from streamsched.runtime.eager.launch import _Launch
 from streamsched.testing import check_happens_before
 
 from .helpers import Towers, assert_close, check_against_eager, flatten, grads
@@ -239,7 +241,7 @@ def fake_launches(costs_us):
 
 
 def test_auto_keeps_branches_inline_when_lanes_cannot_save_a_millisecond():
-    history = _AutoHistory()
+    history = LaneHistory()
     for _ in range(3):
         assert history.decide(lanes=2)[0] == "inline"
         history.record("inline", 500.0, fake_launches([200.0, 200.0]))
@@ -247,8 +249,8 @@ def test_auto_keeps_branches_inline_when_lanes_cannot_save_a_millisecond():
     assert mode == "inline" and "would not pay" in why
 
 
-def timed_history(inline_ms, lanes_ms) -> _AutoHistory:
-    history = _AutoHistory()
+def timed_history(inline_ms, lanes_ms) -> LaneHistory:
+    history = LaneHistory()
     for ms in inline_ms:
         assert history.decide(lanes=2)[0] == "inline"
         history.record("inline", ms * 1e3, fake_launches([4000.0, 4000.0]))

@@ -315,9 +315,8 @@ def test_a_missing_wait_inside_a_capture_gives_wrong_replays(emulated_cuda):
 
 import streamsched as ss  # noqa: E402
 from streamsched.prefetch import CudaCopier, Prefetcher  # noqa: E402
-from streamsched.runtime.eager.streams import _CudaStreams  # noqa: E402
+from streamsched.runtime.backends import CudaBackend  # noqa: E402
 from streamsched.runtime.graphs import CaptureError  # noqa: E402
-from streamsched.runtime.streams import CudaBackend  # noqa: E402
 
 from .helpers import Towers, assert_close  # noqa: E402
 
@@ -483,7 +482,7 @@ def test_planted_missing_wait_in_eager_dispatch_is_a_race(emulated_cuda, monkeyp
     x = torch.randn(16, 64, device="cuda").abs()
     with torch.no_grad():
         assert_close(sm(x), model(x), atol=1e-5)
-        monkeypatch.setattr(_CudaStreams, "wait", lambda self, stream, event: None)
+        monkeypatch.setattr(CudaBackend, "wait", lambda self, stream, event: None)
         with pytest.raises(UnsynchronizedAccess):
             sm(x)
     emulated_cuda.take_reports()

@@ -9,13 +9,13 @@ layer that defines the wrapper.
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 from torch import nn
 
 from ..planning.plan import Plan
 
-__all__ = ["Observable", "ObservedSchedule", "ScheduleState", "is_observable"]
+__all__ = ["Observable", "ObservedSchedule", "is_observable"]
 
 
 class ObservedSchedule(Protocol):
@@ -27,30 +27,18 @@ class ObservedSchedule(Protocol):
     def plan(self) -> Plan: ...
 
 
-class ScheduleState(Protocol):
-    """The wrapper's cached state (``sm._ss``), of which observing reads one field."""
-
-    @property
-    def last(self) -> Optional[ObservedSchedule]:
-        """The schedule of the most recent call (``None`` before the first)."""
-        ...
-
-
 class Observable(Protocol):
     """A module whose calls can be observed task by task.
 
     Calling it runs the model; ``observing(observer)`` is a context manager during which
     the executors call ``observer.push(task, stream)`` and ``observer.pop(task, stream)``
-    around every task; ``_ss.last`` is the schedule the latest call ran (the wrapper has no
-    public name for the schedule itself: ``sm.plan`` is only its report); ``module`` is
-    the wrapped model, whose class names the timeline.
+    around every task, and the module calls ``observer.ran(schedule)`` after each call
+    with the :class:`ObservedSchedule` it ran (``sm.plan`` is only that schedule's
+    report); ``module`` is the wrapped model, whose class names the timeline.
     """
 
     @property
     def module(self) -> nn.Module: ...
-
-    @property
-    def _ss(self) -> ScheduleState: ...
 
     def observing(self, observer: Any) -> AbstractContextManager[Any]: ...
 
@@ -62,9 +50,4 @@ def is_observable(obj: object) -> bool:
     ``observing``). Checked by attribute: ``isinstance`` against a runtime-checkable
     protocol looks attributes up statically from Python 3.12 on, and would miss
     ``module``, which ``nn.Module`` keeps in ``_modules``."""
-    return (
-        callable(obj)
-        and callable(getattr(obj, "observing", None))
-        and hasattr(getattr(obj, "_ss", None), "last")
-        and hasattr(obj, "module")
-    )
+    return callable(obj) and callable(getattr(obj, "observing", None)) and hasattr(obj, "module")

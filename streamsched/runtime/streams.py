@@ -26,7 +26,7 @@ how the same logic is tested without a GPU. Both are importable from here.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.utils._pytree as pytree
@@ -40,7 +40,9 @@ from .synclog import SyncEntry, SyncLog
 __all__ = ["StreamExecutor", "CudaBackend", "SimulatedBackend"]
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
+def _tensors(value: Any) -> Sequence[torch.Tensor]:
+    if isinstance(value, torch.Tensor):  # nearly every slot: no tree walk
+        return (value,)
     return [v for v in pytree.tree_leaves(value) if isinstance(v, torch.Tensor)]
 
 

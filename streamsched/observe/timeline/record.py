@@ -22,15 +22,31 @@ __all__ = ["ObservedCall", "record_runs"]
 
 @dataclass
 class ObservedCall:
-    """One observed call: the schedule it ran (``sm._ss.last``: ``.plan``, and for traced
-    models ``.program`` and ``.task_graph``) and what was measured."""
+    """One observed call: the schedule it ran (``.plan``, and for traced models
+    ``.program`` and ``.task_graph``; handed over by the module's ``observer.ran``) and
+    what was measured."""
 
     schedule: Any
     wall_us: float
     spans: list[TaskSpan]
 
 
-class _ClockRecorder:
+class _LastSchedule:
+    """An observer that only keeps the schedule each call ran."""
+
+    schedule: Any = None
+
+    def push(self, task: Any, stream: int) -> None:
+        pass
+
+    def pop(self, task: Any, stream: int) -> None:
+        pass
+
+    def ran(self, schedule: Any) -> None:
+        self.schedule = schedule
+
+
+class _ClockRecorder(_LastSchedule):
     """Task start/end on the host clock: right for CPU work, which is done when the task
     returns. Thread-safe: lanes write disjoint keys and ``list.append`` is atomic."""
 
@@ -60,7 +76,7 @@ class _ClockRecorder:
         return (self._finish - origin) / 1e3, spans
 
 
-class _CudaEventRecorder:
+class _CudaEventRecorder(_LastSchedule):
     """Task start/end as CUDA events on the stream each task was issued to.
 
     The host returns long before the GPU is done, so host clocks would time the issue,
@@ -142,9 +158,11 @@ def record_runs(sm: Observable, *inputs: Any, runs: int = 3, warmup: int = 2, **
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
         raise ValueError(f"warmup must be an int >= 1 (the first call plans, it runs no schedule), got {warmup!r}")
     name = type(sm.module).__name__
-    for _ in range(warmup):
-        sm(*inputs, **kwargs)
-    planned = sm._ss.last
+    warm = _LastSchedule()
+    with sm.observing(warm):
+        for _ in range(warmup):
+            sm(*inputs, **kwargs)
+    planned = warm.schedule
     if planned is None:
         raise RuntimeError(f"{name}: no schedule after {warmup} warm-up call(s); nothing to observe")
     # A traced plan is fixed per input signature; eager dispatch plans each call anew.
@@ -160,7 +178,7 @@ def record_runs(sm: Observable, *inputs: Any, runs: int = 3, warmup: int = 2, **
             recorder.begin()
             sm(*inputs, **kwargs)
             recorder.end()
-        schedule = sm._ss.last
+        schedule = recorder.schedule
         if program is not None and schedule is not planned:
             raise RuntimeError(
                 f"{name}: the plan changed between calls (the module was re-planned); "

@@ -86,11 +86,9 @@ Example::
     'eager-dispatch'
 """
 
-from ...planning.choice import LaneHistory as _AutoHistory  # noqa: F401 - the name tests drive the "auto" rule by
 from .context import DispatchContext
 from .dispatch import DispatchResult, run_eager_dispatch
 from .errors import EagerDispatchError
-from .launch import _Launch as _Launch  # re-exported: tests build launches by hand
 from .pending import PendingValue, resolve
 from .plan import EagerSchedule
 

@@ -21,9 +21,6 @@ _SIMULATED = SimulatedBackend(default_stream=_LANES.current_lane)
 _CUDA_STREAMS: dict[torch.device, CudaBackend] = {}
 _CUDA_LOCK = threading.Lock()
 
-# The name the tests patch to drop eager dispatch's waits (one class serves both users).
-_CudaStreams = CudaBackend
-
 
 def _cuda_streams(device: torch.device) -> CudaBackend:
     if device.index is None:
