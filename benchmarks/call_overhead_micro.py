@@ -74,7 +74,7 @@ def main() -> None:
             case = rmb.BY_NAME[name]
             torch.manual_seed(0)
             model = case.build().eval()
-            args, kwargs = case.inputs(torch.Generator().manual_seed(1))
+            args, kwargs = case.inputs(1)
             sm = ss.StreamScheduledModule(model, executor="serial")
             for _ in range(3):
                 sm(*args, **kwargs)

@@ -42,6 +42,7 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -59,8 +60,17 @@ import streamsched as ss  # noqa: E402
 from benchmarks.suite.correctness import compare, tolerance  # noqa: E402
 from benchmarks.suite.report import environment  # noqa: E402
 from benchmarks.suite.timing import Clock, Stats, measure_interleaved  # noqa: E402
-
-Inputs = tuple[tuple, dict]
+from benchmarks.zoo.real import (  # noqa: E402
+    Inputs,
+    MLPEnsemble,
+    ResNetEnsemble,
+    hf_model,
+    images,
+    timm_model,
+    tokens,
+    torchvision_model,
+    vectors,
+)
 
 
 @dataclass(frozen=True)
@@ -68,77 +78,9 @@ class Case:
     name: str
     library: str
     build: Callable[[], nn.Module]
-    inputs: Callable[[torch.Generator], Inputs]
+    inputs: Callable[[int], Inputs]
+    """Fresh inputs ``(args, kwargs)`` from a seed."""
     note: str
-
-
-def _images(batch: int, side: int) -> Callable[[torch.Generator], Inputs]:
-    return lambda g: ((torch.randn(batch, 3, side, side, generator=g),), {})
-
-
-def _tokens(batch: int, length: int, vocab: int, **extra: Any) -> Callable[[torch.Generator], Inputs]:
-    def make(g: torch.Generator) -> Inputs:
-        ids = torch.randint(0, vocab, (batch, length), generator=g)
-        kwargs: dict[str, Any] = {"input_ids": ids, "attention_mask": torch.ones_like(ids), **extra}
-        return (), kwargs
-
-    return make
-
-
-def _torchvision(name: str, **kwargs: Any) -> Callable[[], nn.Module]:
-    def build() -> nn.Module:
-        import torchvision
-
-        return getattr(torchvision.models, name)(weights=None, **kwargs)
-
-    return build
-
-
-def _timm(name: str, **kwargs: Any) -> Callable[[], nn.Module]:
-    def build() -> nn.Module:
-        import timm
-
-        return timm.create_model(name, pretrained=False, **kwargs)
-
-    return build
-
-
-class ResNetEnsemble(nn.Module):
-    """Three torchvision resnet18s reading one image, logits stacked: independent work."""
-
-    def __init__(self, n: int = 3):
-        super().__init__()
-        import torchvision
-
-        self.members = nn.ModuleList(torchvision.models.resnet18(weights=None, num_classes=10) for _ in range(n))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.stack([m(x) for m in self.members])
-
-
-class MLPEnsemble(nn.Module):
-    """Sixteen MLP critics on one observation (an RL ensemble): independent, identical work."""
-
-    def __init__(self, n: int = 16, d_in: int = 64, hidden: int = 256, d_out: int = 1):
-        super().__init__()
-        self.members = nn.ModuleList(
-            nn.Sequential(
-                nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, d_out)
-            )
-            for _ in range(n)
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.stack([m(x) for m in self.members])
-
-
-def _hf(config_name: str, model_name: str, **config: Any) -> Callable[[], nn.Module]:
-    def build() -> nn.Module:
-        import transformers
-
-        return getattr(transformers, model_name)(getattr(transformers, config_name)(**config))
-
-    return build
 
 
 _VOCAB = 1000
@@ -156,36 +98,42 @@ _DECODER = dict(
 )
 
 CASES = [
-    Case("resnext50_32x4d", "torchvision", _torchvision("resnext50_32x4d"), _images(1, 128), "1x3x128x128"),
-    Case("densenet121", "torchvision", _torchvision("densenet121"), _images(1, 128), "1x3x128x128"),
+    Case("resnext50_32x4d", "torchvision", torchvision_model("resnext50_32x4d"), images(1, 128), "1x3x128x128"),
+    Case("densenet121", "torchvision", torchvision_model("densenet121"), images(1, 128), "1x3x128x128"),
     Case(
         "googlenet",
         "torchvision",
-        _torchvision("googlenet", aux_logits=False, init_weights=False),
-        _images(1, 128),
+        torchvision_model("googlenet", aux_logits=False, init_weights=False),
+        images(1, 128),
         "1x3x128x128; inception towers",
     ),
-    Case("resnet18_x3", "torchvision", ResNetEnsemble, _images(2, 64), "3 resnet18s, 2x3x64x64"),
-    Case("vit_tiny_patch16_224", "timm", _timm("vit_tiny_patch16_224"), _images(1, 224), "1x3x224x224"),
+    Case(
+        "resnet18_x3",
+        "torchvision",
+        partial(ResNetEnsemble, 3, num_classes=10, source="torchvision"),
+        images(2, 64),
+        "3 resnet18s, 2x3x64x64",
+    ),
+    Case("vit_tiny_patch16_224", "timm", timm_model("vit_tiny_patch16_224"), images(1, 224), "1x3x224x224"),
     Case(
         "swin_tiny_patch4_window7_224",
         "timm",
-        _timm("swin_tiny_patch4_window7_224"),
-        _images(1, 224),
+        timm_model("swin_tiny_patch4_window7_224"),
+        images(1, 224),
         "1x3x224x224",
     ),
-    Case("inception_v3", "timm", _timm("inception_v3"), _images(1, 149), "1x3x149x149; inception towers"),
+    Case("inception_v3", "timm", timm_model("inception_v3"), images(1, 149), "1x3x149x149; inception towers"),
     Case(
         "mlp_x16",
         "torch",
-        MLPEnsemble,
-        lambda g: ((torch.randn(32, 64, generator=g),), {}),
+        partial(MLPEnsemble, 16, d_in=64, hidden=256, d_out=1, activation=nn.ReLU, mean=False),
+        vectors(32, 64),
         "16 MLPs 64-256-256-1, batch 32",
     ),
     Case(
         "bert",
         "transformers",
-        _hf(
+        hf_model(
             "BertConfig",
             "BertModel",
             vocab_size=_VOCAB,
@@ -196,20 +144,20 @@ CASES = [
             hidden_dropout_prob=0.0,
             attention_probs_dropout_prob=0.0,
         ),
-        _tokens(2, 64, _VOCAB),
+        tokens(2, 64, _VOCAB, padded=False),
         "BertModel, 4 layers, hidden 128; ids 2x64",
     ),
     Case(
         "mixtral",
         "transformers",
-        _hf("MixtralConfig", "MixtralForCausalLM", num_local_experts=4, num_experts_per_tok=2, **_DECODER),
-        _tokens(2, 32, _VOCAB, use_cache=False),
+        hf_model("MixtralConfig", "MixtralForCausalLM", num_local_experts=4, num_experts_per_tok=2, **_DECODER),
+        tokens(2, 32, _VOCAB, padded=False, use_cache=False),
         "MixtralForCausalLM, 4 layers, hidden 128, 4 experts top-2; ids 2x32",
     ),
     Case(
         "qwen2_moe",
         "transformers",
-        _hf(
+        hf_model(
             "Qwen2MoeConfig",
             "Qwen2MoeForCausalLM",
             num_experts=4,
@@ -218,14 +166,14 @@ CASES = [
             shared_expert_intermediate_size=128,
             **_DECODER,
         ),
-        _tokens(2, 32, _VOCAB, use_cache=False),
+        tokens(2, 32, _VOCAB, padded=False, use_cache=False),
         "Qwen2MoeForCausalLM, 4 layers, hidden 128, 4 experts top-2 + shared; ids 2x32",
     ),
     Case(
         "gpt2",
         "transformers",
-        _hf("GPT2Config", "GPT2LMHeadModel", vocab_size=_VOCAB, n_embd=128, n_layer=4, n_head=4, n_positions=128),
-        _tokens(2, 32, _VOCAB, use_cache=False),
+        hf_model("GPT2Config", "GPT2LMHeadModel", vocab_size=_VOCAB, n_embd=128, n_layer=4, n_head=4, n_positions=128),
+        tokens(2, 32, _VOCAB, padded=False, use_cache=False),
         "GPT2LMHeadModel, 4 layers, n_embd 128; ids 2x32",
     ),
 ]
@@ -259,9 +207,8 @@ def _plan_info(sm: ss.StreamScheduledModule, first_s: float, trial_calls: int) -
 
 def run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(0)
-    g = torch.Generator().manual_seed(1)
     model = case.build().eval()
-    call_args, call_kwargs = case.inputs(g)
+    call_args, call_kwargs = case.inputs(1)
     row: dict[str, Any] = {"name": case.name, "library": case.library, "input": case.note, "variants": {}}
     with torch.no_grad():
         reference = model(*call_args, **call_kwargs)

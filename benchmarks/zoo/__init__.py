@@ -9,6 +9,9 @@ Defined here (no torchvision needed) so that every environment runs the same net
 - :class:`MultiTaskHeads`: a shared trunk and heads of different widths.
 - :class:`Inception3`: the Inception-v3 architecture.
 - :class:`NASNetCells` and :class:`RandWire`: cell-based and random-DAG networks.
+
+:mod:`benchmarks.zoo.real` (not imported here) builds real torchvision, timm and Hugging
+Face models with random weights, for the real-model tests and benchmark.
 """
 
 from .ensemble import CriticEnsemble, MultiTaskHeads

@@ -1,6 +1,7 @@
 """The real models of the model suite: timm vision models, ensembles, and Hugging Face
 transformers, each built with random weights from its configuration (nothing is
-downloaded), with the small inputs it is run on.
+downloaded), with the small inputs it is run on. The builders, ensembles and inputs are
+``benchmarks.zoo.real``'s, shared with ``benchmarks/real_models_bench.py``.
 
 Shared by the tests (``tests/models/test_*.py``) and the report (``tests/models/report.py``).
 Every dropout probability is 0 (timm's defaults, and set so in the transformers configs):
@@ -10,18 +11,13 @@ compared otherwise.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-
-Inputs = tuple[tuple, dict]
+from benchmarks.zoo.real import Inputs, MLPEnsemble, ResNetEnsemble, hf_model, images, timm_model, tokens, vectors
 
 
 @dataclass(frozen=True)
@@ -36,89 +32,11 @@ class ModelSpec:
     marks: tuple = field(default_factory=tuple)
 
 
-def _generator(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def _images(batch: int, size: int) -> Callable[[int], Inputs]:
-    def make(seed: int) -> Inputs:
-        return (torch.randn(batch, 3, size, size, generator=_generator(seed)),), {}
-
-    return make
-
-
-def _tokens(batch: int, length: int, vocab: int, token_types: bool = False, use_cache: bool = True):
-    """Token ids and an attention mask with padding at the end of the second row."""
-
-    def make(seed: int) -> Inputs:
-        g = _generator(seed)
-        ids = torch.randint(0, vocab, (batch, length), generator=g)
-        mask = torch.ones(batch, length, dtype=torch.long)
-        mask[1, length - 3 :] = 0
-        kwargs: dict[str, Any] = {"input_ids": ids, "attention_mask": mask}
-        if token_types:
-            kwargs["token_type_ids"] = torch.randint(0, 2, (batch, length), generator=g)
-        if not use_cache:
-            kwargs["use_cache"] = False
-        return (), kwargs
-
-    return make
-
-
 # --- timm ---------------------------------------------------------------------------------
 
 
-def _timm(name: str, **kwargs: Any) -> Callable[[], nn.Module]:
-    def build() -> nn.Module:
-        import timm
-
-        return timm.create_model(name, pretrained=False, num_classes=10, **kwargs)
-
-    return build
-
-
 def _timm_spec(name: str, size: int = 64, batch: int = 2, note: str = "", marks: tuple = (), **kwargs: Any):
-    return ModelSpec(name, "timm", _timm(name, **kwargs), _images(batch, size), note, marks)
-
-
-# --- ensembles ----------------------------------------------------------------------------
-
-
-class ResNetEnsemble(nn.Module):
-    """Three timm resnet18s reading one image; their logits stacked ``[3, B, classes]``."""
-
-    def __init__(self, n: int = 3):
-        super().__init__()
-        import timm
-
-        self.members = nn.ModuleList(timm.create_model("resnet18", pretrained=False, num_classes=10) for _ in range(n))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.stack([m(x) for m in self.members])
-
-
-class MLPEnsemble(nn.Module):
-    """A homogeneous ensemble of small MLPs (the critics of an RL agent), averaged."""
-
-    def __init__(self, n: int = 8, d_in: int = 24, hidden: int = 64, d_out: int = 4):
-        super().__init__()
-        self.members = nn.ModuleList(
-            nn.Sequential(
-                nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, d_out)
-            )
-            for _ in range(n)
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        outs = torch.stack([m(x) for m in self.members])
-        return outs.mean(0), outs
-
-
-def _vectors(batch: int, d: int) -> Callable[[int], Inputs]:
-    def make(seed: int) -> Inputs:
-        return (torch.randn(batch, d, generator=_generator(seed)),), {}
-
-    return make
+    return ModelSpec(name, "timm", timm_model(name, num_classes=10, **kwargs), images(batch, size), note, marks)
 
 
 # --- transformers -------------------------------------------------------------------------
@@ -140,18 +58,8 @@ _DECODER = dict(
 )
 
 
-def _hf(config_name: str, model_name: str, **config: Any) -> Callable[[], nn.Module]:
-    def build() -> nn.Module:
-        import transformers
-
-        cfg = getattr(transformers, config_name)(**config)
-        return getattr(transformers, model_name)(cfg)
-
-    return build
-
-
 def _hf_spec(name: str, config_name: str, model_name: str, inputs: Callable[[int], Inputs], note: str = "", **config):
-    return ModelSpec(name, "transformers", _hf(config_name, model_name, **config), inputs, note)
+    return ModelSpec(name, "transformers", hf_model(config_name, model_name, **config), inputs, note)
 
 
 SPECS: list[ModelSpec] = [
@@ -194,14 +102,14 @@ SPECS: list[ModelSpec] = [
         drop_path_rate=0.0,
     ),
     # Ensembles.
-    ModelSpec("resnet18_x3", "ensemble", ResNetEnsemble, _images(2, 64), "nn.ModuleList of 3 timm resnet18s"),
-    ModelSpec("mlp_x8", "ensemble", MLPEnsemble, _vectors(4, 24), "8 MLPs 24-64-64-4, mean and stack"),
+    ModelSpec("resnet18_x3", "ensemble", ResNetEnsemble, images(2, 64), "nn.ModuleList of 3 timm resnet18s"),
+    ModelSpec("mlp_x8", "ensemble", MLPEnsemble, vectors(4, 24), "8 MLPs 24-64-64-4, mean and stack"),
     # Hugging Face transformers (tiny configs, random weights).
     _hf_spec(
         "bert",
         "BertConfig",
         "BertModel",
-        _tokens(2, 16, VOCAB, token_types=True),
+        tokens(2, 16, VOCAB, token_types=True),
         note="2 layers, hidden 32, 4 heads",
         vocab_size=VOCAB,
         hidden_size=32,
@@ -216,7 +124,7 @@ SPECS: list[ModelSpec] = [
         "llama",
         "LlamaConfig",
         "LlamaForCausalLM",
-        _tokens(2, 16, VOCAB, use_cache=False),
+        tokens(2, 16, VOCAB, use_cache=False),
         note="2 layers, hidden 32, 4 heads, 2 kv heads",
         **_DECODER,
     ),
@@ -224,7 +132,7 @@ SPECS: list[ModelSpec] = [
         "mixtral",
         "MixtralConfig",
         "MixtralForCausalLM",
-        _tokens(2, 16, VOCAB, use_cache=False),
+        tokens(2, 16, VOCAB, use_cache=False),
         note="2 layers, 4 experts, top-2",
         num_local_experts=4,
         num_experts_per_tok=2,
@@ -234,7 +142,7 @@ SPECS: list[ModelSpec] = [
         "qwen2_moe",
         "Qwen2MoeConfig",
         "Qwen2MoeForCausalLM",
-        _tokens(2, 16, VOCAB, use_cache=False),
+        tokens(2, 16, VOCAB, use_cache=False),
         note="2 layers, 4 experts, top-2, a shared expert",
         num_experts=4,
         num_experts_per_tok=2,
@@ -246,7 +154,7 @@ SPECS: list[ModelSpec] = [
         "gpt2",
         "GPT2Config",
         "GPT2LMHeadModel",
-        _tokens(2, 16, VOCAB, use_cache=False),
+        tokens(2, 16, VOCAB, use_cache=False),
         note="2 layers, n_embd 32, 4 heads",
         vocab_size=VOCAB,
         n_embd=32,
