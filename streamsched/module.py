@@ -30,6 +30,7 @@ from . import _generation, _native
 from ._lru import LRU
 from .config import SchedulerConfig, make_config
 from .errors import ConfigError, ProfileMismatchError, TraceError, UntraceableWarning
+from .frontend.binder import ShapeCachedBinder
 from .frontend.effects import EffectRecorder, Effects, storage_key
 from .frontend.meta import run_and_record
 from .frontend.nodes import node_label
@@ -52,7 +53,6 @@ __all__ = ["StreamScheduledModule"]
 log = logging.getLogger(__name__)
 
 
-_LEAF_SCALARS = (bool, int, float, str)
 # Eager-dispatch calls in a row that launch no branch before a call structure runs as written.
 _QUIET_CALLS = 3
 
@@ -62,85 +62,6 @@ class _AsWritten:
 
     def __init__(self, plan: Plan):
         self.plan = plan
-
-
-class _Slot:
-    """Stands for one argument in a bind made to learn where each leaf comes from."""
-
-    __slots__ = ("index",)
-
-    def __init__(self, index: int):
-        self.index = index
-
-
-class _Binder:
-    """``CallBinder.bind`` with a fast path for the calls its own does not take: keyword
-    arguments, parameters with defaults (``forward(x, mask=None)``), scalar flags.
-
-    The full bind (``inspect`` and pytree, some 15 us) runs once per call *shape*: how
-    many positional arguments, which keywords in which order, and for each value whether
-    it is a tensor, ``None`` or which scalar; the spec depends on nothing else. A second
-    bind with a placeholder for each argument tells which argument (or default) each leaf
-    is; checked against the full bind's leaves, that is reused by later calls of the shape.
-    Calls with any other kind of value (lists, dicts, objects) take the full bind.
-    """
-
-    _MAX_SHAPES = 64
-
-    def __init__(self, binder: CallBinder):
-        self.binder = binder
-        self.shapes: dict[tuple, Any] = {}
-
-    def bind(self, args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
-        binder = self.binder
-        if not kwargs and binder._simple_arity == len(args):
-            return binder.bind(args, kwargs)  # positional tensors only: its own fast path
-        values = args + tuple(kwargs.values()) if kwargs else args
-        tags: list[Any] = []
-        for v in values:
-            if isinstance(v, torch.Tensor):
-                tags.append(0)
-            elif v is None:
-                tags.append(1)
-            elif type(v) in _LEAF_SCALARS:
-                tags.append((type(v), v))
-            else:
-                return binder.bind(args, kwargs)
-        shape = (len(args), tuple(kwargs), tuple(tags))
-        entry = self.shapes.get(shape)
-        if entry is None:
-            leaves, spec = binder.bind(args, kwargs)
-            if len(self.shapes) < self._MAX_SHAPES:
-                self.shapes[shape] = self._learn(args, kwargs, values, leaves, spec)
-            return leaves, spec
-        if entry is False:
-            return binder.bind(args, kwargs)
-        spec, picks, consts = entry
-        pool = values + consts if consts else values
-        return [pool[i] for i in picks], spec
-
-    def _learn(self, args: tuple, kwargs: dict, values: tuple, leaves: list[Any], spec: Any) -> Any:
-        """``(spec, picks, consts)`` for this call shape (leaf ``k`` is ``(values + consts)[picks[k]]``),
-        or False where that would not give exactly the full bind's leaves."""
-        n = len(args)
-        slot_args = tuple(None if v is None else _Slot(i) for i, v in enumerate(args))
-        slot_kwargs = {k: (None if v is None else _Slot(n + j)) for j, (k, v) in enumerate(kwargs.items())}
-        try:
-            slot_leaves, _ = self.binder.bind(slot_args, slot_kwargs)
-        except Exception:  # noqa: BLE001 - no shortcut then
-            return False
-        picks: list[int] = []
-        consts: list[Any] = []
-        for leaf in slot_leaves:
-            if type(leaf) is _Slot:
-                picks.append(leaf.index)
-            else:  # a default the bind filled in: the same object on every call
-                picks.append(len(values) + len(consts))
-                consts.append(leaf)
-        pool = values + tuple(consts)
-        if len(picks) != len(leaves) or any(pool[i] is not leaf for i, leaf in zip(picks, leaves)):
-            return False
-        return spec, picks, tuple(consts)
 
 
 class _Compiled:
@@ -179,7 +100,7 @@ class _State:
 
     def __init__(self, model: nn.Module, config: SchedulerConfig):
         self.binder = CallBinder(model)
-        self.bind = _Binder(self.binder).bind
+        self.bind = ShapeCachedBinder(self.binder).bind
         # What eager dispatch reads of the model, and keeps between its calls.
         self.dispatch = eager_dispatch.DispatchContext.for_model(model, config, self.binder)
         self.traces: LRU = LRU(config.plan_cache_size)
