@@ -3,7 +3,7 @@
 A fused group of N identical members (1000 MLPs in an ``nn.ModuleList``) already keeps
 its N weights in one stacked tensor that the batched kernel reads. An optimizer built
 over the members still steps N separate parameters; one built over
-:func:`fused_parameters` steps one :class:`~streamsched.fusion.StackedParameter` per
+:func:`fused_parameters` steps one :class:`~streamsched.passes.fusion.StackedParameter` per
 group, which *is* that stacked storage, so a step over 1000 members is a handful of
 tensor ops::
 
@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from .errors import TraceError
-from .fusion.stacked import StackedLayoutError, StackedParameter, layout_version, stacked_owner
+from .passes.fusion.stacked import StackedLayoutError, StackedParameter, layout_version, stacked_owner
 
 __all__ = [
     "StackedLayoutError",
@@ -72,7 +72,7 @@ def fused_parameters(sm: Any, param_groups: Optional[ParamGroups] = None) -> Uni
     member's place); parameters outside fused groups, and groups that could not alias
     their members' storage (tied weights, ``fuse_params="copy"``), are passed through as
     themselves. From this call on the fused kernels read the stacked parameters, whose
-    ``.grad`` receives the stacked gradient (see :mod:`streamsched.fusion.stacked`).
+    ``.grad`` receives the stacked gradient (see :mod:`streamsched.passes.fusion.stacked`).
     Calling it again returns the same objects.
 
     With ``param_groups`` (what you would give the optimizer: an iterable of parameters

@@ -6,7 +6,7 @@ from torch import nn
 
 import streamsched as ss
 from benchmarks.zoo import CriticEnsemble, MultiTaskHeads, ParallelFCN
-from streamsched.fusion.kernels import FusedKernel
+from streamsched.passes.fusion.kernels import FusedKernel
 
 from .helpers import assert_close, assert_sgd_steps_match_the_loop, check_against_eager
 

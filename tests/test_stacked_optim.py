@@ -16,7 +16,7 @@ from torch import nn
 import streamsched as ss
 from benchmarks.zoo import CriticEnsemble, MultiTaskHeads, ParallelFCN
 from streamsched import optim as sso
-from streamsched.fusion import StackedLayoutError, StackedParameter
+from streamsched.passes.fusion import StackedLayoutError, StackedParameter
 
 from .helpers import assert_close, flatten
 

@@ -1,1 +1,1 @@
-"""Graph passes: fusion (``fuse``), coarsening (``coarsen``), stream assignment (``assign``)."""
+"""Graph passes: horizontal fusion (the ``fusion`` package), coarsening (``coarsen``)."""

@@ -22,6 +22,7 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import PlanError
+from ..passes.fusion.report import FusedGroupInfo, UnfusedGroup
 
 __all__ = ["Plan", "PlannedTask", "FusedGroupInfo", "OpaqueModule", "UnfusedGroup", "ExecutorTrial"]
 
@@ -47,39 +48,12 @@ class PlannedTask(BaseModel):
     fused_group: Optional[int] = None
 
 
-class FusedGroupInfo(BaseModel):
-    """A group of structurally identical branches run as one batched kernel."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    id: int
-    kind: str
-    """What was fused: the module type (``Linear``) or function name (``relu``)."""
-    kernel: str
-    """How it runs: ``baddbmm``, ``grouped conv2d``, ``wide linear``, ``vmap`` ..."""
-    size: int
-    members: list[str]
-    node: str
-    """The fx node that runs the whole group."""
-
-
 class OpaqueModule(BaseModel):
     """A module call that runs as written because tracing its class failed."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     path: str
-    reason: str
-
-
-class UnfusedGroup(BaseModel):
-    """Structurally identical independent nodes that were *not* fused, and why."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    kind: str
-    size: int
-    members: list[str]
     reason: str
 
 

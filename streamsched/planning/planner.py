@@ -108,7 +108,7 @@ def make_schedule(
 ) -> Schedule:
     """Plan one input signature of a traced model.
 
-    ``fusion`` is the module's :class:`~streamsched.fusion.FusionContext` (it owns the
+    ``fusion`` is the module's :class:`~streamsched.passes.fusion.FusionContext` (it owns the
     stacked parameters shared by all plans); ``measured`` maps task names to measured
     microseconds from a profile; ``effects`` the in-place effects recorded on the first
     call (their nodes keep eager order and are never fused).

@@ -39,7 +39,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
-from ..errors import StreamSchedError
+from ...errors import StreamSchedError
 
 __all__ = ["StackedParameter", "StackedLayoutError", "stacked_owner", "layout_version"]
 

@@ -1,10 +1,12 @@
 """Batched kernels: one call that does the work of N identical members.
 
 Each kernel is a callable object stored as the target of one fx node. It knows the
-layout of each input (see :mod:`streamsched.fusion.layout`) and the layout of what it
-returns (``out_layout``), reads the members' parameters through
-:class:`~streamsched.fusion.params.StackedTensors` (so they are never stale), and reads
-each member's mode (``training``) at call time, as the member itself would.
+layout of each input (see :mod:`streamsched.passes.fusion.layout`) and the layout of
+what it returns (``out_layout``), reads the members' parameters through
+:class:`~streamsched.passes.fusion.params.StackedTensors` (so they are never stale), and
+reads each member's mode (``training``) at call time, as the member itself would. How
+each kernel is built from a proposed group's members is in
+:mod:`streamsched.passes.fusion.builders`.
 
 ============  =====================================  =====================
 members       kernel                                  output layout
@@ -57,7 +59,7 @@ class FusedKernel:
         self.out_shape = tuple(out_shape)
         self.__name__ = f"fused_{self.kind}"
         self.__qualname__ = self.__name__
-        self.__module__ = "streamsched.fusion"
+        self.__module__ = "streamsched.passes.fusion"
 
     def __repr__(self) -> str:
         return f"<{self.kernel} x{self.n}: {self.member_names[0]} ...>"

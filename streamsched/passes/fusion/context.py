@@ -1,10 +1,9 @@
-"""Horizontal fusion support: stacked parameters, layouts and batched kernels.
+"""What fusion keeps for one wrapped model across all of its plans.
 
-The pass itself lives in :mod:`streamsched.passes.fuse`; this package holds what the
-fused graph runs with, and :class:`FusionContext`, which owns the stacked parameters of
-one wrapped model across all its plans (so two plans never stack the same weights twice),
-and the :class:`StackedParameter` of each group once ``fused_parameters()`` asked for
-them (kept across re-planning, so an optimizer holding them stays valid).
+:class:`FusionContext` owns the stacked parameters of one model (so two plans never stack
+the same weights twice) and the :class:`~streamsched.passes.fusion.stacked.StackedParameter`
+of each group once ``fused_parameters()`` asked for them (kept across re-planning, so an
+optimizer holding them stays valid). Each plan runs the pass through :meth:`FusionContext.fuse`.
 """
 
 from __future__ import annotations
@@ -15,17 +14,11 @@ from typing import Any, Sequence
 import torch
 from torch import fx, nn
 
-from .params import GatherStacked, StackedTensors
-from .stacked import StackedLayoutError, StackedParameter, stacked_owner
+from .fuse import FuseResult, fuse_graph
+from .params import StackedTensors
+from .stacked import StackedParameter
 
-__all__ = [
-    "FusionContext",
-    "StackedTensors",
-    "GatherStacked",
-    "StackedParameter",
-    "StackedLayoutError",
-    "stacked_owner",
-]
+__all__ = ["FusionContext"]
 
 log = logging.getLogger(__name__)
 
@@ -125,9 +118,9 @@ class FusionContext:
         for param in self._params.values():
             param._deactivate()
 
-    def fuse(self, graph: fx.Graph, root: nn.Module, metas: dict, config: Any, device: Any):
-        from ..passes.fuse import fuse_graph
-
+    def fuse(self, graph: fx.Graph, root: nn.Module, metas: dict, config: Any, device: Any) -> FuseResult:
+        """Fuse ``graph`` in place (see :func:`~streamsched.passes.fusion.fuse.fuse_graph`)
+        under ``config``'s ``fuse_params``, ``grad_handoff`` and ``fuse_min_size``."""
         self.alias = config.fuse_params == "alias"
         self.direct_grads = config.grad_handoff == "direct"
         return fuse_graph(graph, root, metas, self, device, config.fuse_min_size)

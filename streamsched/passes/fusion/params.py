@@ -23,7 +23,7 @@ Members of different sizes along dim 0 (heads of different widths reading one in
 are held concatenated instead of stacked (``concat=True``).
 
 ``StreamScheduledModule.fused_parameters()`` turns each aliased group of parameters into
-a :class:`~streamsched.fusion.stacked.StackedParameter` bound here (``bind``): the
+a :class:`~streamsched.passes.fusion.stacked.StackedParameter` bound here (``bind``): the
 kernels then read that leaf, and its ``.grad`` (which every member's ``.grad`` is a view
 of) receives the stacked gradient, for optimizers that update the group at once.
 """
@@ -36,7 +36,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
-from .._native import native
+from ..._native import native
 
 __all__ = ["GatherStacked", "HandOffStacked", "StackedTensors"]
 
@@ -113,7 +113,7 @@ class StackedTensors:
         self._guard: Any = None
         self._handoff: Any = None
         # The StackedParameter the kernels read while fused_parameters() is on (see
-        # streamsched.fusion.stacked): a leaf whose .grad the members' .grad are views of.
+        # streamsched.passes.fusion.stacked): a leaf whose .grad the members' .grad are views of.
         self.param: Any = None
         self.rebuilds = 0
         if self.alias:

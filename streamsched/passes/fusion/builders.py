@@ -1,0 +1,299 @@
+"""Each kernel kind builds itself from a proposed group's members.
+
+:data:`BUILDERS` maps a kernel kind (the kind :mod:`~streamsched.passes.fusion.propose`
+names for each group) to the function that builds its kernel from a :class:`Group`: it
+checks what only the whole group can tell (the members' inputs, in-place safety, whether
+batching pays on this device), finds the inputs through the rewriter, stacks the members'
+parameters, and returns the kernel with the nodes it reads (:class:`Built`), or ``None``
+where the group stays unfused, with :attr:`Group.reason` saying why when it is a choice.
+Adding a kernel kind is one builder here (registered with :func:`_builder`) and, for a
+module type, one entry in :data:`~streamsched.passes.fusion.propose.MODULE_KINDS`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Callable, Optional
+
+import torch
+from torch import fx, nn
+
+from ...frontend.nodes import is_glue, node_label
+from ...ir.cost import estimate_node_cost
+from .kernels import (
+    BatchNormKernel,
+    ConvKernel,
+    ElementwiseKernel,
+    FusedKernel,
+    LayerNormKernel,
+    LinearKernel,
+    VmapKernel,
+    WideKernel,
+)
+from .layout import SHARED
+from .params import StackedTensors
+from .propose import RANDOM_FUNCTIONS, RANDOM_MODULES
+from .rewrite import Rewriter, Source, inplace
+
+__all__ = ["BUILDERS", "Built", "Group"]
+
+log = logging.getLogger(__name__)
+
+_CHEAP = "would need a stacked copy of its inputs: not worth it for a cheap op"
+
+
+@dataclass
+class Built:
+    """A group's kernel, the nodes it reads, and (for a wide kernel) the members' widths."""
+
+    kernel: FusedKernel
+    inputs: list[fx.Node]
+    sizes: Optional[tuple[int, ...]] = None
+
+
+class Group:
+    """One proposed group while its kernel is built: the members, and what a builder may
+    ask of the rewriter about them."""
+
+    def __init__(self, rw: Rewriter, members: list[fx.Node]):
+        self.rw = rw
+        self.members = members
+        self.anchor = members[0]
+        self.names = [node_label(m) for m in members]
+        self.out_shape = rw.shape(self.anchor)
+        self.reason = ""
+        """Why the group stays unfused, where a builder gave up on purpose."""
+
+    @cached_property
+    def modules(self) -> list[nn.Module]:
+        return [self.rw.root.get_submodule(m.target) for m in self.members]
+
+    @property
+    def single_input(self) -> bool:
+        return len(self.anchor.args) == 1 and not self.anchor.kwargs
+
+    def give_up(self, reason: str) -> None:
+        self.reason = reason
+        return None
+
+    def source(self, k: int) -> Source:
+        """Argument ``k`` of every member, as one input of the fused node."""
+        return self.rw.source([m.args[k] for m in self.members], self.anchor)
+
+    def sources(self) -> list[Source]:
+        return [self.source(k) for k in range(len(self.anchor.args))]
+
+    def copied(self, sources: list[Source]) -> bool:
+        """Whether any input had to be copied together with ``torch.stack``."""
+        return any(self.rw.is_copy(s.node) for s in sources)
+
+    def stack(self, name: str, concat: bool = False) -> Optional[StackedTensors]:
+        """The members' tensor ``name`` as one stack (``concat``: of different widths,
+        concatenated), or ``None`` where the first member has none (``bias=False``)."""
+        if getattr(self.modules[0], name, None) is None:
+            return None
+        return self.stack_path(name, concat)
+
+    def stack_path(self, name: str, concat: bool = False) -> StackedTensors:
+        """The members' tensor at ``name``, a path like ``a.weight`` (as
+        ``named_parameters`` gives it), as one stack."""
+        path, _, leaf = name.rpartition(".")
+        owners = [(m.get_submodule(path) if path else m, leaf) for m in self.modules]
+        return self.rw.stacks.stack_for(owners, concat=concat)
+
+    def inplace(self) -> bool:
+        return inplace(self.anchor, self.modules[0] if self.anchor.op == "call_module" else None)
+
+    def inplace_safe(self) -> bool:
+        # Applying the op once to the stacked tensor is only the same as N in-place ops
+        # when nobody else can see the members' inputs: fresh values with one reader.
+        for m in self.members:
+            inp = m.args[0] if m.args else None
+            if not isinstance(inp, fx.Node) or len(inp.users) != 1:
+                return False
+            if inp.op not in ("call_module", "call_function", "call_method") or is_glue(inp):
+                return False
+        return len({m.args[0] for m in self.members}) == len(self.members)
+
+    def compute_bound_on_cpu(self) -> bool:
+        # A CPU launch costs microseconds, a convolution over a feature map far more:
+        # batching members saves nothing there, and grouped kernels plus the stacked input
+        # copy were measured slower (NASNet, RandWire cells). On GPUs batching pays.
+        device = self.rw.device
+        if device.name != "cpu":
+            return False
+        work = estimate_node_cost(self.anchor, self.modules[0], self.rw.metas, device) - device.launch_us
+        return work > 20 * device.launch_us
+
+
+Builder = Callable[[Group], Optional[Built]]
+
+BUILDERS: dict[str, Builder] = {}
+"""Kernel kind -> the function that builds a group of that kind."""
+
+
+def _builder(kind: str) -> Callable[[Builder], Builder]:
+    def register(fn: Builder) -> Builder:
+        BUILDERS[kind] = fn
+        return fn
+
+    return register
+
+
+@_builder("linear")
+def _linear(g: Group) -> Optional[Built]:
+    if not g.single_input:
+        return None
+    (src,) = g.sources()
+    kernel = LinearKernel(g.modules, g.names, g.stack("weight"), g.stack("bias"), src.layout, src.shape, g.out_shape)
+    return Built(kernel, [src.node])
+
+
+@_builder("conv")
+def _conv(g: Group) -> Optional[Built]:
+    if g.compute_bound_on_cpu():
+        return g.give_up("convolutions with real work per member on CPU: a grouped conv is slower")
+    if not g.single_input:
+        return None
+    (src,) = g.sources()
+    kernel = ConvKernel(g.modules, g.names, g.stack("weight"), g.stack("bias"), src.layout, src.shape, g.out_shape)
+    return Built(kernel, [src.node])
+
+
+@_builder("batchnorm")
+def _batchnorm(g: Group) -> Optional[Built]:
+    if not g.single_input:
+        return None
+    sources = g.sources()
+    if g.copied(sources):
+        return g.give_up(_CHEAP)
+    src = sources[0]
+    kernel = BatchNormKernel(
+        g.modules,
+        g.names,
+        g.stack("weight"),
+        g.stack("bias"),
+        g.stack("running_mean"),
+        g.stack("running_var"),
+        g.stack("num_batches_tracked"),
+        src.layout,
+        src.shape,
+    )
+    return Built(kernel, [src.node])
+
+
+@_builder("layernorm")
+def _layernorm(g: Group) -> Optional[Built]:
+    if not g.single_input:
+        return None
+    sources = g.sources()
+    if g.copied(sources):
+        return g.give_up(_CHEAP)
+    src = sources[0]
+    kernel = LayerNormKernel(g.modules, g.names, g.stack("weight"), g.stack("bias"), src.layout, src.shape)
+    return Built(kernel, [src.node])
+
+
+@_builder("elementwise")
+def _elementwise_module(g: Group) -> Optional[Built]:
+    if not g.single_input:
+        return None
+    if g.inplace() and not g.inplace_safe():
+        return g.give_up("in-place members whose inputs other nodes read")
+    sources = g.sources()
+    if g.copied(sources):
+        return g.give_up(_CHEAP)
+    src = sources[0]
+    m = g.modules[0]
+    random = isinstance(m, RANDOM_MODULES)
+    operands = [("t", src.layout, src.shape)]
+    kernel = ElementwiseKernel(m, type(m).__name__, g.names, len(g.members), operands, {}, g.out_shape, random)
+    return Built(kernel, [src.node])
+
+
+@_builder("function")
+def _elementwise_function(g: Group) -> Optional[Built]:
+    """Elementwise functions and tensor methods (``torch.relu``, ``x.add(y)``, ``a * b``)."""
+    if g.inplace() and not g.inplace_safe():
+        return None
+    anchor = g.anchor
+    operands = []
+    sources = []
+    for k, a in enumerate(anchor.args):
+        if isinstance(a, fx.Node):
+            src = g.source(k)
+            operands.append(("t", src.layout, src.shape))
+            sources.append(src)
+        else:
+            operands.append(("c", a))
+    if g.copied(sources):
+        return None  # stacking the inputs would cost as much as the op itself
+    if anchor.op == "call_method":
+        fn = getattr(torch.Tensor, str(anchor.target))
+        name = str(anchor.target)
+    else:
+        fn = anchor.target
+        name = getattr(fn, "__name__", "op")
+    random = fn in RANDOM_FUNCTIONS
+    kernel = ElementwiseKernel(fn, name, g.names, len(g.members), operands, dict(anchor.kwargs), g.out_shape, random)
+    return Built(kernel, [s.node for s in sources])
+
+
+@_builder("vmap")
+def _vmap(g: Group) -> Optional[Built]:
+    """Any other module type with parameters or buffers, where ``vmap`` can batch it."""
+    sources = g.sources()
+    template = g.modules[0]
+    params = {n: g.stack_path(n) for n, _ in template.named_parameters()}
+    buffers = {n: g.stack_path(n) for n, b in template.named_buffers() if b is not None}
+    if not _vmap_trial(template, sources, dict(g.anchor.kwargs), g.out_shape):
+        return g.give_up("vmap cannot batch it")
+    inputs = [(s.layout, s.shape) for s in sources]
+    kernel = VmapKernel(g.modules, g.names, params, buffers, inputs, dict(g.anchor.kwargs), g.out_shape)
+    return Built(kernel, [s.node for s in sources])
+
+
+@_builder("wide")
+def _wide(g: Group) -> Optional[Built]:
+    """Linear/Conv members of different widths reading one tensor (see ``propose``)."""
+    mods = g.modules
+    sizes = [int(m.weight.shape[0]) for m in mods]
+    if type(mods[0]) is nn.Linear:
+        split_dim = len(g.out_shape) - 1
+    else:
+        split_dim = len(g.out_shape) - len(mods[0].kernel_size) - 1
+    kernel = WideKernel(mods, g.names, g.stack("weight", True), g.stack("bias", True), sizes, split_dim, g.out_shape)
+    return Built(kernel, [g.anchor.args[0]], tuple(sizes))
+
+
+def _vmap_trial(template: nn.Module, sources: list[Source], kwargs: dict, out_shape: tuple[int, ...]) -> bool:
+    """Whether vmap can batch this module: one trial call on the meta device."""
+    n = 2
+    try:
+        params = {
+            k: torch.empty((n,) + tuple(p.shape), dtype=p.dtype, device="meta") for k, p in template.named_parameters()
+        }
+        buffers = {
+            k: torch.empty((n,) + tuple(b.shape), dtype=b.dtype, device="meta")
+            for k, b in template.named_buffers()
+            if b is not None
+        }
+        ref = next(iter(template.parameters()), None)
+        dtype = ref.dtype if ref is not None else torch.float32
+        xs = [
+            torch.empty(s.shape if s.layout == SHARED else (n,) + tuple(s.shape), dtype=dtype, device="meta")
+            for s in sources
+        ]
+        dims = tuple(None if s.layout == SHARED else 0 for s in sources)
+
+        def f(p, b, *args):
+            return torch.func.functional_call(template, (p, b), args, kwargs)
+
+        with torch.no_grad():
+            out = torch.func.vmap(f, in_dims=(0, 0) + dims, randomness="different")(params, buffers, *xs)
+        return isinstance(out, torch.Tensor) and tuple(out.shape) == (n,) + tuple(out_shape)
+    except Exception as exc:  # noqa: BLE001 - any failure means "do not fuse"
+        log.debug("vmap trial failed: %s", exc)
+        return False

@@ -1,0 +1,79 @@
+"""The pass itself: propose groups, build each group's kernel, rewrite the graph.
+
+A group whose kernel cannot (or should not) be built is left as it was, and the
+plan says why (:class:`~streamsched.passes.fusion.report.UnfusedGroup`); nothing a failed
+group inserted stays in the graph.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import fx, nn
+
+from ...frontend.meta import ValueMeta
+from ...frontend.nodes import node_label, target_name
+from ...ir.cost import DeviceModel
+from .builders import BUILDERS, Group
+from .kernels import FusedKernel
+from .propose import FusionSupport, propose
+from .report import FusedGroupInfo, UnfusedGroup
+from .rewrite import Rewriter, resort
+
+__all__ = ["fuse_graph", "FuseResult"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class FuseResult:
+    groups: list[FusedGroupInfo]
+    notes: list[str]
+    kernels: list[FusedKernel]
+    unfused: list[UnfusedGroup] = field(default_factory=list)
+
+
+def _unfused(root: nn.Module, reason: str, members: list[fx.Node]) -> UnfusedGroup:
+    """The record that a proposed group stays unfused, and why (shown in the plan)."""
+    labels = [node_label(m) for m in members]
+    m = members[0]
+    kind = type(root.get_submodule(m.target)).__name__ if m.op == "call_module" else target_name(m)
+    log.debug("fuse: %d x %s not fused: %s", len(members), labels[0], reason)
+    return UnfusedGroup(kind=kind, size=len(members), members=labels, reason=reason)
+
+
+def fuse_graph(
+    graph: fx.Graph,
+    root: nn.Module,
+    metas: dict[fx.Node, ValueMeta],
+    stacks: Any,
+    device: DeviceModel,
+    min_size: int = 2,
+) -> FuseResult:
+    """Fuse ``graph`` in place; ``stacks`` provides the stacked parameter holders."""
+    proposals = propose(graph, FusionSupport(root, metas), min_size)
+    unfused = [_unfused(root, reason, nodes) for reason, nodes in proposals.excluded]
+    rw = Rewriter(graph, root, metas, stacks, device)
+    for kind, members in proposals.groups:
+        rw.inserted = []
+        reason = ""
+        try:
+            group = Group(rw, members)
+            built = BUILDERS[kind](group)
+            reason = group.reason
+            kernel = None if built is None else rw.emit(members, built.kernel, built.inputs, built.sizes)
+        except Exception as exc:  # noqa: BLE001 - a group that cannot be built stays unfused
+            reason = f"building its kernel failed: {type(exc).__name__}: {exc}"
+            kernel = None
+        if kernel is None:
+            rw.discard_inserted()
+            unfused.append(_unfused(root, reason or "no batched kernel for these arguments", members))
+    if not rw.kernels:
+        return FuseResult([], [], [], unfused)
+    rw.rewrite_consumers()
+    rw.erase_members()
+    resort(graph, rw.position)
+    graph.lint()
+    return FuseResult(rw.groups, [], rw.kernels, unfused)

@@ -1,0 +1,374 @@
+"""Propose: which nodes may be fused, and which of them form groups.
+
+Split as in ``torch.fx``'s ``CapabilityBasedPartitioner``, which takes an
+``OperatorSupport`` saying whether a node is supported and does the grouping itself:
+
+- :class:`FusionSupport` is the support policy. For one node it says whether it can be
+  fused, under which *signature* (module type and configuration, parameter and buffer
+  shapes and dtypes, input shapes, constant arguments, train/eval), and, where a node
+  that could be fused is left alone on purpose (hooks, BatchNorm with ``momentum=None``,
+  an in-place effect on shared storage), why.
+- :func:`propose` groups supported nodes: Linear/Conv nodes that read the *same* tensor
+  with *different* output widths form a "wide" group first; the rest are bucketed by
+  signature and *level* (longest path from the inputs). Nodes on one level never depend
+  on each other, and contracting same-level nodes cannot create a cycle, so every bucket
+  of at least ``fuse_min_size`` nodes is a valid group.
+
+Each proposed group names the kernel kind that will build it (a key of
+:data:`streamsched.passes.fusion.builders.BUILDERS`); nothing here touches the graph.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from ...branch import BranchCall
+from ...frontend.meta import ConstMeta, TensorMeta, ValueMeta
+from ...frontend.nodes import node_label, target_name
+
+__all__ = ["FusionSupport", "Proposals", "propose", "module_kind", "MODULE_KINDS"]
+
+log = logging.getLogger(__name__)
+
+ELEMENTWISE_MODULES: tuple[type, ...] = (
+    nn.ReLU,
+    nn.ReLU6,
+    nn.GELU,
+    nn.Tanh,
+    nn.Sigmoid,
+    nn.SiLU,
+    nn.LeakyReLU,
+    nn.ELU,
+    nn.CELU,
+    nn.SELU,
+    nn.Softplus,
+    nn.Hardswish,
+    nn.Hardsigmoid,
+    nn.Mish,
+    nn.Hardtanh,
+    nn.Identity,
+    nn.Softsign,
+    nn.Tanhshrink,
+    nn.LogSigmoid,
+    nn.Dropout,
+    nn.AlphaDropout,
+)
+RANDOM_MODULES: tuple[type, ...] = (nn.Dropout, nn.AlphaDropout)
+
+ELEMENTWISE_FUNCTIONS: frozenset = frozenset(
+    {
+        torch.relu,
+        F.relu,
+        torch.sigmoid,
+        torch.tanh,
+        F.gelu,
+        F.silu,
+        F.leaky_relu,
+        F.elu,
+        F.softplus,
+        F.hardswish,
+        F.mish,
+        F.relu6,
+        torch.exp,
+        torch.log,
+        torch.sin,
+        torch.cos,
+        torch.abs,
+        torch.neg,
+        torch.sqrt,
+        torch.rsqrt,
+        torch.square,
+        torch.clamp,
+        torch.add,
+        torch.sub,
+        torch.mul,
+        torch.div,
+        operator.add,
+        operator.sub,
+        operator.mul,
+        operator.truediv,
+        operator.neg,
+        F.dropout,
+    }
+)
+RANDOM_FUNCTIONS: frozenset = frozenset({F.dropout})
+ELEMENTWISE_METHODS: frozenset = frozenset(
+    {
+        "relu",
+        "sigmoid",
+        "tanh",
+        "exp",
+        "log",
+        "abs",
+        "neg",
+        "sqrt",
+        "rsqrt",
+        "square",
+        "clamp",
+        "add",
+        "sub",
+        "mul",
+        "div",
+        "pow",
+        "relu_",
+        "sigmoid_",
+        "tanh_",
+        "add_",
+        "mul_",
+    }
+)
+
+MODULE_KINDS: dict[type, str] = {
+    nn.Linear: "linear",
+    **dict.fromkeys((nn.Conv1d, nn.Conv2d, nn.Conv3d), "conv"),
+    **dict.fromkeys((nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d), "batchnorm"),
+    nn.LayerNorm: "layernorm",
+    **dict.fromkeys(ELEMENTWISE_MODULES, "elementwise"),
+}
+"""Module type (exactly, not subclasses) -> the kernel kind that batches it; any other
+module type is tried with ``vmap``. Kinds are keys of ``builders.BUILDERS``."""
+
+
+def module_kind(m: nn.Module) -> str:
+    """The kernel kind for a module call: ``linear``, ``conv`` ..., else ``vmap``."""
+    return MODULE_KINDS.get(type(m), "vmap")
+
+
+# --- signatures --------------------------------------------------------------------
+
+
+def _has_hooks(m: nn.Module) -> bool:
+    return bool(
+        m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or getattr(m, "_backward_pre_hooks", None)
+    )
+
+
+def _meta_sig(meta: Optional[ValueMeta]) -> Any:
+    if isinstance(meta, TensorMeta):
+        return ("T", meta.shape, meta.dtype, meta.device)
+    if isinstance(meta, ConstMeta):
+        return ("C", meta.type_name, meta.value if _hashable(meta.value) else None)
+    if isinstance(meta, tuple):
+        return tuple(_meta_sig(m) for m in meta)
+    return None
+
+
+def _hashable(v: Any) -> bool:
+    try:
+        hash(v)
+        return True
+    except TypeError:
+        return False
+
+
+def _arg_sig(arg: Any, metas: dict[fx.Node, ValueMeta]) -> Any:
+    if isinstance(arg, fx.Node):
+        return ("node", _meta_sig(metas.get(arg)))
+    if isinstance(arg, (tuple, list)):
+        return (type(arg).__name__, tuple(_arg_sig(a, metas) for a in arg))
+    if isinstance(arg, dict):
+        return ("dict", tuple((k, _arg_sig(v, metas)) for k, v in arg.items()))
+    if isinstance(arg, slice):
+        return ("slice", _arg_sig(arg.start, metas), _arg_sig(arg.stop, metas), _arg_sig(arg.step, metas))
+    if _hashable(arg):
+        return ("const", type(arg).__name__, arg)
+    return ("obj", id(arg))
+
+
+def _tensor_args(node: fx.Node) -> bool:
+    """Whether every Node argument is a direct positional argument (no nesting)."""
+    for a in list(node.kwargs.values()):
+        if isinstance(a, fx.Node) or _contains_node(a):
+            return False
+    for a in node.args:
+        if not isinstance(a, fx.Node) and _contains_node(a):
+            return False
+    return True
+
+
+def _contains_node(a: Any) -> bool:
+    if isinstance(a, fx.Node):
+        return True
+    if isinstance(a, (tuple, list)):
+        return any(_contains_node(x) for x in a)
+    if isinstance(a, dict):
+        return any(_contains_node(x) for x in a.values())
+    if isinstance(a, slice):
+        return any(_contains_node(x) for x in (a.start, a.stop, a.step))
+    return False
+
+
+class FusionSupport:
+    """The support policy: whether a node can be fused, under which signature, and why not.
+
+    The counterpart of ``torch.fx``'s ``OperatorSupport``, with two additions the
+    grouping needs: :meth:`signature` says *with what* a node may be fused (nodes fuse
+    only with nodes of the same signature), and :attr:`excluded` keeps the reason for each
+    node that could otherwise be fused but is left alone on purpose (the plan shows them).
+    """
+
+    def __init__(self, root: nn.Module, metas: dict[fx.Node, ValueMeta]):
+        self.root = root
+        self.metas = metas
+        self.excluded: dict[fx.Node, str] = {}
+
+    def kind(self, node: fx.Node) -> str:
+        """The kernel kind of a supported node (``function`` for functions and methods)."""
+        return module_kind(self.root.get_submodule(node.target)) if node.op == "call_module" else "function"
+
+    def signature(self, node: fx.Node) -> Optional[tuple]:
+        """The fusion signature of a node, or ``None``; records in :attr:`excluded` the
+        reason where a node that could otherwise be fused is left alone on purpose."""
+        metas = self.metas
+        out = metas.get(node)
+        if not isinstance(out, TensorMeta) or not _tensor_args(node):
+            return None
+        excluded = None
+        if node.meta.get("streamsched_effect"):
+            # It writes a storage another node reads or writes (or reads one written in
+            # place): its place in eager order is kept, so it runs alone.
+            excluded = "takes part in an in-place effect on shared storage (kept in eager order)"
+        elif node.op == "call_module":
+            m = self.root.get_submodule(node.target)
+            if _has_hooks(m) or any(_has_hooks(s) for s in m.modules()):
+                excluded = "has hooks (they must fire per member)"
+            elif module_kind(m) == "batchnorm" and m.momentum is None:
+                excluded = "BatchNorm with momentum=None (a cumulative average per member)"
+        if excluded is not None:
+            log.debug("fuse: %s %s; not fused", node_label(node), excluded)
+            self.excluded[node] = excluded
+            return None
+        if node.op == "call_module":
+            m = self.root.get_submodule(node.target)
+            params = tuple((n, tuple(p.shape), p.dtype, p.device, p.requires_grad) for n, p in m.named_parameters())
+            buffers = tuple((n, tuple(b.shape), b.dtype, b.device) for n, b in m.named_buffers())
+            if module_kind(m) == "vmap" and not params and not buffers:
+                return None
+            return (
+                "module",
+                type(m),
+                m.extra_repr(),
+                m.training,
+                params,
+                buffers,
+                tuple(_arg_sig(a, metas) for a in node.args),
+                tuple((k, _arg_sig(v, metas)) for k, v in node.kwargs.items()),
+            )
+        if node.op == "call_function":
+            if node.target not in ELEMENTWISE_FUNCTIONS or isinstance(node.target, BranchCall):
+                return None
+        elif node.op == "call_method":
+            if node.target not in ELEMENTWISE_METHODS:
+                return None
+        else:
+            return None
+        return (
+            "function",
+            node.op,
+            node.target,
+            tuple(_arg_sig(a, metas) for a in node.args),
+            tuple((k, _arg_sig(v, metas)) for k, v in node.kwargs.items()),
+        )
+
+    def wide_key(self, node: fx.Node) -> Optional[tuple]:
+        """For a Linear/Conv call on one tensor, what members of a wide group share (the
+        input node and everything but the output width); ``None`` for any other node."""
+        if node.op != "call_module" or len(node.args) != 1 or node.kwargs:
+            return None
+        m = self.root.get_submodule(node.target)
+        if type(m) is nn.Linear:
+            cfg = ("linear", m.in_features, m.bias is not None)
+        elif type(m) in (nn.Conv1d, nn.Conv2d, nn.Conv3d) and m.groups == 1 and m.padding_mode == "zeros":
+            cfg = (type(m), m.in_channels, m.kernel_size, m.stride, m.padding, m.dilation, m.bias is not None)
+        else:
+            return None
+        p = m.weight
+        return (node.args[0], cfg, p.dtype, p.device, p.requires_grad, m.training)
+
+
+# --- grouping ------------------------------------------------------------------------
+
+
+@dataclass
+class Proposals:
+    """What :func:`propose` found."""
+
+    groups: list[tuple[str, list[fx.Node]]] = field(default_factory=list)
+    """``(kernel kind, members)`` for each group, in graph order (by level, then position)."""
+    excluded: list[tuple[str, list[fx.Node]]] = field(default_factory=list)
+    """``(reason, members)``: nodes left alone on purpose, grouped roughly as they would
+    have been, where enough of them to make a group."""
+
+
+def _origins(node: fx.Node) -> tuple:
+    """For inputs picked out of another value (slices, split parts), that value.
+
+    Members whose inputs are parts of different tensors go to different groups, each
+    reading its parts as one view, rather than one group that copies them together.
+    """
+    out = []
+    for a in node.args:
+        if isinstance(a, fx.Node) and a.op == "call_function" and a.target is operator.getitem:
+            out.append(a.args[0])
+        else:
+            out.append(None)
+    return tuple(out)
+
+
+def _levels(graph: fx.Graph) -> dict[fx.Node, int]:
+    level: dict[fx.Node, int] = {}
+    for node in graph.nodes:
+        ins = node.all_input_nodes
+        level[node] = 1 + max((level[i] for i in ins), default=-1)
+    return level
+
+
+def propose(graph: fx.Graph, support: FusionSupport, min_size: int) -> Proposals:
+    """Groups of at least ``min_size`` nodes that ``support`` allows to run as one."""
+    root = support.root
+    level = _levels(graph)
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    sigs: dict[fx.Node, tuple] = {}
+    for node in graph.nodes:
+        if node.op in ("call_module", "call_function", "call_method"):
+            sig = support.signature(node)
+            if sig is not None:
+                sigs[node] = sig
+    out = Proposals()
+    # Nodes left alone on purpose, grouped as they would have been (roughly): the plan
+    # says why they were not fused.
+    excluded: dict[tuple, list[fx.Node]] = {}
+    for node, reason in support.excluded.items():
+        what = type(root.get_submodule(node.target)) if node.op == "call_module" else target_name(node)
+        excluded.setdefault((what, level[node], reason), []).append(node)
+    for (_, _, reason), nodes in excluded.items():
+        if len(nodes) >= min_size:
+            out.excluded.append((reason, nodes))
+    taken: set[fx.Node] = set()
+    # Wide groups: Linear/Conv of different widths reading one tensor.
+    wide: dict[tuple, list[fx.Node]] = {}
+    for node in sigs:
+        key = support.wide_key(node)
+        if key is not None:
+            wide.setdefault(key, []).append(node)
+    for nodes in wide.values():
+        widths = {tuple(root.get_submodule(n.target).weight.shape) for n in nodes}
+        if len(nodes) >= min_size and len(widths) > 1:
+            out.groups.append(("wide", nodes))
+            taken.update(nodes)
+    buckets: dict[tuple, list[fx.Node]] = {}
+    for node, sig in sigs.items():
+        if node not in taken:
+            buckets.setdefault((sig, level[node], _origins(node)), []).append(node)
+    for nodes in buckets.values():
+        if len(nodes) >= min_size:
+            out.groups.append((support.kind(nodes[0]), nodes))
+    out.groups.sort(key=lambda p: (level[p[1][0]], position[p[1][0]]))
+    return out

@@ -1,0 +1,335 @@
+"""Rewrite: turn each built group into one fused node, and the graph around it.
+
+The :class:`Rewriter` owns every edit the pass makes to the graph:
+
+- :meth:`~Rewriter.source` finds one input of a group, in order of preference: the output
+  of an earlier group (stays in that group's layout, no unstacking between layers), one
+  tensor all members read (``SHARED``), equal consecutive slices of one tensor
+  (``x[:, 20*i : 20*(i+1)]``, ``split``/``chunk``/``unbind`` parts: a view, see
+  :mod:`streamsched.passes.fusion.sources`), and only as a last resort a ``torch.stack``
+  of the members' inputs;
+- :meth:`~Rewriter.emit` inserts the node calling the group's kernel (built by
+  :mod:`streamsched.passes.fusion.builders`) and records where each member's value now
+  lives;
+- once every group is built, :meth:`~Rewriter.rewrite_consumers` turns a ``torch.cat`` /
+  ``torch.stack`` of a whole group's outputs in order into a reshape of the kernel's
+  output, and has any other consumer read a view from one ``unbind``;
+  :meth:`~Rewriter.erase_members` removes the members, and :func:`resort` restores a
+  topological order close to the original one.
+"""
+
+from __future__ import annotations
+
+import heapq
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import fx, nn
+
+from ...frontend.meta import TensorMeta, ValueMeta
+from ...frontend.nodes import AUGMENTED_OPERATORS, is_glue, node_label
+from ...ir.cost import DeviceModel, estimate_node_cost
+from .kernels import FusedKernel
+from .layout import (
+    SHARED,
+    STACK,
+    Layout,
+    cat_members,
+    fold,
+    member_copy,
+    select_members,
+    split_member_copy,
+    stack_members,
+    unstack,
+)
+from .report import FusedGroupInfo
+from .sources import consecutive_slices, unbound_parts
+
+__all__ = ["Rewriter", "Source", "inplace", "resort"]
+
+
+@dataclass
+class Source:
+    """Where a group input comes from, in which layout, with each member's shape."""
+
+    node: fx.Node
+    layout: Layout
+    shape: tuple[int, ...]
+
+
+@dataclass
+class _Stacked:
+    """Where a fused member's value lives now: item ``index`` of ``kernel_node``'s output
+    (``sizes``: the members' widths, for a wide kernel's ``("split", d)`` output)."""
+
+    kernel_node: fx.Node
+    index: int
+    layout: Layout
+    n: int
+    shape: tuple[int, ...]
+    sizes: Optional[tuple[int, ...]] = None
+
+
+def inplace(node: fx.Node, module: Optional[nn.Module]) -> bool:
+    """Whether a call writes its input in place (``inplace=True`` modules and functions,
+    ``relu_``-style methods)."""
+    if module is not None:
+        return bool(getattr(module, "inplace", False))
+    if node.op == "call_method":
+        return str(node.target).endswith("_")
+    return bool(node.kwargs.get("inplace", False))
+
+
+_INPLACE_OPERATORS = frozenset({operator.setitem, *AUGMENTED_OPERATORS})
+
+
+class Rewriter:
+    """The graph edits of one run of the pass, and what they have fused so far."""
+
+    def __init__(
+        self,
+        graph: fx.Graph,
+        root: nn.Module,
+        metas: dict[fx.Node, ValueMeta],
+        stacks: Any,
+        device: DeviceModel,
+    ):
+        self.graph = graph
+        self.root = root
+        self.metas = metas
+        self.stacks = stacks
+        self.device = device
+        self.stacked_of: dict[fx.Node, _Stacked] = {}
+        self.groups: list[FusedGroupInfo] = []
+        self.kernels: list[FusedKernel] = []
+        self.members: set[fx.Node] = set()
+        # Nodes inserted for the group being built (reset per group): what a group that
+        # cannot be built leaves behind, and how a builder tells its inputs were copied.
+        self.inserted: list[fx.Node] = []
+        self.position = {n: i for i, n in enumerate(graph.nodes)}
+
+    def shape(self, node: fx.Node) -> tuple[int, ...]:
+        meta = self.metas.get(node)
+        assert isinstance(meta, TensorMeta), node
+        return meta.shape
+
+    def _insert(self, target: Callable, args: tuple, anchor: fx.Node, glue: bool = True) -> fx.Node:
+        with self.graph.inserting_before(anchor):
+            node = self.graph.call_function(target, args)
+        if glue:
+            node.meta["streamsched_glue"] = True
+        self.position[node] = self.position[anchor] - 0.5
+        self.inserted.append(node)
+        return node
+
+    def discard_inserted(self) -> None:
+        """Remove what a group that could not be built inserted."""
+        for node in reversed(self.inserted):
+            if not node.users:
+                self.graph.erase_node(node)
+        self.inserted = []
+
+    def is_copy(self, node: fx.Node) -> bool:
+        """Whether ``node`` is a ``torch.stack`` of members' inputs inserted for this group."""
+        return node.target is torch.stack and node in self.inserted
+
+    # -- sources --------------------------------------------------------------------
+
+    def source(self, args: list[fx.Node], anchor: fx.Node) -> Source:
+        """One input of a group (``args``: each member's), inserting before ``anchor``
+        whatever it takes to read them as one value."""
+        n = len(args)
+        first = args[0]
+        if all(a is first for a in args):
+            return Source(first, SHARED, self.shape(first))
+        st = [self.stacked_of.get(a) for a in args]
+        if all(s is not None for s in st) and len({s.kernel_node for s in st}) == 1 and st[0].sizes is None:
+            s0 = st[0]
+            indices = [s.index for s in st]
+            if indices == list(range(s0.n)):
+                return Source(s0.kernel_node, s0.layout, s0.shape)
+            index = torch.tensor(indices, dtype=torch.long)
+            node = self._insert(select_members, (s0.kernel_node, s0.layout, s0.n, s0.shape, index), anchor)
+            return Source(node, STACK, s0.shape)
+        sliced = consecutive_slices(args, self.metas)
+        if sliced is not None:
+            base, dim, start, width = sliced
+            base_shape = self.shape(base)
+            if start != 0 or width * n != base_shape[dim]:
+                base = self._insert(torch.narrow, (base, dim, start, width * n), anchor)
+            shape = base_shape[:dim] + (width,) + base_shape[dim + 1 :]
+            return Source(base, fold(dim), shape)
+        unbound = unbound_parts(args, self.metas)
+        if unbound is not None:
+            base, dim = unbound
+            if dim != 0:
+                base = self._insert(torch.movedim, (base, dim, 0), anchor)
+            return Source(base, STACK, self.shape(first))
+        node = self._insert(torch.stack, (list(args),), anchor, glue=False)
+        return Source(node, STACK, self.shape(first))
+
+    # -- the fused node -----------------------------------------------------------------
+
+    def emit(
+        self,
+        members: list[fx.Node],
+        kernel: FusedKernel,
+        inputs: list[fx.Node],
+        sizes: Optional[tuple[int, ...]] = None,
+    ) -> FusedKernel:
+        """Insert the node calling ``kernel`` on ``inputs`` before the first member."""
+        anchor = members[0]
+        with self.graph.inserting_before(anchor):
+            node = self.graph.call_function(kernel, tuple(inputs))
+        label = _common_label([node_label(m) for m in members])
+        node.meta["streamsched_label"] = f"{label} [x{len(members)} {kernel.kernel}]"
+        self.position[node] = self.position[anchor] - 0.25
+        member_cost = 0.0
+        for m in members:
+            mod = self.root.get_submodule(m.target) if m.op == "call_module" else None
+            member_cost += max(0.0, estimate_node_cost(m, mod, self.metas, self.device) - self.device.launch_us)
+        node.meta["streamsched_cost_us"] = member_cost + self.device.launch_us
+        for i, m in enumerate(members):
+            if sizes is not None:
+                self.stacked_of[m] = _Stacked(node, i, kernel.out_layout, len(members), self.shape(m), sizes)
+            else:
+                self.stacked_of[m] = _Stacked(node, i, kernel.out_layout, len(members), kernel.out_shape)
+        self.members.update(members)
+        gid = len(self.groups)
+        self.groups.append(
+            FusedGroupInfo(
+                id=gid,
+                kind=kernel.kind,
+                kernel=kernel.kernel,
+                size=len(members),
+                members=[node_label(m) for m in members],
+                node=node.name,
+            )
+        )
+        self.kernels.append(kernel)
+        return kernel
+
+    # -- consumers --------------------------------------------------------------------
+
+    def _writes_input(self, node: fx.Node) -> bool:
+        """Whether ``node`` may write its first argument in place (``relu_``,
+        ``ReLU(inplace=True)``, ``x += 1``, item assignment)."""
+        if node.op == "call_function" and node.target in _INPLACE_OPERATORS:
+            return True
+        module = self.root.get_submodule(node.target) if node.op == "call_module" else None
+        return inplace(node, module)
+
+    def rewrite_consumers(self) -> None:
+        """Point every reader of a fused member at the member's part of its group's output."""
+        # Members whose value a consumer writes in place: it gets storage of its own, as in
+        # eager (see layout.member_copy), and no cat/stack of the group becomes a view of
+        # the kernel's output (the write would show in it).
+        written = {m for m in self.members if any(self._writes_input(u) for u in m.users if u not in self.members)}
+        replaced: set[fx.Node] = set()
+        for node in list(self.graph.nodes):
+            if node.op != "call_function" or node.target not in (torch.cat, torch.concat, torch.stack):
+                continue
+            items = node.args[0] if node.args else node.kwargs.get("tensors")
+            if not isinstance(items, (list, tuple)) or not items:
+                continue
+            if any(i in written for i in items):
+                continue
+            dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
+            st = [self.stacked_of.get(i) if isinstance(i, fx.Node) else None for i in items]
+            if any(s is None for s in st) or len({s.kernel_node for s in st}) != 1:
+                continue
+            s0 = st[0]
+            if [s.index for s in st] != list(range(s0.n)) or not isinstance(dim, int):
+                continue
+            is_cat = node.target is not torch.stack
+            if s0.sizes is not None:
+                if not is_cat or dim % len(s0.shape) != s0.layout[1]:
+                    continue
+                node.replace_all_uses_with(s0.kernel_node)
+            else:
+                fn = cat_members if is_cat else stack_members
+                new = self._insert(fn, (s0.kernel_node, s0.layout, s0.n, s0.shape, dim), node)
+                node.replace_all_uses_with(new)
+            replaced.add(node)
+        for node in replaced:
+            self.graph.erase_node(node)
+
+        # Everything else reads a member's value from one unbind/split of its group.
+        unstacked: dict[fx.Node, fx.Node] = {}
+        for m in sorted(self.members, key=lambda n: self.position[n]):
+            outside = [u for u in m.users if u not in self.members]
+            if not outside:
+                continue
+            s = self.stacked_of[m]
+            if m in written:
+                if s.sizes is not None:
+                    args = (s.kernel_node, tuple(s.sizes), s.layout[1], s.index)
+                    item = self._insert(split_member_copy, args, m)
+                else:
+                    item = self._insert(member_copy, (s.kernel_node, s.layout, s.n, s.shape, s.index), m)
+                self.position[item] = self.position[s.kernel_node] + 0.2
+                m.replace_all_uses_with(item, delete_user_cb=lambda u: u not in self.members)
+                continue
+            parts = unstacked.get(s.kernel_node)
+            if parts is None:
+                anchor = s.kernel_node.next
+                if s.sizes is not None:
+                    parts = self._insert(torch.split, (s.kernel_node, list(s.sizes), s.layout[1]), anchor)
+                else:
+                    parts = self._insert(unstack, (s.kernel_node, s.layout, s.n, s.shape), anchor)
+                self.position[parts] = self.position[s.kernel_node] + 0.1
+                unstacked[s.kernel_node] = parts
+            item = self._insert(operator.getitem, (parts, s.index), m)
+            self.position[item] = self.position[s.kernel_node] + 0.2
+            m.replace_all_uses_with(item, delete_user_cb=lambda u: u not in self.members)
+
+    def erase_members(self) -> None:
+        for m in sorted(self.members, key=lambda n: -self.position[n]):
+            self.graph.erase_node(m)
+        # Slices and splits that only fed fused members are dead now.
+        changed = True
+        while changed:
+            changed = False
+            for node in reversed(list(self.graph.nodes)):
+                if not node.users and node.op in ("call_function", "call_method") and is_glue(node):
+                    self.graph.erase_node(node)
+                    changed = True
+
+
+def _common_label(labels: list[str]) -> str:
+    """``mlps.*.fc1`` for ``mlps.0.fc1 .. mlps.999.fc1``."""
+    parts = [lab.split(".") for lab in labels]
+    if len({len(p) for p in parts}) != 1:
+        return f"{labels[0]} .. {labels[-1]}"
+    out = []
+    for column in zip(*parts):
+        out.append(column[0] if len(set(column)) == 1 else "*")
+    return ".".join(out)
+
+
+def resort(graph: fx.Graph, position: dict[fx.Node, float]) -> None:
+    """Re-link nodes in a topological order that follows ``position`` where it can."""
+    nodes = list(graph.nodes)
+    indeg = {n: len(set(n.all_input_nodes)) for n in nodes}
+    ready = [(position.get(n, 0.0), i, n) for i, n in enumerate(nodes) if indeg[n] == 0]
+    heapq.heapify(ready)
+    order = []
+    index = {n: i for i, n in enumerate(nodes)}
+    while ready:
+        _, _, n = heapq.heappop(ready)
+        order.append(n)
+        for u in n.users:
+            indeg[u] -= 1
+            if indeg[u] == 0:
+                heapq.heappush(ready, (position.get(u, 0.0), index[u], u))
+    if len(order) != len(nodes):
+        raise RuntimeError("fusion produced a cyclic graph (please report this)")
+    placeholders = [n for n in order if n.op == "placeholder"]
+    rest = [n for n in order if n.op not in ("placeholder", "output")]
+    output = [n for n in order if n.op == "output"]
+    cursor = graph._root
+    for n in placeholders + rest + output:
+        cursor.append(n)
+        cursor = n
