@@ -214,7 +214,7 @@ def test_a_parallel_plan_competes_with_serial_and_the_models_forward(monkeypatch
     sm = ss.StreamScheduledModule(model)
     sm(x)
     if sm.plan.executor == "serial":  # the estimate decides; force the three-way trial
-        from streamsched.module import _Trial
+        from streamsched.planning.choice import Trial as _Trial
 
         sm._ss.last.plan = sm.plan.model_copy(update={"executor": "threads"})
         sm._ss.last.trial = _Trial("threads", eager=True)

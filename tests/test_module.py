@@ -219,7 +219,7 @@ def test_tracing_does_not_disturb_modules_running_in_other_threads():
 def test_auto_keeps_a_parallel_executor_only_where_it_measures_faster(monkeypatch):
     import time
 
-    from streamsched.module import _Trial
+    from streamsched.planning.choice import Trial as _Trial
     from streamsched.runtime.threads import ThreadExecutor
 
     model = Towers(4, 512)
