@@ -38,6 +38,7 @@ from .frontend.trace import CallBinder, Traced, trace_model
 from .observe.nvtx_ranges import NvtxRanges
 from .observe.profiles import check_profile, load_profile, profile_costs
 from .optim import fused_parameters
+from .passes.fusion import FusionContext
 from .planning.choice import Trial
 from .planning.plan import Plan
 from .planning.planner import device_of, make_schedule, signature_text
@@ -211,8 +212,6 @@ class StreamScheduledModule(nn.Module):
         self.__dict__["config"] = cfg
         self.__dict__["_ss"] = _State(model, cfg)
         self.training = model.training
-        from .fusion import FusionContext
-
         self._ss.fusion = FusionContext(model)
 
     # --- nn.Module plumbing ---------------------------------------------------------
