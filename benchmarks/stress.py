@@ -193,7 +193,8 @@ def run_mutations(device: torch.device, seed: int, report: StressReport, tries: 
                     victim.waits = victim.waits[1:]
                 else:
                     victim.cross_reads = victim.cross_reads[1:]
-                program.__dict__.pop("_native_runtime", None)
+                # The executor made its native task table before the mutation: make it anew.
+                sm._ss.executors.for_plan(sm._ss.last.plan).forget(program)
                 caught = False
                 for _ in range(tries):
                     inputs = make()
