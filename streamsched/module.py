@@ -31,7 +31,7 @@ from ._lru import LRU
 from .config import SchedulerConfig, make_config
 from .errors import ConfigError, ProfileMismatchError, TraceError, UntraceableWarning
 from .frontend.binder import ShapeCachedBinder
-from .frontend.effects import EffectRecorder, Effects, storage_key
+from .frontend.effects import EffectRecorder, Effects
 from .frontend.meta import run_and_record
 from .frontend.nodes import node_label
 from .frontend.trace import CallBinder, Traced, trace_model
@@ -444,7 +444,8 @@ class StreamScheduledModule(nn.Module):
         recorder = EffectRecorder()
         with recorder:
             result = run_and_record(traced.graph, traced.root, tensors, on_error, metas, recorder)
-        effects = Effects.from_accesses(recorder.accesses, frozenset(storage_key(t) for t in tensors), traced.graph)
+        input_keys = frozenset(recorder.key_of(t) for t in tensors)
+        effects = Effects.from_accesses(recorder.accesses, input_keys, traced.graph)
         del recorder
         rebuild = traced.output_tree.rebuilder() if traced.output_tree is not None else _identity
         measured = self._measured_costs(tensors)

@@ -249,3 +249,43 @@ def test_consumers_may_write_fused_members_in_place_under_autograd(wide):
         for p, q in zip(sm.module.parameters(), eager.parameters()):
             assert_close(p.grad, q.grad)
     assert sm.plan.fused_groups, "the heads should still be fused"
+
+
+def test_a_freed_storages_address_reused_by_another_value_makes_no_edge(monkeypatch):
+    """Storages are named per lifetime: a value allocated where a freed one lived shares
+    nothing with it, and writing it in place must not be ordered after the old value's
+    readers (that edge blocked fusion, and depended on the allocator run to run). The
+    allocator handing the new value the old address is simulated: whether it does so
+    varies from run to run."""
+    real = effects_mod.storage_key
+    reused: dict[int, int] = {}
+    monkeypatch.setattr(effects_mod, "storage_key", lambda t: reused.get(real(t), real(t)))
+    a = torch.randn(256)
+    with effects_mod.EffectRecorder() as rec:
+        rec.begin("make_x")
+        x = a * 2
+        rec.end()
+        rec.begin("read_x")
+        _ = x.sum()
+        rec.end()
+        old_address = real(x)
+        del x
+        rec.begin("make_y")
+        y = a * 3
+        rec.end()
+        reused[real(y)] = old_address  # y now has the address x had
+        rec.begin("write_y")
+        y.add_(1)
+        rec.end()
+    after = effects_mod.effect_edges(rec.accesses)
+    assert "read_x" not in after.get("write_y", set())
+    # A true write-after-read on one live storage is still an edge.
+    with effects_mod.EffectRecorder() as rec:
+        x = a * 2
+        rec.begin("read_x")
+        _ = x.sum()
+        rec.end()
+        rec.begin("write_x")
+        x.add_(1)
+        rec.end()
+    assert effects_mod.effect_edges(rec.accesses)["write_x"] == {"read_x"}

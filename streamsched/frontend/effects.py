@@ -26,11 +26,13 @@ Example::
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 import torch.utils._pytree as pytree
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["Effects", "NodeAccess", "EffectRecorder", "effect_edges", "op_accesses", "storage_key"]
@@ -96,9 +98,11 @@ class NodeAccess:
 class EffectRecorder(TorchDispatchMode):
     """Records, per node (``begin(name)`` .. ``end()``), the storages its ops touch.
 
-    Storages are named by their address. A freed storage's address may come back as a
-    new value's; that can only add an ordering edge (between nodes that touched the two
-    values), never hide one: a true dependency is two nodes touching one *live* storage.
+    Storages are named by an id per storage *lifetime*: a freed storage's address often
+    comes back as a new value's, and naming by address alone would tie the two values
+    together (an ordering edge between nodes that share nothing, which blocks fusion; and
+    which ones depended on the allocator, so plans differed from run to run). A weak
+    reference per storage tells a live storage from a new one at the same address.
     Nothing is kept alive, so the first call's peak memory stays eager's.
     """
 
@@ -106,6 +110,18 @@ class EffectRecorder(TorchDispatchMode):
         super().__init__()
         self.accesses: dict[str, NodeAccess] = {}
         self._current: Optional[NodeAccess] = None
+        self._ids: dict[int, tuple[int, StorageWeakRef]] = {}  # address -> (id, weak ref)
+        self._next_id = itertools.count()
+
+    def key_of(self, t: torch.Tensor) -> Optional[int]:
+        """The id of ``t``'s storage for this recording (None where it has none)."""
+        address = storage_key(t)
+        if address is None:
+            return None
+        entry = self._ids.get(address)
+        if entry is None or entry[1].expired():
+            entry = self._ids[address] = (next(self._next_id), StorageWeakRef(t.untyped_storage()))
+        return entry[0]
 
     def begin(self, name: str) -> None:
         self._current = self.accesses.setdefault(name, NodeAccess())
@@ -120,15 +136,15 @@ class EffectRecorder(TorchDispatchMode):
         if acc is not None:
             reads, writes = op_accesses(func, args, kwargs)
             for t in reads:
-                key = storage_key(t)
+                key = self.key_of(t)
                 if key is not None:
                     acc.reads.add(key)
             for t in writes:
-                key = storage_key(t)
+                key = self.key_of(t)
                 if key is not None and key not in acc.fresh:
                     acc.writes.add(key)
             for t in fresh_outputs(func, out):
-                key = storage_key(t)
+                key = self.key_of(t)
                 if key is not None:
                     acc.fresh.add(key)
         return out
@@ -136,10 +152,6 @@ class EffectRecorder(TorchDispatchMode):
     @property
     def any_writes(self) -> bool:
         return any(a.writes - a.fresh for a in self.accesses.values())
-
-    @staticmethod
-    def input_storages(values: list[Any]) -> list[Optional[int]]:
-        return [storage_key(v) if isinstance(v, torch.Tensor) else None for v in pytree.tree_leaves(values)]
 
 
 def effect_edges(accesses: dict[str, NodeAccess]) -> dict[str, set[str]]:
