@@ -43,6 +43,11 @@ _RETIME_EVERY = 64
 
 
 def choose_executor(config: SchedulerConfig, device: torch.device, a: Assignment) -> tuple[str, str]:
+    """``(executor, reason)`` for a plan, from the configuration, the device and the
+    assignment's estimates: ``serial`` where no branch pays for a stream or lane of its
+    own, ``streams`` on CUDA, ``threads`` on CPU only where the estimated saving clears
+    the hand-off costs by a wide margin (``executor="auto"``). Raises ``ConfigError`` for
+    ``executor="threads"`` on CUDA tensors."""
     requested = config.executor
     if requested == "threads" and device.type == "cuda":
         raise ConfigError(
