@@ -3,8 +3,9 @@ and Gantt chart).
 
 Both are *observers*: objects with ``push(task, stream)`` and ``pop(task, stream)``, which
 the executors call right before and right after each task, on the thread (and with the
-CUDA stream current) that runs it. ``sm.observing(observer)`` installs one for the calls
-made inside the block.
+CUDA stream current) that runs it; an observer with ``ran(schedule)`` is also told, after
+each call, which schedule ran. ``sm.observing(observer)`` installs one for the calls made
+inside the block. Schedule profiles (:mod:`.profiles`) are measured the same way.
 
 Example::
 
