@@ -395,3 +395,31 @@ def test_threads_log_of_outputs_from_side_lanes_is_clean():
     assert out[0] is x
     assert_close(list(out), list(model(x)))
     assert check_happens_before(sm.last_sync_log) == []
+
+
+def test_the_summary_lists_ten_unfused_groups_and_counts_the_rest():
+    from streamsched.planning.plan import Plan, UnfusedGroup
+
+    unfused = [UnfusedGroup(kind="Linear", size=2, members=[f"a{i}", f"b{i}"], reason="why") for i in range(13)]
+    plan = Plan(
+        model="M",
+        signature="float32[1]",
+        device="cpu",
+        executor="serial",
+        reason="r",
+        stream_bound=1,
+        num_streams=1,
+        order=[],
+        tasks=[],
+        fused_groups=[],
+        critical_path=[],
+        critical_path_us=0.0,
+        est_serial_us=0.0,
+        est_parallel_us=0.0,
+        cross_stream_waits=0,
+        unfused=unfused,
+    )
+    text = plan.summary()
+    assert text.count("not fused: Linear x2") == 10 and "a9, b9" in text and "a10, b10" not in text
+    assert "... 3 more groups not fused (plan.unfused lists all)" in text
+    assert len(plan.unfused) == 13

@@ -27,6 +27,10 @@ from ..passes.fusion.report import FusedGroupInfo, UnfusedGroup
 __all__ = ["Plan", "PlannedTask", "FusedGroupInfo", "OpaqueModule", "UnfusedGroup", "ExecutorTrial"]
 
 
+# The summary lists this many groups left unfused and opaque calls; the fields hold all.
+_LISTED = 10
+
+
 class PlannedTask(BaseModel):
     """One task of a plan."""
 
@@ -175,15 +179,17 @@ class Plan(BaseModel):
             for g in self.fused_groups:
                 members = ", ".join(g.members[:3]) + (f", ... ({g.size} in all)" if g.size > 3 else "")
                 lines.append(f"    g{g.id}: {g.kind} x{g.size} as {g.kernel}: {members}")
-        for u in self.unfused:
+        for u in self.unfused[:_LISTED]:
             members = ", ".join(u.members[:3]) + (f", ... ({u.size} in all)" if u.size > 3 else "")
             lines.append(f"  not fused: {u.kind} x{u.size} ({members}): {u.reason}")
+        if len(self.unfused) > _LISTED:
+            lines.append(f"  ... {len(self.unfused) - _LISTED} more groups not fused (plan.unfused lists all)")
         if self.opaque:
             lines.append(f"  opaque: {len(self.opaque)} module call(s) run as written (tracing their class failed)")
-            for o in self.opaque[:10]:
+            for o in self.opaque[:_LISTED]:
                 lines.append(f"    {o.path}: {o.reason}")
-            if len(self.opaque) > 10:
-                lines.append(f"    ... {len(self.opaque) - 10} more")
+            if len(self.opaque) > _LISTED:
+                lines.append(f"    ... {len(self.opaque) - _LISTED} more (plan.opaque lists all)")
         if self.trial is not None:
             timed = ", ".join(
                 f"{name} {_us(us)}" for name, us in sorted(self.trial.best_us.items(), key=lambda kv: kv[1])
