@@ -35,7 +35,7 @@ from __future__ import annotations
 import copy
 import math
 from collections import OrderedDict
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -308,48 +308,31 @@ def stack_state(source: torch.optim.Optimizer, target: torch.optim.Optimizer, hy
     ``target.state_dict()`` saves the stacked layout, and ``unstack_state`` converts back.
     """
     groups = _group_index(source)
-    sources_of: list[list[tuple[int, str]]] = []
-    new_state: dict = {}
-    for tg in target.param_groups:
-        contributing: list[tuple[int, str]] = []
-        for t in tg["params"]:
-            if isinstance(t, StackedParameter):
-                link = t._ss
-                where = [groups.get(id(m)) for m in link.members]
-                if all(g is None for g in where):
-                    continue
-                if any(g is None for g in where):
-                    missing = link.names[where.index(None)]
-                    raise StackedLayoutError(
-                        f"stack_state: {missing} is not in the source optimizer but other members of its fused group "
-                        "are; a stacked tensor is stepped as a whole"
-                    )
-                first: dict[int, int] = {}  # source group -> its first member here
-                for i, g in enumerate(where):
-                    if g not in first:
-                        first[g] = i
-                        contributing.append((g, link.names[i]))
-                g0 = where[0]
-                for g, i in first.items():
-                    if g != g0:
-                        _check_same_options(
-                            source.param_groups[g0], source.param_groups[g], link.names[0], link.names[i], t
-                        )
-                stacked = _stack_states(t, [source.state.get(m, {}) for m in link.members])
-                if stacked is not None:
-                    new_state[t] = stacked
-            elif id(t) in groups:
-                contributing.append((groups[id(t)], _name(t)))
-                st = source.state.get(t)
-                if st:
-                    new_state[t] = {k: _copy_value(v) for k, v in st.items()}
-        sources_of.append(contributing)
-    if hyperparameters:
-        _set_options(target, source, sources_of)
-    for tg in target.param_groups:
-        for t in tg["params"]:
-            target.state.pop(t, None)
-    target.state.update(new_state)
+
+    def stacked(t: torch.Tensor) -> Optional[tuple[list[tuple[int, str]], Optional[dict]]]:
+        if not isinstance(t, StackedParameter):
+            return None
+        link = t._ss
+        where = [groups.get(id(m)) for m in link.members]
+        if all(g is None for g in where):
+            return [], None
+        if any(g is None for g in where):
+            missing = link.names[where.index(None)]
+            raise StackedLayoutError(
+                f"stack_state: {missing} is not in the source optimizer but other members of its fused group "
+                "are; a stacked tensor is stepped as a whole"
+            )
+        first: dict[int, int] = {}  # source group -> its first member here
+        for i, g in enumerate(where):
+            first.setdefault(g, i)
+        g0 = where[0]
+        for g, i in first.items():
+            if g != g0:
+                _check_same_options(source.param_groups[g0], source.param_groups[g], link.names[0], link.names[i], t)
+        contributing = [(g, link.names[i]) for g, i in first.items()]
+        return contributing, _stack_states(t, [source.state.get(m, {}) for m in link.members])
+
+    _move_state(source, target, hyperparameters, groups, stacked)
 
 
 def unstack_state(source: torch.optim.Optimizer, target: torch.optim.Optimizer, hyperparameters: bool = True) -> None:
@@ -369,18 +352,41 @@ def unstack_state(source: torch.optim.Optimizer, target: torch.optim.Optimizer, 
             if isinstance(p, StackedParameter):
                 for i, m in enumerate(p._ss.members):
                     owner[id(m)] = (p, i)
+
+    def member(p: torch.Tensor) -> Optional[tuple[list[tuple[int, str]], Optional[dict]]]:
+        hit = owner.get(id(p))
+        if hit is None:
+            return None
+        s, i = hit
+        st = source.state.get(s)
+        return [(groups[id(s)], s._ss.names[i])], (_unstack_state(s, st, i) if st else None)
+
+    _move_state(source, target, hyperparameters, groups, member)
+
+
+def _move_state(
+    source: torch.optim.Optimizer,
+    target: torch.optim.Optimizer,
+    hyperparameters: bool,
+    groups: dict[int, int],
+    convert: Callable[[torch.Tensor], Optional[tuple[list[tuple[int, str]], Optional[dict]]]],
+) -> None:
+    """Replace the state of ``target``'s parameters: ``convert(p)`` gives, for a parameter
+    whose layout changes, the ``(source group, name)`` pairs it comes from and its new
+    state (or None where it is not converted); any other parameter of ``source`` keeps a
+    copy of its state. With ``hyperparameters`` each target group takes the options of
+    the source groups its parameters came from."""
     sources_of: list[list[tuple[int, str]]] = []
     new_state: dict = {}
     for tg in target.param_groups:
         contributing: list[tuple[int, str]] = []
         for p in tg["params"]:
-            hit = owner.get(id(p))
-            if hit is not None:
-                s, i = hit
-                contributing.append((groups[id(s)], s._ss.names[i]))
-                st = source.state.get(s)
-                if st:
-                    new_state[p] = _unstack_state(s, st, i)
+            converted = convert(p)
+            if converted is not None:
+                came_from, state = converted
+                contributing.extend(came_from)
+                if state is not None:
+                    new_state[p] = state
             elif id(p) in groups:
                 contributing.append((groups[id(p)], _name(p)))
                 st = source.state.get(p)
