@@ -32,7 +32,6 @@ import functools
 from typing import Any, Callable, Optional, TypeVar
 
 import torch
-import torch.utils._pytree as pytree
 from torch import fx
 
 __all__ = ["branch", "is_branch_module", "BranchCall"]
@@ -80,7 +79,19 @@ class BranchCall:
 
 
 def _find_proxy(obj: Any) -> Optional[fx.Proxy]:
-    return next((leaf for leaf in pytree.tree_leaves(obj) if isinstance(leaf, fx.Proxy)), None)
+    if isinstance(obj, fx.Proxy):
+        return obj
+    if isinstance(obj, (list, tuple)):
+        for item in obj:
+            found = _find_proxy(item)
+            if found is not None:
+                return found
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            found = _find_proxy(item)
+            if found is not None:
+                return found
+    return None
 
 
 def _module_path(tracer: fx.Tracer, module: torch.nn.Module) -> str:

@@ -41,7 +41,7 @@ from .optim import fused_parameters
 from .passes.fusion import FusionContext
 from .planning.choice import Trial
 from .planning.plan import Plan
-from .planning.planner import device_of, make_schedule, signature_text
+from .planning.planner import Schedule, device_of, make_schedule, signature_text
 from .runtime import eager as eager_dispatch
 from .runtime.chaos import Chaos
 from .runtime.graphs import GraphExecutor
@@ -71,7 +71,7 @@ class _Compiled:
 
     __slots__ = ("schedule", "program", "plan", "trial", "eager", "rebuild", "alias_pattern")
 
-    def __init__(self, schedule: _Compiled, program: Program, rebuild: Any):
+    def __init__(self, schedule: Schedule, program: Program, rebuild: Any):
         self.schedule = schedule
         self.program = program
         # The plan; the ``auto`` trial adds its decision to it.
@@ -273,13 +273,17 @@ class StreamScheduledModule(nn.Module):
     def observing(self, observer: Any) -> Iterator[Any]:
         """Call ``observer.push(task, stream)`` and ``observer.pop(task, stream)`` around
         every task of the calls made inside the block (on the task's lane or stream), and,
-        if the observer has one, ``observer.ran(schedule)`` after each call with what it
-        ran (``schedule.plan``; for a traced model also ``.program`` and ``.task_graph``).
+        if the observer has one, ``observer.ran(schedule)`` with what the most recent call
+        ran on entering the block and after each call in it (``schedule.plan``; for a
+        traced model also ``.program`` and ``.task_graph``).
 
         Timelines and profiles use this; the first call with a new input signature runs
         unscheduled (it records shapes), so warm up before observing.
         """
         st = self._ss
+        ran = getattr(observer, "ran", None)
+        if ran is not None and st.last is not None:
+            ran(st.last)  # what the most recent call ran, before any observed call
         previous = st.observer
         st.observer = observer
         try:

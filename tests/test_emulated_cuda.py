@@ -8,6 +8,7 @@ import threading
 
 import pytest
 import torch
+from torch import nn
 
 from streamsched.emulated_cuda import CudaError, UnsynchronizedAccess
 
@@ -510,3 +511,37 @@ def test_planted_prefetcher_defects(emulated_cuda, monkeypatch):
         for batch in Prefetcher(batches, "cuda"):
             batch.sum()
     emulated_cuda.take_reports()
+
+
+class _Outputs(dict):
+    """A dict subclass, as model outputs often are."""
+
+
+class _DictHead(nn.Module):
+    def forward(self, x):
+        return _Outputs(a=x * 2)
+
+
+class _TwoLinearsDictHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2, self.head = nn.Linear(4, 4), nn.Linear(4, 4), _DictHead()
+
+    def forward(self, x):
+        return self.head(self.l1(x) + self.l2(x))
+
+
+def test_cuda_graph_outputs_in_a_dict_subclass_are_the_callers(emulated_cuda):
+    """Replayed outputs are cloned inside container subclasses too, and keep their type:
+    the next replay must not overwrite what the previous call returned."""
+    model = _TwoLinearsDictHead().cuda()
+    sm = ss.StreamScheduledModule(model, leaf_modules=[_DictHead], executor="streams", cuda_graph=True)
+    with torch.no_grad():
+        for _ in range(2):
+            sm(torch.randn(2, 4, device="cuda"))
+        first = sm(torch.ones(2, 4, device="cuda"))
+        kept = first["a"].clone()
+        sm(torch.zeros(2, 4, device="cuda"))
+        assert len(sm._ss.graphs[sm.plan.device]) == 1  # replayed, not run on streams
+        assert type(first) is _Outputs and torch.equal(first["a"], kept)
+        assert_close(first["a"], model(torch.ones(2, 4, device="cuda"))["a"])

@@ -142,3 +142,19 @@ def test_copies_of_a_wrapped_module_are_independent():
     twin = copy.deepcopy(sm)
     assert twin.module is not sm.module and twin.config == sm.config
     assert_close(twin(x), out)
+
+
+def test_the_streams_executor_records_every_tensor_of_a_container_subclass():
+    """record_stream reaches tensors inside list, tuple and dict subclasses, as the native
+    runtime's walk does: a value another stream reads may be any such container."""
+    from streamsched.runtime.streams import _tensors
+
+    class Outputs(dict):
+        pass
+
+    class Parts(list):
+        pass
+
+    a, b, c = torch.ones(1), torch.ones(2), torch.ones(3)
+    found = list(_tensors(Outputs(x=a, rest=Parts([b, (c, None)]))))
+    assert len(found) == 3 and all(any(f is t for f in found) for t in (a, b, c))

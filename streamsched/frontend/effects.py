@@ -149,10 +149,6 @@ class EffectRecorder(TorchDispatchMode):
                     acc.fresh.add(key)
         return out
 
-    @property
-    def any_writes(self) -> bool:
-        return any(a.writes - a.fresh for a in self.accesses.values())
-
 
 def effect_edges(accesses: dict[str, NodeAccess]) -> dict[str, set[str]]:
     """For each node (in the recorded, eager order), the earlier nodes it must follow

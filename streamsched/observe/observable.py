@@ -32,8 +32,9 @@ class Observable(Protocol):
 
     Calling it runs the model; ``observing(observer)`` is a context manager during which
     the executors call ``observer.push(task, stream)`` and ``observer.pop(task, stream)``
-    around every task, and the module calls ``observer.ran(schedule)`` after each call
-    with the :class:`ObservedSchedule` it ran (``sm.plan`` is only that schedule's
+    around every task, and the module calls ``observer.ran(schedule)`` with the
+    :class:`ObservedSchedule` the most recent call ran, on entering the block and after
+    each call in it (``sm.plan`` is only that schedule's
     report); ``module`` is the wrapped model, whose class names the timeline.
     """
 

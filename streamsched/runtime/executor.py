@@ -78,9 +78,6 @@ class PerProgram(Generic[T]):
             value = self._table[program] = make(program)
         return value
 
-    def peek(self, program: Program) -> Optional[T]:
-        return self._table.get(program)
-
     def forget(self, program: Optional[Program] = None) -> None:
         if program is None:
             self._table.clear()

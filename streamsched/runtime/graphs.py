@@ -37,13 +37,13 @@ cross-stream dependencies as graph edges; one replay launches the whole schedule
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
-import torch.utils._pytree as pytree
 
 from .. import _generation
 from .executor import PerProgram
@@ -80,6 +80,24 @@ def _autocast_on() -> bool:
     if _any_autocast is not None:
         return bool(_any_autocast())
     return any(torch.is_autocast_enabled(d) for d in ("cuda", "cpu"))
+
+
+# Containers and their subclasses (pytree would leave a dict subclass, and the tensors in
+# it, uncloned: the caller would get the static buffers the next replay overwrites).
+def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_map_tensors(v, fn) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_tensors(v, fn) for v in value)
+    if isinstance(value, dict):
+        # A shallow copy keeps a dict subclass's type (and attributes), as eager returns it.
+        out = copy.copy(value) if type(value) is not dict else {}
+        for k, v in value.items():
+            out[k] = _map_tensors(v, fn)
+        return out
+    return value
 
 
 @dataclass
@@ -276,7 +294,7 @@ class GraphExecutor:
         captured.graph.replay()
         if not self.clone_outputs:
             return captured.static_output
-        return pytree.tree_map_only(torch.Tensor, lambda t: t.clone(), captured.static_output)
+        return _map_tensors(captured.static_output, lambda t: t.clone())
 
     def forget(self, program: Optional[Program] = None) -> None:
         """Drop the captured graph of ``program``, or every one (weights moved, module

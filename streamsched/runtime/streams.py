@@ -26,10 +26,9 @@ how the same logic is tested without a GPU. Both are importable from here.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional
 
 import torch
-import torch.utils._pytree as pytree
 
 from .backends import CudaBackend, SimulatedBackend
 from .chaos import Chaos
@@ -40,10 +39,18 @@ from .synclog import SyncEntry, SyncLog
 __all__ = ["StreamExecutor", "CudaBackend", "SimulatedBackend"]
 
 
-def _tensors(value: Any) -> Sequence[torch.Tensor]:
-    if isinstance(value, torch.Tensor):  # nearly every slot: no tree walk
-        return (value,)
-    return [v for v in pytree.tree_leaves(value) if isinstance(v, torch.Tensor)]
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    # Lists, tuples and dicts, their subclasses included, as the native runtime walks them
+    # (csrc/runtime.cpp): pytree would take a dict subclass for a leaf, and a tensor in it
+    # would miss its record_stream.
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
 
 
 class StreamExecutor:

@@ -158,10 +158,11 @@ def record_runs(sm: Observable, *inputs: Any, runs: int = 3, warmup: int = 2, **
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
         raise ValueError(f"warmup must be an int >= 1 (the first call plans, it runs no schedule), got {warmup!r}")
     name = type(sm.module).__name__
+    for _ in range(warmup):
+        sm(*inputs, **kwargs)
     warm = _LastSchedule()
-    with sm.observing(warm):
-        for _ in range(warmup):
-            sm(*inputs, **kwargs)
+    with sm.observing(warm):  # told what the last warm-up call ran; calls nothing
+        pass
     planned = warm.schedule
     if planned is None:
         raise RuntimeError(f"{name}: no schedule after {warmup} warm-up call(s); nothing to observe")
