@@ -318,3 +318,75 @@ def test_copy_mode_never_touches_parameter_storage():
     sm(torch.randn(2, 160))
     sm(torch.randn(2, 160))
     assert [p.data_ptr() for p in fresh.parameters()] == ptrs
+
+
+class _NormAct(nn.BatchNorm1d):
+    """A torch.nn subclass with a child and a plain attribute (as timm's BatchNormAct2d):
+    fused by vmap over the first member's code, which swaps in parameters and buffers only."""
+
+    def __init__(self, act: nn.Module, scale: float = 1.0):
+        super().__init__(8)
+        self.act = act
+        self.scale = scale
+
+    def forward(self, x):
+        return self.act(super().forward(x)) * self.scale
+
+
+class _FourNormActs(nn.Module):
+    def __init__(self, members):
+        super().__init__()
+        self.members = nn.ModuleList(members)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.normal_()
+            for m in self.members:
+                m.running_mean.normal_()
+                m.running_var.uniform_(0.5, 2.0)
+
+    def forward(self, x):
+        return torch.stack([m(x) for m in self.members])
+
+
+def _own_forward(m: nn.Module) -> nn.Module:
+    m.forward = lambda x: -nn.BatchNorm1d.forward(m, x)
+    return m
+
+
+def _child_in_the_other_mode(train: bool) -> nn.Module:
+    m = _NormAct(nn.BatchNorm1d(8))
+    m.act.train(not train)  # a child whose mode differs from its parent's
+    return m
+
+
+@pytest.mark.parametrize(
+    "odd_one",
+    [
+        lambda train: _NormAct(nn.Identity()),  # another child
+        lambda train: _NormAct(nn.ReLU(), scale=3.0),  # a plain attribute extra_repr does not print
+        lambda train: _own_forward(_NormAct(nn.ReLU())),  # an instance's own forward
+    ],
+    ids=["child", "attribute", "instance-forward"],
+)
+@pytest.mark.parametrize("train", [False, True])
+def test_members_differing_beyond_parameters_are_not_fused_together(odd_one, train):
+    model = _FourNormActs([_NormAct(nn.ReLU()) for _ in range(3)] + [odd_one(train)]).train(train)
+    sm = check_against_eager(model, (torch.randn(5, 8),), calls=3)
+    sizes = sorted(g.size for g in sm.plan.fused_groups)
+    assert sizes == [3], f"the three alike members fuse, the odd one stays alone: {sizes}"
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_members_whose_children_differ_in_mode_are_not_fused_together(train):
+    members = [_NormAct(nn.BatchNorm1d(8)) for _ in range(3)]
+    model = _FourNormActs(members + [_NormAct(nn.BatchNorm1d(8))]).train(train)
+    model.members[3].act.train(not train)
+    sm = check_against_eager(model, (torch.randn(5, 8),), calls=3)
+    sizes = sorted(g.size for g in sm.plan.fused_groups)
+    assert 4 not in sizes and 3 in sizes, sizes
+
+
+def test_members_alike_in_everything_are_fused():
+    model = _FourNormActs([_NormAct(nn.ReLU(), scale=2.0) for _ in range(4)]).eval()
+    sm = check_against_eager(model, (torch.randn(5, 8),), calls=3)
+    assert [g.size for g in sm.plan.fused_groups] == [4]

@@ -20,6 +20,7 @@ Each proposed group names the kernel kind that will build it (a key of
 
 from __future__ import annotations
 
+import enum
 import logging
 import operator
 from dataclasses import dataclass, field
@@ -150,6 +151,47 @@ def _has_hooks(m: nn.Module) -> bool:
     )
 
 
+# What every nn.Module instance holds in its __dict__ (registries, hook tables,
+# flags): not configuration of its own, and compared separately where it matters.
+_MODULE_INTERNALS = frozenset(vars(nn.Module())) | {"_parameters", "_buffers", "_modules", "training"}
+_PLAIN_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+
+
+def _value_sig(v: Any) -> Any:
+    """A hashable stand-in for a plain attribute value that is equal exactly when the
+    values behave alike: plain values by value, containers by their items, anything
+    else (a function, a tensor that is not a registered buffer, an arbitrary object) by
+    identity, so members holding different objects never share a signature."""
+    if isinstance(v, _PLAIN_TYPES) or isinstance(v, enum.Enum):
+        return (type(v), v)
+    if type(v) in (tuple, list, set, frozenset):
+        items = sorted(map(_value_sig, v), key=repr) if isinstance(v, (set, frozenset)) else map(_value_sig, v)
+        return (type(v), tuple(items))
+    if type(v) is dict and all(isinstance(k, str) for k in v):
+        return (dict, tuple(sorted((k, _value_sig(x)) for k, x in v.items())))
+    return ("object", id(v))
+
+
+def _structure_sig(m: nn.Module) -> tuple:
+    """Everything of a module call but its parameters and buffers that its forward may
+    read: for it and each submodule, the class, the training flag, ``extra_repr`` and
+    every plain attribute of the instance. A fused kernel runs all members through one
+    member's code (``vmap`` over ``functional_call`` of the first member), which swaps
+    in each member's parameters and buffers only; members that differ in anything else
+    (a ReLU child against an Identity, a ``scale`` attribute that ``extra_repr`` does not
+    print, an instance's own ``forward``) must not share a signature."""
+    return tuple(
+        (
+            name,
+            type(sub),
+            sub.training,
+            sub.extra_repr(),
+            tuple(sorted((k, _value_sig(v)) for k, v in vars(sub).items() if k not in _MODULE_INTERNALS)),
+        )
+        for name, sub in m.named_modules()
+    )
+
+
 def _meta_sig(meta: Optional[ValueMeta]) -> Any:
     if isinstance(meta, TensorMeta):
         return ("T", meta.shape, meta.dtype, meta.device)
@@ -253,9 +295,7 @@ class FusionSupport:
                 return None
             return (
                 "module",
-                type(m),
-                m.extra_repr(),
-                m.training,
+                _structure_sig(m),
                 params,
                 buffers,
                 tuple(_arg_sig(a, metas) for a in node.args),
@@ -283,6 +323,8 @@ class FusionSupport:
         if node.op != "call_module" or len(node.args) != 1 or node.kwargs:
             return None
         m = self.root.get_submodule(node.target)
+        if "forward" in vars(m):  # an instance's own forward: the wide kernel would skip it
+            return None
         if type(m) is nn.Linear:
             cfg = ("linear", m.in_features, m.bias is not None)
         elif type(m) in (nn.Conv1d, nn.Conv2d, nn.Conv3d) and m.groups == 1 and m.padding_mode == "zeros":
