@@ -111,9 +111,23 @@ def watch(names: Iterable[str]) -> None:
     _watched.update(names)
 
 
+# Moves with the generation on every watched assignment but ``training``: a mode switch
+# (``.train()`` on every step of a training loop) need not re-read fused modules'
+# configuration, an assigned plain attribute must.
+_assignments = 0
+
+
+def assignments() -> int:
+    """A counter of watched plain-attribute assignments (``training`` excepted)."""
+    return _assignments
+
+
 def _setattr(self, name: str, value: Any) -> None:
     if name in _watched and tracked(self):
         _bump()
+        if name != "training":
+            global _assignments
+            _assignments += 1
     if _on_setattr:
         callback = _on_setattr.get(threading.get_ident())
         if callback is not None:

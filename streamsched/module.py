@@ -389,6 +389,9 @@ class StreamScheduledModule(nn.Module):
         if stale:
             log.info("streamsched: %s changed after wrapping; re-tracing", type(self.module).__name__)
             self.invalidate()
+        elif st.fusion is not None and not st.fusion.fused_unchanged():
+            log.info("streamsched: a fused module of %s was reconfigured; re-planning", type(self.module).__name__)
+            self.invalidate()
         elif st.fusion is not None:
             # A parameter may have been re-assigned: re-stack whatever no longer aliases.
             st.fusion.check_all(full=True)

@@ -390,3 +390,43 @@ def test_members_alike_in_everything_are_fused():
     model = _FourNormActs([_NormAct(nn.ReLU(), scale=2.0) for _ in range(4)]).eval()
     sm = check_against_eager(model, (torch.randn(5, 8),), calls=3)
     assert [g.size for g in sm.plan.fused_groups] == [4]
+
+
+def test_reconfiguring_a_fused_member_after_planning_re_plans():
+    model = _FourNormActs([_NormAct(nn.ReLU(), scale=2.0) for _ in range(4)]).eval()
+    sm = ss.StreamScheduledModule(copy.deepcopy(model), executor="serial")
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        for _ in range(2):
+            assert_close(sm(x), model(x))
+        assert [g.size for g in sm.plan.fused_groups] == [4]
+        for m in (model, sm.module):
+            m.members[3].scale = 3.0  # read by the fused kernel's code, not a parameter
+        assert_close(sm(x), model(x))
+        assert [g.size for g in sm.plan.fused_groups] == [3]
+        for m in (model, sm.module):
+            m.members[0].scale = 3.0
+            m.members[1].scale = 3.0
+        assert_close(sm(x), model(x))
+
+
+def test_changing_a_wide_conv_member_configuration_re_plans():
+    class Heads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Conv2d(3, 4, 3, padding=1)
+            self.b = nn.Conv2d(3, 6, 3, padding=1)
+
+        def forward(self, x):
+            return self.a(x).sum() + self.b(x).sum()
+
+    model = Heads()
+    sm = ss.StreamScheduledModule(copy.deepcopy(model), executor="serial")
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        sm(x)
+        assert_close(sm(x), model(x))
+        assert [g.size for g in sm.plan.fused_groups] == [2]
+        for m in (model, sm.module):
+            m.b.padding = (0, 0)
+        assert_close(sm(x), model(x))

@@ -14,8 +14,10 @@ from typing import Any, Sequence
 import torch
 from torch import fx, nn
 
+from ... import _generation
 from .fuse import FuseResult, fuse_graph
 from .params import StackedTensors
+from .propose import plain_attribute_names, structure_signature
 from .stacked import StackedParameter
 
 __all__ = ["FusionContext"]
@@ -47,6 +49,10 @@ class FusionContext:
         self._claimed: dict[int, tuple] = {}
         # Stacked parameters by stack key; they outlive invalidate() (an optimizer holds them).
         self._params: dict[tuple, StackedParameter] = {}
+        # Each fused module with the configuration its kernel baked in (class, mode,
+        # extra_repr and plain attributes of it and its submodules), by id.
+        self._fused: dict[int, tuple[nn.Module, tuple]] = {}
+        self._assignments = _generation.assignments()
 
     def stack_for(self, owners: Sequence[tuple[nn.Module, str]], concat: bool = False) -> StackedTensors:
         key = (tuple((id(m), n) for m, n in owners), concat)
@@ -123,7 +129,26 @@ class FusionContext:
         under ``config``'s ``fuse_params``, ``grad_handoff`` and ``fuse_min_size``."""
         self.alias = config.fuse_params == "alias"
         self.direct_grads = config.grad_handoff == "direct"
-        return fuse_graph(graph, root, metas, self, device, config.fuse_min_size)
+        result = fuse_graph(graph, root, metas, self, device, config.fuse_min_size)
+        names: set[str] = set()
+        for m in result.modules:
+            self._fused[id(m)] = (m, structure_signature(m))
+            names |= plain_attribute_names(m)
+        # Assigning one of these attributes moves the generation, so the wrapper asks
+        # fused_unchanged() before its next call.
+        _generation.watch(names)
+        self._assignments = _generation.assignments()
+        return result
+
+    def fused_unchanged(self) -> bool:
+        """Whether every module a kernel replaced still has the configuration the kernel
+        baked in (``conv.padding = 0``, ``act.scale = 3`` after planning: no)."""
+        if _generation.assignments() == self._assignments:
+            return True  # no watched attribute assigned since the last look (a mode switch, a re-registration)
+        if all(structure_signature(m) == sig for m, sig in self._fused.values()):
+            self._assignments = _generation.assignments()
+            return True
+        return False
 
     def check_all(self, full: bool = False) -> None:
         for stack in self._stacks.values():
@@ -132,6 +157,7 @@ class FusionContext:
     def invalidate(self) -> None:
         self._stacks.clear()
         self._claimed.clear()
+        self._fused.clear()
 
 
 def _qualified(names: dict[int, str], module: nn.Module, attr: str) -> str:

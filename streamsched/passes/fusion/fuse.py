@@ -33,6 +33,8 @@ class FuseResult:
     notes: list[str]
     kernels: list[FusedKernel]
     unfused: list[UnfusedGroup] = field(default_factory=list)
+    modules: list[nn.Module] = field(default_factory=list)
+    """The module calls the kernels replaced: their configuration is baked into the kernels."""
 
 
 def _unfused(root: nn.Module, reason: str, members: list[fx.Node]) -> UnfusedGroup:
@@ -56,6 +58,7 @@ def fuse_graph(
     proposals = propose(graph, FusionSupport(root, metas), min_size)
     unfused = [_unfused(root, reason, nodes) for reason, nodes in proposals.excluded]
     rw = Rewriter(graph, root, metas, stacks, device)
+    fused_modules: list[nn.Module] = []
     for kind, members in proposals.groups:
         rw.inserted = []
         reason = ""
@@ -70,10 +73,12 @@ def fuse_graph(
         if kernel is None:
             rw.discard_inserted()
             unfused.append(_unfused(root, reason or "no batched kernel for these arguments", members))
+        else:
+            fused_modules.extend(root.get_submodule(m.target) for m in members if m.op == "call_module")
     if not rw.kernels:
         return FuseResult([], [], [], unfused)
     rw.rewrite_consumers()
     rw.erase_members()
     resort(graph, rw.position)
     graph.lint()
-    return FuseResult(rw.groups, [], rw.kernels, unfused)
+    return FuseResult(rw.groups, [], rw.kernels, unfused, fused_modules)

@@ -34,7 +34,15 @@ from ...branch import BranchCall
 from ...frontend.meta import ConstMeta, TensorMeta, ValueMeta
 from ...frontend.nodes import node_label, target_name
 
-__all__ = ["FusionSupport", "Proposals", "propose", "module_kind", "MODULE_KINDS"]
+__all__ = [
+    "FusionSupport",
+    "Proposals",
+    "propose",
+    "module_kind",
+    "structure_signature",
+    "plain_attribute_names",
+    "MODULE_KINDS",
+]
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +180,13 @@ def _value_sig(v: Any) -> Any:
     return ("object", id(v))
 
 
-def _structure_sig(m: nn.Module) -> tuple:
+def plain_attribute_names(m: nn.Module) -> set[str]:
+    """The names of the plain attributes :func:`structure_signature` reads, over ``m`` and
+    its submodules (assigning one of them must re-check a plan that fused ``m``)."""
+    return {k for sub in m.modules() for k in vars(sub) if k not in _MODULE_INTERNALS}
+
+
+def structure_signature(m: nn.Module) -> tuple:
     """Everything of a module call but its parameters and buffers that its forward may
     read: for it and each submodule, the class, the training flag, ``extra_repr`` and
     every plain attribute of the instance. A fused kernel runs all members through one
@@ -295,7 +309,7 @@ class FusionSupport:
                 return None
             return (
                 "module",
-                _structure_sig(m),
+                structure_signature(m),
                 params,
                 buffers,
                 tuple(_arg_sig(a, metas) for a in node.args),
