@@ -114,6 +114,34 @@ def test_threads_carry_grad_mode_and_inference_mode_into_lanes():
     assert sm(x).requires_grad
 
 
+def test_lanes_run_with_the_callers_intra_op_thread_count():
+    # PyTorch keeps part of the count per thread: a lane started under one count kept
+    # it after the caller changed it, and kernels split over another number of threads
+    # sum in another order than the caller's own calls.
+    from streamsched.runtime.lanes import LanePool
+
+    pool = LanePool("test-lanes")
+    before = torch.get_num_threads()
+
+    def count_on_lane() -> int:
+        seen = []
+        done = threading.Event()
+        pool.ensure(1)
+        pool.submit(1, lambda: (seen.append(torch.get_num_threads()), done.set()))
+        assert done.wait(10)
+        return seen[0]
+
+    try:
+        torch.set_num_threads(1)
+        assert count_on_lane() == 1
+        torch.set_num_threads(3)
+        assert count_on_lane() == 3
+        torch.set_num_threads(1)
+        assert count_on_lane() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.skipif(_native.native() is None, reason="native runtime not built")
 @pytest.mark.parametrize("name", ["nasnet", "randwire", "towers", "conv_towers"])
 def test_native_and_python_runtimes_write_identical_sync_logs(name):

@@ -20,6 +20,8 @@ import queue
 import threading
 from typing import Callable
 
+import torch
+
 __all__ = ["LanePool"]
 
 
@@ -71,7 +73,10 @@ class LanePool:
         hands its outcome over itself (a future, an event)."""
         with self._count_lock:
             self._unfinished[lane - 1] += 1
-        self._queues[lane - 1].put(job)
+        # The caller's intra-op thread count travels with the job: PyTorch keeps part of
+        # it per thread (OpenMP's and MKL's thread-local settings), and a kernel split
+        # over another number of threads sums in another order (not bit for bit eager).
+        self._queues[lane - 1].put((torch.get_num_threads(), job))
 
     def _start_worker(self) -> None:
         index = len(self._queues)
@@ -81,8 +86,12 @@ class LanePool:
 
         def loop() -> None:
             self._local.lane = index + 1
+            threads = 0
             while True:
-                job = jobs.get()
+                wanted, job = jobs.get()
+                if wanted != threads:
+                    torch.set_num_threads(wanted)
+                    threads = wanted
                 try:
                     job()
                 finally:
