@@ -423,3 +423,74 @@ def test_the_summary_lists_ten_unfused_groups_and_counts_the_rest():
     assert text.count("not fused: Linear x2") == 10 and "a9, b9" in text and "a10, b10" not in text
     assert "... 3 more groups not fused (plan.unfused lists all)" in text
     assert len(plan.unfused) == 13
+
+
+@dataclasses.dataclass
+class _Fields:
+    value: torch.Tensor
+    extra: torch.Tensor
+
+
+class _Encoder(nn.Module):
+    """Runs opaque (named in leaf_modules): the trace sees its output as one value."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return _Fields(self.lin(x), x * 2)
+
+
+class _Projects(nn.Module):
+    """Replaces a field of the opaque encoder's output, as CLIPModel.get_text_features
+    does with ``pooler_output``."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = _Encoder()
+        self.proj = nn.Linear(4, 2)
+
+    def forward(self, x):
+        out = self.encoder(x)
+        out.value = self.proj(out.value)
+        return out
+
+
+class _ProjectsInside(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = _Projects()
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        out = self.inner(x)
+        return out.value, self.head(x)
+
+
+@pytest.mark.parametrize("where", ["root", "submodule"])
+def test_assigning_a_field_of_an_opaque_output_is_not_lost(where):
+    torch.manual_seed(0)
+    model = _Projects() if where == "root" else _ProjectsInside()
+    ref = copy.deepcopy(model)
+    sm = ss.StreamScheduledModule(model, leaf_modules=(_Encoder,))
+    with pytest.warns(ss.UntraceableWarning, match="assigns attribute 'value'") if where == "root" else _no_op():
+        for _ in range(3):
+            x = torch.randn(3, 4)
+            actual, expected = sm(x), ref(x)
+            if where == "root":
+                assert type(actual) is _Fields
+                assert_close(actual.value, expected.value)
+                assert_close(actual.extra, expected.extra)
+            else:
+                assert_close(actual, expected)
+    if where == "submodule":
+        assert [o.path for o in sm.plan.opaque] == ["inner"]
+
+
+class _no_op:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

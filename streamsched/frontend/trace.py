@@ -42,9 +42,10 @@ from torch import fx
 from .. import _generation
 from ..branch import is_branch_module
 from ..errors import TraceError
+from .hooks import has_hooks
 from .nodes import AUGMENTED_OPERATORS
 from .output_tree import OutputTree
-from .trace_guard import TraceSideEffectGuard
+from .trace_guard import SideEffectDuringTrace, TraceSideEffectGuard
 
 __all__ = ["CallBinder", "CallSpec", "Traced", "trace_model"]
 
@@ -233,6 +234,10 @@ class _LeafTracer(fx.Tracer):
             return True
         if is_branch_module(m):
             return True
+        # A hooked module must run through its own __call__ at run time, where its hooks
+        # fire on real tensors every call (traced through, they would fire once, here).
+        if m is not self.model and has_hooks(m):
+            return True
         # fx cannot trace a compiled module; its compiled code runs as one opaque task.
         if _is_compiled_module(m):
             return True
@@ -250,6 +255,29 @@ class _Proxy(fx.Proxy):
 
     def __setitem__(self, index: Any, value: Any) -> None:
         self.tracer.create_proxy("call_function", operator.setitem, (self, index, value), {})
+
+    # Assigning an attribute of a traced value (``outputs.pooler_output = proj(...)`` on
+    # the ModelOutput an opaque submodule returned) would land on this proxy object
+    # only: the traced code would read the new value back, but the object returned at
+    # run time would keep its old attribute. fx has no node for it, so it cannot be
+    # traced (the module doing it runs as written).
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _PROXY_OWN_ATTRIBUTES:
+            object.__setattr__(self, name, value)
+            return
+        raise SideEffectDuringTrace(
+            f"assigns attribute '{name}' of a value computed in forward (a module output's field?): "
+            "the trace cannot record that"
+        )
+
+    def __delattr__(self, name: str) -> None:
+        raise SideEffectDuringTrace(
+            f"deletes attribute '{name}' of a value computed in forward: the trace cannot record that"
+        )
+
+
+# What fx's Proxy sets on itself.
+_PROXY_OWN_ATTRIBUTES = frozenset({"tracer", "node"})
 
 
 # ``x += 1`` on a tensor writes it in place (the caller's tensor too, when x is an
