@@ -20,6 +20,7 @@ from .config import SchedulerConfig
 from .errors import (
     ConfigError,
     ExtensionError,
+    HooksWarning,
     PlanError,
     ProfileMismatchError,
     StreamSchedError,
@@ -46,6 +47,7 @@ __all__ = [
     "ConfigError",
     "TraceError",
     "UntraceableWarning",
+    "HooksWarning",
     "PlanError",
     "ExtensionError",
     "ProfileMismatchError",

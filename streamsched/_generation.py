@@ -19,6 +19,7 @@ into a tracked one becomes tracked, with its whole subtree.
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from typing import Any, Callable, Iterable
@@ -81,6 +82,43 @@ _handles = (
     _module.register_module_parameter_registration_hook(_registered_tensor),
     _module.register_module_buffer_registration_hook(_registered_tensor),
 )
+
+# A module hook registered on a tracked module changes what a call of it does (the trace
+# runs a hooked module as a call of its own): count registrations, so the wrapper
+# re-traces. Removing one (``handle.remove()``) needs nothing: the module keeps running
+# through its own __call__, which then fires no hook.
+_hook_registrations = 0
+
+
+def hook_registrations() -> int:
+    """A counter of module hooks registered on tracked modules."""
+    return _hook_registrations
+
+
+def _counting_registrations(register: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(register)
+    def wrapper(self, *args: Any, **kwargs: Any) -> Any:
+        handle = register(self, *args, **kwargs)
+        if tracked(self):
+            global _hook_registrations
+            _hook_registrations += 1
+            _bump()
+        return handle
+
+    wrapper._streamsched = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+for _name in (
+    "register_forward_hook",
+    "register_forward_pre_hook",
+    "register_full_backward_hook",
+    "register_full_backward_pre_hook",
+    "register_backward_hook",
+):
+    _register = getattr(_module.Module, _name, None)
+    if _register is not None and not getattr(_register, "_streamsched", False):
+        setattr(_module.Module, _name, _counting_registrations(_register))
 
 # PyTorch has no hook for removals; wrap __delattr__ (behaviour unchanged) so that
 # deleting a submodule or parameter moves the counter too.

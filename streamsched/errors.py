@@ -37,6 +37,14 @@ class ProfileMismatchError(StreamSchedError, ValueError):
     """A stored schedule profile was made for another model, input or device."""
 
 
+class HooksWarning(UserWarning):
+    """The wrapped model itself has hooks, or global module hooks are registered: no
+    schedule can fire them where eager does, so the model runs as written (its own
+    ``__call__``) while they are there. Register hooks on the ``StreamScheduledModule``
+    (they fire around each call) or on submodules (a hooked submodule runs as one call
+    of its own, its hooks firing as in eager) to keep the schedule."""
+
+
 class UntraceableWarning(UserWarning):
     """The model's own ``forward`` cannot be traced; it runs as written (eager dispatch).
 

@@ -29,9 +29,10 @@ from torch import nn
 from . import _generation, _native
 from ._lru import LRU
 from .config import SchedulerConfig, make_config
-from .errors import ConfigError, ProfileMismatchError, TraceError, UntraceableWarning
+from .errors import ConfigError, HooksWarning, ProfileMismatchError, TraceError, UntraceableWarning
 from .frontend.binder import ShapeCachedBinder
 from .frontend.effects import EffectRecorder, Effects
+from .frontend.hooks import global_hooks, has_hooks
 from .frontend.meta import run_and_record
 from .frontend.nodes import node_label
 from .frontend.trace import CallBinder, Traced, trace_model
@@ -114,6 +115,7 @@ class _State:
         self.hot: Optional[tuple] = None
         self.lock = threading.RLock()
         self.generation = _generation.current()
+        self.hook_registrations = _generation.hook_registrations()
         self.calls = 0
         self.executors = ExecutorPool(_native.native())
         self.graphs = self.executors.graphs
@@ -128,6 +130,7 @@ class _State:
         self.modes: dict[tuple, int] = {}
         self.mode_id = self.mode_of(model)
         self.warned_untraceable = False
+        self.warned_hooks = False
 
     def mode_of(self, model: nn.Module) -> int:
         flags = tuple(m.training for m in model.modules())
@@ -334,6 +337,9 @@ class StreamScheduledModule(nn.Module):
         st = self._ss
         if st.generation != _generation.current():
             self._revalidate()
+        module = self.module
+        if has_hooks(module) or global_hooks():
+            return self._call_with_hooks(args, kwargs)
         try:
             leaves, spec = st.bind(args, kwargs)
         except TypeError as exc:
@@ -379,7 +385,9 @@ class StreamScheduledModule(nn.Module):
         st = self._ss
         st.mode_id = st.mode_of(self.module)
         st.hot = None
-        stale = False
+        # A module hook registered since: a hooked module runs as a call of its own.
+        stale = st.hook_registrations != _generation.hook_registrations()
+        st.hook_registrations = _generation.hook_registrations()
         for traced in list(st.traces.values()):
             if not isinstance(traced, Traced):
                 continue
@@ -515,6 +523,23 @@ class StreamScheduledModule(nn.Module):
         forward timings do not see)."""
         cfg = self.config
         return not cfg.sync_log and cfg.chaos is None and cfg.cuda_graph is False and cfg.grad_handoff != "direct"
+
+    def _call_with_hooks(self, args: tuple, kwargs: dict) -> Any:
+        """Hooks on the wrapped model itself, or global module hooks, fire around (or on)
+        every module call eager makes, which no schedule reproduces: run the model as
+        written, through its own ``__call__``, and say so once."""
+        st = self._ss
+        if not st.warned_hooks:
+            st.warned_hooks = True
+            where = "global module hooks are" if global_hooks() else f"{type(self.module).__name__} has hooks"
+            warnings.warn(
+                f"streamsched: {where} registered, so the wrapped model runs as written (its hooks fire as in "
+                "eager; nothing is scheduled). Hooks on the StreamScheduledModule itself, or on a submodule, "
+                "keep the schedule.",
+                HooksWarning,
+                stacklevel=4,
+            )
+        return self.module(*args, **kwargs)
 
     def _forward_as_written(self, args: tuple, kwargs: dict) -> Any:
         # The class's forward, as the trace calls it: hooks on the model itself run on no

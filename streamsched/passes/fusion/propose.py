@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from ...branch import BranchCall
+from ...frontend.hooks import has_hooks
 from ...frontend.meta import ConstMeta, TensorMeta, ValueMeta
 from ...frontend.nodes import node_label, target_name
 
@@ -153,12 +154,6 @@ def module_kind(m: nn.Module) -> str:
 # --- signatures --------------------------------------------------------------------
 
 
-def _has_hooks(m: nn.Module) -> bool:
-    return bool(
-        m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or getattr(m, "_backward_pre_hooks", None)
-    )
-
-
 # What every nn.Module instance holds in its __dict__ (registries, hook tables,
 # flags): not configuration of its own, and compared separately where it matters.
 _MODULE_INTERNALS = frozenset(vars(nn.Module())) | {"_parameters", "_buffers", "_modules", "training"}
@@ -180,10 +175,19 @@ def _value_sig(v: Any) -> Any:
     return ("object", id(v))
 
 
+def _own_attributes(m: nn.Module) -> list[tuple[str, Any]]:
+    """The plain attributes of ``m`` itself that its forward may read. A ``torch.compile``
+    wrapper has none of its own that matter: its per-instance ``forward`` and dynamo
+    context compile the wrapped module (compared as its child ``_orig_mod``)."""
+    if type(m).__name__ == "OptimizedModule" and isinstance(getattr(m, "_orig_mod", None), nn.Module):
+        return []
+    return [(k, v) for k, v in vars(m).items() if k not in _MODULE_INTERNALS]
+
+
 def plain_attribute_names(m: nn.Module) -> set[str]:
     """The names of the plain attributes :func:`structure_signature` reads, over ``m`` and
     its submodules (assigning one of them must re-check a plan that fused ``m``)."""
-    return {k for sub in m.modules() for k in vars(sub) if k not in _MODULE_INTERNALS}
+    return {k for sub in m.modules() for k, _ in _own_attributes(sub)}
 
 
 def structure_signature(m: nn.Module) -> tuple:
@@ -200,7 +204,7 @@ def structure_signature(m: nn.Module) -> tuple:
             type(sub),
             sub.training,
             sub.extra_repr(),
-            tuple(sorted((k, _value_sig(v)) for k, v in vars(sub).items() if k not in _MODULE_INTERNALS)),
+            tuple(sorted((k, _value_sig(v)) for k, v in _own_attributes(sub))),
         )
         for name, sub in m.named_modules()
     )
@@ -293,7 +297,7 @@ class FusionSupport:
             excluded = "takes part in an in-place effect on shared storage (kept in eager order)"
         elif node.op == "call_module":
             m = self.root.get_submodule(node.target)
-            if _has_hooks(m) or any(_has_hooks(s) for s in m.modules()):
+            if has_hooks(m) or any(has_hooks(s) for s in m.modules()):
                 excluded = "has hooks (they must fire per member)"
             elif module_kind(m) == "batchnorm" and m.momentum is None:
                 excluded = "BatchNorm with momentum=None (a cumulative average per member)"

@@ -1,0 +1,165 @@
+"""Module hooks fire as in eager: on submodules the trace goes through, on fused members,
+registered before or after the first calls, and on the wrapped model itself."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import streamsched as ss
+
+from .helpers import assert_close, grads
+
+
+class _Tower(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.inner(x)))
+
+
+class _Towers(nn.Module):
+    """Four alike towers (fused when nothing stops it) read one input."""
+
+    def __init__(self):
+        super().__init__()
+        self.towers = nn.ModuleList(_Tower() for _ in range(4))
+
+    def forward(self, x):
+        return torch.stack([t(x) for t in self.towers]).sum(0)
+
+
+def _pair(**config):
+    torch.manual_seed(0)
+    model = _Towers()
+    return model, copy.deepcopy(model), config
+
+
+def _register(model: nn.Module, path: str, log: list, kind: str = "forward"):
+    module = model.get_submodule(path)
+    if kind == "forward":
+        return module.register_forward_hook(lambda m, args, out: log.append(out.detach().clone()))
+    if kind == "scale":
+        return module.register_forward_hook(lambda m, args, out: out * 3.0)
+    if kind == "pre":
+        return module.register_forward_pre_hook(lambda m, args: (args[0] * -1.0,))
+    if kind == "backward":
+        return module.register_full_backward_hook(lambda m, gin, gout: log.append(gout[0].detach().clone()))
+    raise ValueError(kind)
+
+
+def _step(sm, ref, train: bool):
+    x = torch.randn(3, 8)
+    if not train:
+        with torch.no_grad():
+            assert_close(sm(x), ref(x))
+        return
+    for m in (sm.module, ref):
+        m.zero_grad(set_to_none=True)
+    sm(x).pow(2).sum().backward()
+    ref(x).pow(2).sum().backward()
+    g_a, g_e = grads(sm.module), grads(ref)
+    assert g_a.keys() == g_e.keys()
+    for name in g_e:
+        assert_close(g_a[name], g_e[name], what=name)
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+@pytest.mark.parametrize("executor", ["serial", "threads", "streams"])
+@pytest.mark.parametrize("path", ["towers.1", "towers.2.inner"], ids=["traced-through", "leaf"])
+@pytest.mark.parametrize("kind", ["forward", "scale", "pre", "backward"])
+def test_hooks_registered_before_wrapping_fire_every_call(executor, path, kind):
+    model, ref, config = _pair(executor=executor)
+    seen, expected = [], []
+    _register(model, path, seen, kind)
+    _register(ref, path, expected, kind)
+    sm = ss.StreamScheduledModule(model, **config)
+    for _ in range(3):
+        seen.clear()
+        expected.clear()
+        _step(sm, ref, train=kind == "backward")
+        assert len(seen) == len(expected)
+        for a, e in zip(seen, expected):
+            assert type(a) is torch.Tensor
+            assert_close(a, e)
+
+
+@pytest.mark.parametrize("path", ["towers.1", "towers.2.inner"], ids=["traced-through", "fused-member"])
+@pytest.mark.parametrize("kind", ["forward", "scale", "pre"])
+def test_hooks_registered_after_planning_fire_and_removing_them_restores_eager(path, kind):
+    model, ref, config = _pair(executor="serial")
+    sm = ss.StreamScheduledModule(model, **config)
+    for _ in range(2):
+        _step(sm, ref, train=False)
+    assert sm.plan.fused_groups, "the towers fuse before any hook"
+    seen, expected = [], []
+    handle = _register(model, path, seen, kind)
+    ref_handle = _register(ref, path, expected, kind)
+    for _ in range(2):
+        seen.clear()
+        expected.clear()
+        _step(sm, ref, train=False)
+        assert len(seen) == len(expected)
+        for a, e in zip(seen, expected):
+            assert_close(a, e)
+    handle.remove()
+    ref_handle.remove()
+    _step(sm, ref, train=False)
+    _step(sm, ref, train=True)
+
+
+def test_hooks_on_the_wrapped_model_fire_and_say_so_once():
+    model, ref, config = _pair(executor="serial")
+    sm = ss.StreamScheduledModule(model, **config)
+    _step(sm, ref, train=False)
+    pre = model.register_forward_pre_hook(lambda m, args: (args[0] + 1.0,))
+    ref.register_forward_pre_hook(lambda m, args: (args[0] + 1.0,))
+    with pytest.warns(ss.HooksWarning, match="_Towers has hooks"):
+        _step(sm, ref, train=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _step(sm, ref, train=True)
+    pre.remove()
+    ref._forward_pre_hooks.clear()
+    _step(sm, ref, train=False)
+    _step(sm, ref, train=False)
+    assert sm.plan.fused_groups, "scheduled again once the hook is gone"
+
+
+def test_global_module_hooks_see_every_module_call():
+    model, ref, config = _pair(executor="serial")
+    sm = ss.StreamScheduledModule(model, **config)
+    _step(sm, ref, train=False)
+    calls: list[str] = []
+    handle = nn.modules.module.register_module_forward_hook(lambda m, args, out: calls.append(type(m).__name__))
+    try:
+        with pytest.warns(ss.HooksWarning, match="global module hooks"):
+            with torch.no_grad():
+                sm(torch.randn(3, 8))
+        wrapped_calls = list(calls)
+        calls.clear()
+        with torch.no_grad():
+            ref(torch.randn(3, 8))
+        assert wrapped_calls == calls + ["StreamScheduledModule"], (wrapped_calls, calls)
+    finally:
+        handle.remove()
+    _step(sm, ref, train=False)
+
+
+def test_hooked_members_are_not_fused():
+    model, ref, config = _pair(executor="serial")
+    log: list = []
+    _register(model, "towers.0.inner", log)
+    sm = ss.StreamScheduledModule(model, **config)
+    _step(sm, ref, train=False)
+    _step(sm, ref, train=False)
+    fused = [name for g in sm.plan.fused_groups for name in g.members]
+    assert "towers.0.inner" not in fused and fused
+    assert len(log) == 2
