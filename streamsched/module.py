@@ -36,6 +36,7 @@ from .frontend.hooks import global_hooks, has_hooks
 from .frontend.meta import run_and_record
 from .frontend.nodes import node_label
 from .frontend.trace import CallBinder, Traced, trace_model
+from .frontend.trace_guard import autocast_state
 from .observe.nvtx_ranges import NvtxRanges
 from .observe.profiles import check_profile, load_profile, profile_costs
 from .optim import fused_parameters
@@ -140,9 +141,6 @@ class _State:
         return mode
 
 
-_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
-
-
 def _identity(value: Any) -> Any:
     return value
 
@@ -151,16 +149,6 @@ def _alias_pattern(tensors: list[torch.Tensor]) -> tuple:
     """Which inputs share storage: for each input, the index of the first input with its storage."""
     first: dict[int, int] = {}
     return tuple(first.setdefault(t.untyped_storage()._cdata, i) for i, t in enumerate(tensors))
-
-
-def _autocast_key() -> tuple:
-    if _any_autocast is not None and not _any_autocast():
-        return ()
-    key = []
-    for device in ("cuda", "cpu"):
-        if torch.is_autocast_enabled(device):
-            key.append((device, torch.get_autocast_dtype(device)))
-    return tuple(key)
 
 
 class StreamScheduledModule(nn.Module):
@@ -350,7 +338,7 @@ class StreamScheduledModule(nn.Module):
             tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in tensors),
             st.mode_id,
             torch.is_grad_enabled(),
-            _autocast_key(),
+            autocast_state(),
         )
         hot = st.hot
         if hot is not None and hot[0] == key:
@@ -428,8 +416,10 @@ class StreamScheduledModule(nn.Module):
 
     def _first_call(self, key: Any, spec: Any, tensors: list[torch.Tensor], args: tuple, kwargs: dict) -> Any:
         st = self._ss
-        # A trace bakes in the training flags of the modules it traced through.
-        trace_key = (spec.key, st.mode_id)
+        # A trace bakes in the training flags of the modules it traced through, and is
+        # made under one autocast state: a forward's own autocast block shows as a change
+        # of that state only against the state the trace started in (frontend.trace).
+        trace_key = (spec.key, st.mode_id, autocast_state())
         if not self.config.strict and isinstance(st.traces.get_fresh(trace_key), TraceError):
             return self._eager_dispatch(spec, tensors, st.traces[trace_key], trace_key, args, kwargs)
         try:

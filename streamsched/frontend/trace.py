@@ -42,10 +42,10 @@ from torch import fx
 from .. import _generation
 from ..branch import is_branch_module
 from ..errors import TraceError
-from .hooks import has_hooks
+from .hooks import capture_hooks, has_hooks
 from .nodes import AUGMENTED_OPERATORS
 from .output_tree import OutputTree
-from .trace_guard import SideEffectDuringTrace, TraceSideEffectGuard
+from .trace_guard import GradModeGuard, SideEffectDuringTrace, TraceSideEffectGuard, autocast_state
 
 __all__ = ["CallBinder", "CallSpec", "Traced", "trace_model"]
 
@@ -192,6 +192,7 @@ class _LeafTracer(fx.Tracer):
         self.opaque_types = opaque_types
         self.model = model
         self.thread = threading.get_ident()
+        self.thread_state = self._thread_state()
         self.proxy_buffer_attributes = True
         # Modules whose forward was traced through (the root included): their plain
         # attributes are baked into the trace.
@@ -210,7 +211,13 @@ class _LeafTracer(fx.Tracer):
         if not leaf:
             self.traced_through[id(m)] = m
         try:
-            return super().call_module(m, forward, args, kwargs)
+            out = super().call_module(m, forward, args, kwargs)
+            if leaf and m is not self.model:
+                # A leaf's capture hooks hand its output to the enclosing forward: fire
+                # them here, on the proxy (frontend.hooks); at run time they are no-ops.
+                for hook in capture_hooks(m):
+                    hook(m, args, out)
+            return out
         except Exception as exc:
             if not leaf and getattr(exc, "_streamsched_failed_in", None) is None:
                 try:
@@ -221,6 +228,21 @@ class _LeafTracer(fx.Tracer):
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return _Proxy(node, self)
+
+    def create_proxy(self, kind: str, target: Any, args: tuple, kwargs: dict, *rest: Any, **more: Any) -> fx.Proxy:
+        # Autocast and inference mode are thread state fx does not record: an op recorded
+        # inside a forward's own ``torch.autocast`` / ``inference_mode`` block would run
+        # without it every call.
+        if threading.get_ident() == self.thread and self._thread_state() != self.thread_state:
+            raise SideEffectDuringTrace(
+                "enters torch.autocast or torch.inference_mode while running: a trace cannot record that, "
+                "and the traced ops would run without it"
+            )
+        return super().create_proxy(kind, target, args, kwargs, *rest, **more)
+
+    @staticmethod
+    def _thread_state() -> tuple:
+        return autocast_state(), torch.is_inference_mode_enabled()
 
     def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict) -> Any:
         if threading.get_ident() != self.thread:
@@ -488,7 +510,7 @@ def _trace_once(
     root.__dict__["_streamsched_spec"] = spec
     tracer = _LeafTracer(module_types, model, functions, frozenset(opaque))
     try:
-        with TraceSideEffectGuard(model, root):
+        with TraceSideEffectGuard(model, root), GradModeGuard():
             graph = tracer.trace(root)
     except TraceError:
         raise

@@ -9,6 +9,14 @@ the tracer then makes that module opaque (its calls run as written, every call).
 
 Tensors created during the trace (constants a forward builds) may be written freely:
 they are not the model's state.
+
+Grad mode and autocast are thread state that fx does not record either: a forward's
+``with torch.no_grad():`` (or ``enable_grad``, ``set_grad_enabled``, a ``@torch.no_grad()``
+method) would switch grad mode once, while tracing, and the traced ops would then run in
+the caller's mode every call (gradients where eager has none). :class:`GradModeGuard`
+refuses any grad-mode switch while a trace runs; :func:`autocast_state` and
+``torch.is_inference_mode_enabled`` are compared at every recorded op by the tracer
+(``frontend.trace``), which refuses a forward that entered autocast or inference mode.
 """
 
 from __future__ import annotations
@@ -17,12 +25,13 @@ import threading
 from typing import Any, Optional
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import _generation
 from .effects import fresh_outputs, op_accesses, storage_key
 
-__all__ = ["TraceSideEffectGuard", "SideEffectDuringTrace"]
+__all__ = ["TraceSideEffectGuard", "SideEffectDuringTrace", "GradModeGuard", "autocast_state"]
 
 
 class SideEffectDuringTrace(RuntimeError):
@@ -63,10 +72,11 @@ class TraceSideEffectGuard(TorchDispatchMode):
     def _on_setattr(self, module: Any, name: str) -> None:
         if module is self.trace_root or id(module) not in self.modules:
             return
-        raise SideEffectDuringTrace(
-            f"{type(module).__name__}.forward assigns self.{name} while running: a Python side effect a trace "
-            "would perform only once"
-        )
+        if name.endswith("()"):
+            what = f"the forward registers a hook on a {type(module).__name__} ({name})"
+        else:
+            what = f"{type(module).__name__}.forward assigns self.{name}"
+        raise SideEffectDuringTrace(f"{what} while running: a Python side effect a trace would perform only once")
 
     def __enter__(self) -> TraceSideEffectGuard:
         _generation._on_setattr[self.thread] = self._on_setattr
@@ -79,3 +89,31 @@ class TraceSideEffectGuard(TorchDispatchMode):
     def __exit__(self, *exc: Any) -> Any:
         _generation._on_setattr.pop(self.thread, None)
         return super().__exit__(*exc)
+
+
+class GradModeGuard(TorchFunctionMode):
+    """Active on the tracing thread while a trace runs (mode stacks are per thread):
+    refuses ``torch._C._set_grad_enabled``, which ``no_grad``, ``enable_grad`` and
+    ``set_grad_enabled`` all call, before the switch happens."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        if func is torch._C._set_grad_enabled:
+            raise SideEffectDuringTrace(
+                "switches grad mode (torch.no_grad / enable_grad / set_grad_enabled) while running: a trace "
+                "cannot record that, and the traced ops would run in the caller's grad mode"
+            )
+        return func(*args, **(kwargs or {}))
+
+
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
+
+
+def autocast_state() -> tuple:
+    """The autocast devices and dtypes in force on this thread (``()`` when none)."""
+    if _any_autocast is not None and not _any_autocast():
+        return ()
+    state = []
+    for device in ("cuda", "cpu"):
+        if torch.is_autocast_enabled(device):
+            state.append((device, torch.get_autocast_dtype(device)))
+    return tuple(state)
