@@ -206,6 +206,11 @@ class Effects:
     """For each node and location it accesses: the node whose write it must see (the
     last writer before it in eager order; ``None``: the state before the call). The race
     checker holds every run to it, so a reordering is caught, not only a race."""
+    outputs_written: frozenset = frozenset()
+    """Nodes whose own fresh output (or a view of it) a later node writes in place: a
+    rewrite must not make such a value share storage with another one (fusion's cat of
+    a group's outputs as a view of the kernel's output, say), or the write would show
+    there too."""
 
     @property
     def involved(self) -> set[str]:
@@ -232,6 +237,8 @@ class Effects:
         if not written:
             return cls()
         location = {key: i for i, key in enumerate(sorted(written))}
+        allocated_by: dict[int, str] = {}
+        outputs_written: set[str] = set()
         reads: dict[str, tuple[int, ...]] = {}
         writes: dict[str, tuple[int, ...]] = {}
         sees: dict[str, dict[int, Optional[str]]] = {}
@@ -248,10 +255,16 @@ class Effects:
                 sees[name] = {loc: last_writer.get(loc) for loc in r_loc + w_loc}
             for loc in w_loc:
                 last_writer[loc] = name
+            for key in w:
+                owner = allocated_by.get(key)
+                if owner is not None and owner != name:
+                    outputs_written.add(owner)
+            for key in acc.fresh:
+                allocated_by.setdefault(key, name)
         after = effect_edges(accesses)
         if graph is not None:
             after = _prune_implied(after, graph)
-        return cls(after, reads, writes, len(location), bool(written & input_keys), sees)
+        return cls(after, reads, writes, len(location), bool(written & input_keys), sees, frozenset(outputs_written))
 
 
 def _prune_implied(after: dict[str, set[str]], graph: Any) -> dict[str, set[str]]:

@@ -120,6 +120,8 @@ def make_schedule(
     for node in graph.nodes:
         if node.name in involved:
             node.meta["streamsched_effect"] = True
+        if node.name in effects.outputs_written:
+            node.meta["streamsched_output_written"] = True
     device = device_of(inputs, root)
     dev = device_model_for(device)
     groups: list[FusedGroupInfo] = []

@@ -226,7 +226,13 @@ class Rewriter:
         # Members whose value a consumer writes in place: it gets storage of its own, as in
         # eager (see layout.member_copy), and no cat/stack of the group becomes a view of
         # the kernel's output (the write would show in it).
-        written = {m for m in self.members if any(self._writes_input(u) for u in m.users if u not in self.members)}
+        # The recorded effects also see writes through views (``outs[1].view(-1).zero_()``).
+        written = {
+            m
+            for m in self.members
+            if m.meta.get("streamsched_output_written")
+            or any(self._writes_input(u) for u in m.users if u not in self.members)
+        }
         replaced: set[fx.Node] = set()
         for node in list(self.graph.nodes):
             if node.op != "call_function" or node.target not in (torch.cat, torch.concat, torch.stack):
@@ -235,6 +241,13 @@ class Rewriter:
             if not isinstance(items, (list, tuple)) or not items:
                 continue
             if any(i in written for i in items):
+                continue
+            # Eager's cat/stack is a fresh tensor. As a view of the kernel's output it is
+            # only the same while nothing writes it (in place, or as an ``out=``), and
+            # nothing else reads the members (a member's view would share its storage).
+            if "out" in node.kwargs or node.meta.get("streamsched_output_written"):
+                continue
+            if any(u is not node for i in items if isinstance(i, fx.Node) for u in i.users if u not in self.members):
                 continue
             dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
             st = [self.stacked_of.get(i) if isinstance(i, fx.Node) else None for i in items]
