@@ -98,6 +98,12 @@ def hook_registrations() -> int:
 def _counting_registrations(register: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(register)
     def wrapper(self, *args: Any, **kwargs: Any) -> Any:
+        # Registering a hook while a trace runs would happen once (the tracer refuses it,
+        # before it happens: a half-done trace attempt must leave the model as it was).
+        if _on_setattr:
+            callback = _on_setattr.get(threading.get_ident())
+            if callback is not None:
+                callback(self, f"{register.__name__}()")
         handle = register(self, *args, **kwargs)
         if tracked(self):
             global _hook_registrations

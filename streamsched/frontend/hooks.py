@@ -5,20 +5,47 @@ traces through (the hook would run once, at trace time, on fx proxies), and no f
 kernel can fire one per member; so a hooked module runs as one call of its own
 (``frontend.trace``), is never fused (``passes.fusion``), and hooks on the wrapped model
 itself or global module hooks make the wrapper run the model as written (``module``).
+
+One kind of hook is the opposite: a *capture* hook, whose only effect is to hand the
+module's output to the enclosing forward, which returns it (transformers' output
+capturing: ``output_hidden_states=True`` collects each layer's output through forward
+hooks into a context the decorated ``forward`` reads back). Run at call time inside an
+opaque module, its output would never reach the traced forward that returns it. Such
+hooks are traced: they fire at trace time on the proxies, so what they hand over is a
+graph value, and run as no-ops at run time (their context is unset there).
 """
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 from torch import nn
 from torch.nn.modules import module as _module
 
-__all__ = ["has_hooks", "global_hooks"]
+__all__ = ["has_hooks", "global_hooks", "capture_hooks", "is_capture_hook"]
+
+# Modules whose forward hooks only hand outputs to the enclosing forward (see above).
+_CAPTURE_HOOK_MODULES = frozenset({"transformers.utils.output_capturing"})
+
+
+def is_capture_hook(hook: Callable[..., Any]) -> bool:
+    """Whether ``hook`` is a capture hook (module docstring), traced rather than run."""
+    return getattr(hook, "__module__", None) in _CAPTURE_HOOK_MODULES
+
+
+def capture_hooks(m: nn.Module) -> list[Callable[..., Any]]:
+    """The capture hooks among ``m``'s forward hooks, in registration order."""
+    return [h for h in m._forward_hooks.values() if is_capture_hook(h)]
 
 
 def has_hooks(m: nn.Module) -> bool:
-    """Whether ``m`` has a forward, forward-pre, backward or backward-pre hook."""
+    """Whether ``m`` has a forward, forward-pre, backward or backward-pre hook that must
+    fire at run time (capture hooks do not count)."""
     return bool(
-        m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or getattr(m, "_backward_pre_hooks", None)
+        any(not is_capture_hook(h) for h in m._forward_hooks.values())
+        or m._forward_pre_hooks
+        or m._backward_hooks
+        or getattr(m, "_backward_pre_hooks", None)
     )
 
 
