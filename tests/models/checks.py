@@ -2,8 +2,10 @@
 and everything observable is compared after every call.
 
 Tolerances. Without fusion the wrapper runs the very same kernels in the same order as
-eager, so outputs, gradients and buffers must be bitwise equal. Where the plan fused
-something, summation order changes; then a value passes if it is within float32's
+eager, so outputs, gradients and buffers must be bitwise equal; except gradients under a
+``threads`` plan, where autograd may sum a gradient that several branches feed in
+another order (docs/reliability.md), and which are held to the fused rule. Where the
+plan fused something, summation order changes; then a value passes if it is within float32's
 default tolerances of eager (``torch.testing``'s rtol 1.3e-6, atol 1e-5), or if its L2
 distance from a float64 run of the same model (same inputs, same state before the call;
 for buffers, the same sequence of calls) is at most ``FLOAT64_FACTOR`` times float32
@@ -110,8 +112,11 @@ def assert_same_structure(actual: Any, expected: Any, path: str = "out") -> None
     if _is_model_output(expected):
         for i, k in enumerate(expected.keys()):
             by_attr = getattr(actual, k)
+            # Index access goes through to_tuple(), which some outputs override (CLIP's
+            # turns nested outputs into tuples): agree with eager's own access, whatever it is.
             same = by_attr is actual[k] and by_attr is actual[i]
-            assert same, f"{path}.{k}: attribute, key and index access disagree"
+            same_eager = getattr(expected, k) is expected[k] and getattr(expected, k) is expected[i]
+            assert same == same_eager, f"{path}.{k}: attribute, key and index access disagree"
             assert_same_structure(by_attr, expected[k], f"{path}.{k}")
         return
     if isinstance(expected, dict):
@@ -262,11 +267,24 @@ def _plan_fused(sm: ss.StreamScheduledModule) -> bool:
     return bool(plan is not None and getattr(plan, "fused_groups", None))
 
 
+def _plan_threads(sm: ss.StreamScheduledModule) -> bool:
+    """Whether the last call may have run on CPU threads: a ``threads`` plan, or one
+    whose first calls timed ``threads`` against the others (the trial)."""
+    plan = sm.plan
+    if plan is None or plan.num_streams < 2:
+        return False
+    return plan.executor == "threads" or (plan.trial is not None and "threads" in plan.trial.calls)
+
+
 class Lockstep:
     """An eager model and a wrapped deep copy, called with the same inputs."""
 
-    def __init__(self, spec: ModelSpec, base: nn.Module, options: dict):
+    def __init__(self, spec: ModelSpec, base: nn.Module, options: dict, exact_grads: bool = True):
+        """``exact_grads=False`` holds gradients of unfused plans to the fused (float64)
+        rule too: a rounding-level difference in a gradient's summation order is then
+        not reported, a wrong gradient still is."""
         self.spec = spec
+        self.exact_grads = exact_grads
         self.base = base
         self.ref = copy.deepcopy(base)
         self.sm = ss.StreamScheduledModule(copy.deepcopy(base), **options)
@@ -368,6 +386,10 @@ class Lockstep:
             if backward:
                 loss_of(expected).backward()
                 loss_of(actual).backward()
+        # Branches run side by side on CPU threads create their autograd nodes
+        # interleaved, and the engine sums a gradient several branches feed in that
+        # order: float rounding, held to the float64 rule as fused values are.
+        reordered = fused or _plan_threads(self.sm) or not self.exact_grads
         label = f"{what}: call {self.calls} (plan {'fused' if fused else 'not fused'})"
         if structure:
             try:
@@ -400,7 +422,7 @@ class Lockstep:
                 problems.append(problem)
         report(problems, f"{label}: outputs")
         if backward:
-            self.check_grads(label, fused, ref64, wrapped64)
+            self.check_grads(label, reordered, ref64, wrapped64)
         return actual, expected
 
     def check_grads(self, what: str, fused: bool, ref64: Callable, wrapped64: Optional[Callable] = None) -> None:

@@ -1,0 +1,505 @@
+"""The broad tier of the model suite: many more real models than ``zoo.py``'s, each run
+through one lockstep cycle (``test_broad_models.py``) instead of six separate checks.
+
+torchvision classification, segmentation, video and detection models, a wide sweep of
+timm families, and Hugging Face transformers of every common shape (encoders,
+decoders, encoder-decoders, vision, speech, CLIP). Random weights from configurations,
+nothing downloaded. Every random layer (dropout, stochastic depth, SpecAugment masks) is
+set to rate 0 after building (``derandomize``), so training steps can be compared.
+
+``modes`` says what a model is checked in: ``"full"`` (eval, training with gradients
+and state, eval again) or ``"eval"`` (models whose training forward needs targets, as
+detection models do).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from benchmarks.zoo.real import Inputs, hf_model, images, timm_model, tokens, torchvision_model
+
+from .zoo import ModelSpec
+
+_RATE_ATTRIBUTES = ("p", "drop_prob", "drop_rate", "dropout", "attention_dropout", "dropout_p", "layerdrop")
+
+
+def derandomize(model: nn.Module) -> nn.Module:
+    """Every dropout-like rate of ``model`` set to 0 (module attributes and the
+    transformers config's ``*dropout*``/``*drop_prob*``/mask probabilities)."""
+    for m in model.modules():
+        for name in _RATE_ATTRIBUTES:
+            value = getattr(m, name, None)
+            if isinstance(value, float) and not isinstance(value, bool) and value > 0:
+                setattr(m, name, 0.0)
+        config = getattr(m, "config", None)
+        if config is not None and hasattr(config, "to_dict"):
+            for key, value in list(vars(config).items()):
+                random_key = "drop" in key or key.startswith("mask_") and key.endswith("_prob")
+                if random_key and isinstance(value, float) and value > 0:
+                    setattr(config, key, 0.0)
+    return model
+
+
+def _spec(name: str, family: str, build: Callable[[], nn.Module], inputs: Callable[[int], Inputs], note: str = ""):
+    return ModelSpec(name, family, lambda: derandomize(build()), inputs, note)
+
+
+def _g(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def video(batch: int, frames: int, size: int) -> Callable[[int], Inputs]:
+    def make(seed: int) -> Inputs:
+        return (torch.randn(batch, 3, frames, size, size, generator=_g(seed)),), {}
+
+    return make
+
+
+def image_list(count: int, size: int) -> Callable[[int], Inputs]:
+    """A list of images, as torchvision's detection models take them."""
+
+    def make(seed: int) -> Inputs:
+        g = _g(seed)
+        return ([torch.rand(3, size, size + 8 * i, generator=g) for i in range(count)],), {}
+
+    return make
+
+
+def image_pair(batch: int, size: int, **kwargs: Any) -> Callable[[int], Inputs]:
+    def make(seed: int) -> Inputs:
+        g = _g(seed)
+        pair = (torch.randn(batch, 3, size, size, generator=g), torch.randn(batch, 3, size, size, generator=g))
+        return pair, dict(kwargs)
+
+    return make
+
+
+def pixels(batch: int, size: int, channels: int = 3) -> Callable[[int], Inputs]:
+    def make(seed: int) -> Inputs:
+        return (), {"pixel_values": torch.randn(batch, channels, size, size, generator=_g(seed))}
+
+    return make
+
+
+def seq2seq(batch: int, length: int, vocab: int) -> Callable[[int], Inputs]:
+    """Encoder ids with padding, and decoder ids."""
+
+    def make(seed: int) -> Inputs:
+        g = _g(seed)
+        ids = torch.randint(3, vocab, (batch, length), generator=g)
+        mask = torch.ones(batch, length, dtype=torch.long)
+        mask[1, length - 3 :] = 0
+        dec = torch.randint(3, vocab, (batch, length // 2), generator=g)
+        return (), {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": dec, "use_cache": False}
+
+    return make
+
+
+def clip_inputs(batch: int, length: int, vocab: int, size: int) -> Callable[[int], Inputs]:
+    def make(seed: int) -> Inputs:
+        g = _g(seed)
+        ids = torch.randint(0, vocab, (batch, length), generator=g)
+        mask = torch.ones(batch, length, dtype=torch.long)
+        mask[1, length - 3 :] = 0
+        pixel_values = torch.randn(batch, 3, size, size, generator=g)
+        return (), {"input_ids": ids, "attention_mask": mask, "pixel_values": pixel_values}
+
+    return make
+
+
+def audio(batch: int, samples: int) -> Callable[[int], Inputs]:
+    def make(seed: int) -> Inputs:
+        return (), {"input_values": torch.randn(batch, samples, generator=_g(seed))}
+
+    return make
+
+
+def mel(batch: int, bins: int, frames: int, decoder: int, vocab: int) -> Callable[[int], Inputs]:
+    def make(seed: int) -> Inputs:
+        g = _g(seed)
+        return (), {
+            "input_features": torch.randn(batch, bins, frames, generator=g),
+            "decoder_input_ids": torch.randint(3, vocab, (batch, decoder), generator=g),
+            "use_cache": False,
+        }
+
+    return make
+
+
+# --- torchvision ------------------------------------------------------------------------
+
+
+def _tv(name: str, inputs: Callable[[int], Inputs] | None = None, note: str = "", **kwargs: Any) -> ModelSpec:
+    return _spec(f"tv_{name}", "torchvision", torchvision_model(name, **kwargs), inputs or images(2, 64), note)
+
+
+def _tv_class(name: str, cls: str, inputs: Callable[[int], Inputs], note: str = "", **kwargs: Any) -> ModelSpec:
+    def build() -> nn.Module:
+        import torchvision
+
+        module_path, _, attr = cls.rpartition(".")
+        owner = torchvision.models
+        for part in module_path.split(".") if module_path else []:
+            owner = getattr(owner, part)
+        return getattr(owner, attr)(**kwargs)
+
+    return _spec(f"tv_{name}", "torchvision", build, inputs, note)
+
+
+def _tv_detection(name: str, size: int = 96, **kwargs: Any) -> ModelSpec:
+    def build() -> nn.Module:
+        import torchvision
+
+        return getattr(torchvision.models.detection, name)(weights=None, weights_backbone=None, **kwargs)
+
+    return _spec(f"tv_{name}", "torchvision-eval", build, image_list(2, size), "eval only (training needs targets)")
+
+
+TORCHVISION: list[ModelSpec] = [
+    _tv("resnet18", num_classes=10),
+    _tv("resnext50_32x4d", num_classes=10),
+    _tv("squeezenet1_1", num_classes=10),
+    _tv("googlenet", num_classes=10, init_weights=True, note="aux logits: a namedtuple in training"),
+    _tv("inception_v3", images(2, 107), num_classes=10, init_weights=True, aux_logits=False),
+    _tv("densenet121", num_classes=10),
+    _tv("mobilenet_v2", num_classes=10),
+    _tv("mobilenet_v3_small", num_classes=10),
+    _tv("shufflenet_v2_x0_5", num_classes=10),
+    _tv("efficientnet_b0", num_classes=10),
+    _tv("mnasnet0_5", num_classes=10),
+    _tv("regnet_y_400mf", num_classes=10),
+    _tv("convnext_tiny", num_classes=10),
+    _tv("swin_t", num_classes=10),
+    _tv("alexnet", images(2, 64), num_classes=10),
+    _tv("vgg11_bn", images(2, 32), num_classes=10),
+    _tv_class(
+        "vit_tiny",
+        "VisionTransformer",
+        images(2, 32),
+        image_size=32,
+        patch_size=8,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=32,
+        mlp_dim=64,
+        num_classes=10,
+    ),
+    _tv_class(
+        "deeplabv3_mobilenet_v3_large",
+        "segmentation.deeplabv3_mobilenet_v3_large",
+        images(2, 64),
+        note="ASPP branches; OrderedDict with aux output",
+        weights=None,
+        weights_backbone=None,
+        num_classes=5,
+        aux_loss=True,
+    ),
+    _tv_class(
+        "lraspp_mobilenet_v3_large",
+        "segmentation.lraspp_mobilenet_v3_large",
+        images(2, 64),
+        weights=None,
+        weights_backbone=None,
+        num_classes=5,
+    ),
+    _tv_class("r3d_18", "video.r3d_18", video(1, 4, 32), weights=None, num_classes=5),
+    _tv_class("mc3_18", "video.mc3_18", video(1, 4, 32), weights=None, num_classes=5),
+    _tv_class(
+        "raft_small",
+        "optical_flow.raft_small",
+        image_pair(1, 128, num_flow_updates=2),
+        note="iterative refinement; a list of flows",
+        weights=None,
+    ),
+    _tv_detection("fasterrcnn_mobilenet_v3_large_320_fpn", num_classes=5, min_size=96, max_size=128),
+    _tv_detection("ssdlite320_mobilenet_v3_large", num_classes=5),
+    _tv_detection("retinanet_resnet50_fpn", num_classes=5, min_size=96, max_size=128),
+]
+
+
+# --- timm --------------------------------------------------------------------------------
+
+
+def _timm(name: str, size: int = 64, note: str = "", **kwargs: Any) -> ModelSpec:
+    return _spec(name, "timm", timm_model(name, num_classes=10, **kwargs), images(2, size), note)
+
+
+TIMM: list[ModelSpec] = [
+    _timm("gernet_s"),
+    _timm("selecsls42b"),
+    _timm("dla34"),
+    _timm("ghostnet_100"),
+    _timm("ghostnetv2_100"),
+    _timm("rexnet_100"),
+    _timm("nf_resnet26"),
+    _timm("regnety_002"),
+    _timm("levit_128s", size=64, img_size=64, note="attention biases cached in eval"),
+    _timm("efficientformer_l1", size=224),
+    _timm("efficientformerv2_s0", size=64, img_size=64),
+    _timm("deit_tiny_distilled_patch16_224", img_size=64, note="two heads: a tuple in training"),
+    _timm("crossvit_tiny_240", size=240, note="two branches of patch sizes"),
+    _timm("pit_ti_224", img_size=64),
+    _timm("mobilevit_xxs"),
+    _timm("edgenext_xx_small"),
+    _timm("poolformer_s12"),
+    _timm("convit_tiny", img_size=64),
+    _timm("coat_lite_tiny", img_size=64),
+    _timm("gcvit_xxtiny", img_size=64),
+    _timm("fastvit_t8"),
+    _timm("repvit_m1"),
+    _timm("hgnetv2_b0"),
+    _timm("inception_next_tiny"),
+    _timm("mixer_s16_224", img_size=64),
+    _timm("resmlp_12_224", img_size=64),
+    _timm("convnext_atto"),
+    _timm("convnextv2_atto"),
+    _timm("efficientvit_b0"),
+    _timm("mobilenetv3_small_100"),
+    _timm("mobilenetv4_conv_small"),
+    _timm("lcnet_050"),
+    _timm("resnest14d", note="split attention"),
+    _timm("cs3darknet_focus_s"),
+    _timm("ese_vovnet19b_dw"),
+    _timm("tresnet_m"),
+    _timm("xcit_nano_12_p16_224", img_size=64),
+    _timm("visformer_tiny", size=224),
+    _timm("eva02_tiny_patch14_224", img_size=56, size=56),
+    _timm("davit_tiny"),
+    _timm("focalnet_tiny_srf"),
+    _timm("starnet_s1"),
+    _timm("ecaresnet26t"),
+    _timm("gcresnext26ts"),
+    _timm("seresnext26d_32x4d"),
+    _timm("resnetv2_50x1_bit"),
+    _timm("regnetz_b16"),
+    _timm("halonet26t", size=256),
+    _timm("lambda_resnet26t", size=128, img_size=128),
+    _timm("sebotnet33ts_256", size=256, img_size=256),
+    _timm("xception41"),
+    _timm("inception_resnet_v2", size=75),
+    _timm("dpn68b"),
+    _timm("hrnet_w18_small_v2"),
+    _timm("beit_base_patch16_224", img_size=64, depth=2, note="relative position bias, 2 blocks"),
+    _timm("cait_xxs24_224", img_size=64),
+    _timm("tnt_s_patch16_224", img_size=64),
+    _timm("maxvit_pico_rw_256", size=64, img_size=64),
+    _timm("coatnet_pico_rw_224", size=64, img_size=64),
+    _timm("hiera_tiny_224", size=224),
+    _timm("mambaout_femto"),
+    _timm("rdnet_tiny"),
+]
+
+
+# --- transformers -------------------------------------------------------------------------
+
+VOCAB = 128
+_SMALL = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=37,
+    max_position_embeddings=64,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+_DECODER = dict(_SMALL, num_key_value_heads=2, intermediate_size=64)
+_SEQ2SEQ = dict(
+    vocab_size=VOCAB,
+    d_model=32,
+    encoder_layers=2,
+    decoder_layers=2,
+    encoder_attention_heads=4,
+    decoder_attention_heads=4,
+    encoder_ffn_dim=37,
+    decoder_ffn_dim=37,
+    max_position_embeddings=64,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+    decoder_start_token_id=2,
+)
+
+
+def _hf(name: str, config: str, model: str, inputs: Callable[[int], Inputs], note: str = "", **kwargs: Any):
+    return _spec(f"hf_{name}", "transformers", hf_model(config, model, **kwargs), inputs, note)
+
+
+def _clip() -> nn.Module:
+    import transformers
+
+    text = dict(_SMALL, max_position_embeddings=32)
+    vision = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37)
+    config = transformers.CLIPConfig(
+        text_config=text, vision_config=dict(vision, image_size=32, patch_size=8), projection_dim=16
+    )
+    return transformers.CLIPModel(config)
+
+
+_TOKENS = tokens(2, 16, VOCAB)
+_DECODER_TOKENS = tokens(2, 16, VOCAB, use_cache=False)
+
+TRANSFORMERS: list[ModelSpec] = [
+    _hf("roberta", "RobertaConfig", "RobertaModel", _TOKENS, **dict(_SMALL, max_position_embeddings=80)),
+    _hf(
+        "distilbert",
+        "DistilBertConfig",
+        "DistilBertModel",
+        _TOKENS,
+        vocab_size=VOCAB,
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        hidden_dim=37,
+        max_position_embeddings=64,
+    ),
+    _hf(
+        "albert",
+        "AlbertConfig",
+        "AlbertModel",
+        _TOKENS,
+        note="one layer's weights shared by every layer",
+        **dict(_SMALL, embedding_size=16, num_hidden_layers=3),
+    ),
+    _hf("electra", "ElectraConfig", "ElectraForPreTraining", _TOKENS, **dict(_SMALL, embedding_size=16)),
+    _hf(
+        "deberta_v2",
+        "DebertaV2Config",
+        "DebertaV2Model",
+        _TOKENS,
+        **dict(_SMALL, relative_attention=True, pos_att_type=["c2p", "p2c"], max_relative_positions=16),
+    ),
+    _hf(
+        "mobilebert",
+        "MobileBertConfig",
+        "MobileBertModel",
+        _TOKENS,
+        **dict(_SMALL, embedding_size=16, intra_bottleneck_size=16, true_hidden_size=16, num_feedforward_networks=2),
+    ),
+    _hf(
+        "t5",
+        "T5Config",
+        "T5Model",
+        seq2seq(2, 16, VOCAB),
+        vocab_size=VOCAB,
+        d_model=32,
+        d_kv=8,
+        d_ff=37,
+        num_layers=2,
+        num_heads=4,
+        decoder_start_token_id=0,
+    ),
+    _hf("bart", "BartConfig", "BartModel", seq2seq(2, 16, VOCAB), **_SEQ2SEQ),
+    _hf("marian", "MarianConfig", "MarianMTModel", seq2seq(2, 16, VOCAB), **_SEQ2SEQ),
+    _hf(
+        "opt",
+        "OPTConfig",
+        "OPTForCausalLM",
+        _DECODER_TOKENS,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        ffn_dim=37,
+        max_position_embeddings=64,
+        word_embed_proj_dim=32,
+    ),
+    _hf(
+        "bloom",
+        "BloomConfig",
+        "BloomForCausalLM",
+        _DECODER_TOKENS,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        n_layer=2,
+        n_head=4,
+    ),
+    _hf(
+        "gpt_neo",
+        "GPTNeoConfig",
+        "GPTNeoForCausalLM",
+        _DECODER_TOKENS,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        attention_types=[[["global", "local"], 1]],
+        window_size=8,
+        max_position_embeddings=64,
+    ),
+    _hf("phi", "PhiConfig", "PhiForCausalLM", _DECODER_TOKENS, **_DECODER),
+    _hf("mistral", "MistralConfig", "MistralForCausalLM", _DECODER_TOKENS, **dict(_DECODER, sliding_window=8)),
+    _hf("gemma2", "Gemma2Config", "Gemma2ForCausalLM", _DECODER_TOKENS, **dict(_DECODER, head_dim=8)),
+    _hf("qwen3", "Qwen3Config", "Qwen3ForCausalLM", _DECODER_TOKENS, **dict(_DECODER, head_dim=8)),
+    _hf("falcon", "FalconConfig", "FalconForCausalLM", _DECODER_TOKENS, **_DECODER),
+    _hf("gpt_neox", "GPTNeoXConfig", "GPTNeoXForCausalLM", _DECODER_TOKENS, **_DECODER),
+    _hf(
+        "vit",
+        "ViTConfig",
+        "ViTForImageClassification",
+        pixels(2, 32),
+        **dict(_SMALL, image_size=32, patch_size=8, num_labels=5),
+    ),
+    _hf(
+        "swin",
+        "SwinConfig",
+        "SwinModel",
+        pixels(2, 32),
+        image_size=32,
+        patch_size=4,
+        embed_dim=16,
+        depths=[1, 1],
+        num_heads=[2, 2],
+        window_size=4,
+    ),
+    _hf(
+        "convnext",
+        "ConvNextConfig",
+        "ConvNextForImageClassification",
+        pixels(2, 32),
+        hidden_sizes=[8, 16],
+        depths=[1, 1],
+        num_stages=2,
+        out_features=["stage2"],
+        num_labels=5,
+    ),
+    _hf(
+        "segformer",
+        "SegformerConfig",
+        "SegformerForSemanticSegmentation",
+        pixels(2, 32),
+        num_encoder_blocks=2,
+        depths=[1, 1],
+        sr_ratios=[2, 1],
+        hidden_sizes=[8, 16],
+        num_attention_heads=[1, 2],
+        patch_sizes=[7, 3],
+        strides=[4, 2],
+        decoder_hidden_size=16,
+        num_labels=3,
+    ),
+    _hf(
+        "wav2vec2",
+        "Wav2Vec2Config",
+        "Wav2Vec2Model",
+        audio(2, 800),
+        **dict(
+            _SMALL, conv_dim=(16,) * 7, num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, mask_time_prob=0.0
+        ),
+    ),
+    _hf(
+        "whisper",
+        "WhisperConfig",
+        "WhisperModel",
+        mel(2, 16, 32, 6, VOCAB),
+        **dict(_SEQ2SEQ, num_mel_bins=16, max_source_positions=16, max_target_positions=32, decoder_start_token_id=2),
+    ),
+    _spec("hf_clip", "transformers", _clip, clip_inputs(2, 12, VOCAB, 32), "text and vision towers"),
+]
+
+SPECS: list[ModelSpec] = TORCHVISION + TIMM + TRANSFORMERS
+BY_NAME = {s.name: s for s in SPECS}
