@@ -340,6 +340,16 @@ def _clip() -> nn.Module:
     return transformers.CLIPModel(config)
 
 
+def with_kwargs(inputs: Callable[[int], Inputs], **extra: Any) -> Callable[[int], Inputs]:
+    """``inputs`` with more keyword arguments (``output_hidden_states=True``, say)."""
+
+    def make(seed: int) -> Inputs:
+        args, kwargs = inputs(seed)
+        return args, {**kwargs, **extra}
+
+    return make
+
+
 _TOKENS = tokens(2, 16, VOCAB)
 _DECODER_TOKENS = tokens(2, 16, VOCAB, use_cache=False)
 
@@ -499,6 +509,21 @@ TRANSFORMERS: list[ModelSpec] = [
         **dict(_SEQ2SEQ, num_mel_bins=16, max_source_positions=16, max_target_positions=32, decoder_start_token_id=2),
     ),
     _spec("hf_clip", "transformers", _clip, clip_inputs(2, 12, VOCAB, 32), "text and vision towers"),
+    # Output capturing (forward hooks transformers installs on the first such call).
+    _hf(
+        "llama_hidden_states",
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        with_kwargs(_DECODER_TOKENS, output_hidden_states=True),
+        **_DECODER,
+    ),
+    _hf(
+        "bert_hidden_states_attentions",
+        "BertConfig",
+        "BertModel",
+        with_kwargs(_TOKENS, output_hidden_states=True, output_attentions=True),
+        **_SMALL,
+    ),
 ]
 
 SPECS: list[ModelSpec] = TORCHVISION + TIMM + TRANSFORMERS
