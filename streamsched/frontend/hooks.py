@@ -41,8 +41,10 @@ def capture_hooks(m: nn.Module) -> list[Callable[..., Any]]:
 def has_hooks(m: nn.Module) -> bool:
     """Whether ``m`` has a forward, forward-pre, backward or backward-pre hook that must
     fire at run time (capture hooks do not count)."""
+    # On every call of the wrapper: empty tables (the usual case) cost no generator.
+    forward = m._forward_hooks
     return bool(
-        any(not is_capture_hook(h) for h in m._forward_hooks.values())
+        (forward and any(not is_capture_hook(h) for h in forward.values()))
         or m._forward_pre_hooks
         or m._backward_hooks
         or getattr(m, "_backward_pre_hooks", None)
