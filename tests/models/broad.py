@@ -21,7 +21,7 @@ from torch import nn
 
 from benchmarks.zoo.real import Inputs, hf_model, images, timm_model, tokens, torchvision_model
 
-from .zoo import ModelSpec
+from .zoo import _DECODER, VOCAB, ModelSpec
 
 _RATE_ATTRIBUTES = ("p", "drop_prob", "drop_rate", "dropout", "attention_dropout", "dropout_p", "layerdrop")
 
@@ -295,7 +295,7 @@ TIMM: list[ModelSpec] = [
 
 # --- transformers -------------------------------------------------------------------------
 
-VOCAB = 128
+# The main zoo's VOCAB and decoder config (_DECODER); _SMALL for encoders.
 _SMALL = dict(
     vocab_size=VOCAB,
     hidden_size=32,
@@ -307,7 +307,6 @@ _SMALL = dict(
     eos_token_id=2,
     pad_token_id=0,
 )
-_DECODER = dict(_SMALL, num_key_value_heads=2, intermediate_size=64)
 _SEQ2SEQ = dict(
     vocab_size=VOCAB,
     d_model=32,

@@ -240,11 +240,10 @@ class Rewriter:
             items = node.args[0] if node.args else node.kwargs.get("tensors")
             if not isinstance(items, (list, tuple)) or not items:
                 continue
-            if any(i in written for i in items):
-                continue
             # Eager's cat/stack is a fresh tensor. As a view of the kernel's output it is
             # only the same while nothing writes it (in place, or as an ``out=``), and
-            # nothing else reads the members (a member's view would share its storage).
+            # nothing else reads the members (a member's view would share its storage; a
+            # written member has such a reader, the op or view that writes it).
             if "out" in node.kwargs or node.meta.get("streamsched_output_written"):
                 continue
             if any(u is not node for i in items if isinstance(i, fx.Node) for u in i.users if u not in self.members):
