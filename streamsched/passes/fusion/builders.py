@@ -20,6 +20,7 @@ from typing import Callable, Optional
 import torch
 from torch import fx, nn
 
+from ...frontend.meta import TensorMeta
 from ...frontend.nodes import is_glue, node_label
 from ...ir.cost import estimate_node_cost
 from .kernels import (
@@ -69,6 +70,18 @@ class Group:
     @cached_property
     def modules(self) -> list[nn.Module]:
         return [self.rw.root.get_submodule(m.target) for m in self.members]
+
+    @property
+    def out_dtype(self) -> torch.dtype:
+        """What each member returned on the recording call (the kernel must match it)."""
+        meta = self.rw.metas[self.anchor]
+        assert isinstance(meta, TensorMeta), self.anchor
+        return meta.dtype
+
+    def input_dtypes(self) -> list[torch.dtype]:
+        """The dtypes of the anchor's tensor arguments, as recorded."""
+        metas = [self.rw.metas.get(a) for a in self.anchor.args if isinstance(a, fx.Node)]
+        return [m.dtype for m in metas if isinstance(m, TensorMeta)]
 
     @property
     def single_input(self) -> bool:
@@ -244,11 +257,25 @@ def _elementwise_function(g: Group) -> Optional[Built]:
 @_builder("vmap")
 def _vmap(g: Group) -> Optional[Built]:
     """Any other module type with parameters or buffers, where ``vmap`` can batch it."""
-    sources = g.sources()
     template = g.modules[0]
+    if g.rw.autocast:
+        # vmap's batching rules do not cast as autocast casts the members' ops: a Linear
+        # with a batched bias ran in float32 where the member runs in bfloat16, and a
+        # BatchNorm met bfloat16 activations with float32 statistics, which the batched
+        # batch_norm refuses.
+        return g.give_up("vmap under autocast: batched ops are not cast as the members' ops are")
+    floats = {t.dtype for t in (*template.parameters(), *template.buffers()) if t.is_floating_point()}
+    floats.update(d for d in g.input_dtypes() if d.is_floating_point)
+    if len(floats) > 1:
+        # Unbatched ops accept some mixes (a bf16 input with float32 BatchNorm statistics);
+        # their batching rules do not, and the meta trial cannot tell.
+        names = ", ".join(sorted(str(d).replace("torch.", "") for d in floats))
+        return g.give_up(f"vmap with mixed floating dtypes ({names}): batched ops do not mix them as the members do")
+    sources = g.sources()
     params = {n: g.stack_path(n) for n, _ in template.named_parameters()}
     buffers = {n: g.stack_path(n) for n, b in template.named_buffers() if b is not None}
-    if not _vmap_trial(template, sources, dict(g.anchor.kwargs), g.out_shape):
+    trial = _vmap_trial(template, sources, g.input_dtypes(), dict(g.anchor.kwargs), g.out_shape, g.out_dtype)
+    if not trial:
         return g.give_up("vmap cannot batch it")
     inputs = [(s.layout, s.shape) for s in sources]
     kernel = VmapKernel(g.modules, g.names, params, buffers, inputs, dict(g.anchor.kwargs), g.out_shape)
@@ -268,8 +295,16 @@ def _wide(g: Group) -> Optional[Built]:
     return Built(kernel, [g.anchor.args[0]], tuple(sizes))
 
 
-def _vmap_trial(template: nn.Module, sources: list[Source], kwargs: dict, out_shape: tuple[int, ...]) -> bool:
-    """Whether vmap can batch this module: one trial call on the meta device."""
+def _vmap_trial(
+    template: nn.Module,
+    sources: list[Source],
+    dtypes: list[torch.dtype],
+    kwargs: dict,
+    out_shape: tuple[int, ...],
+    out_dtype: torch.dtype,
+) -> bool:
+    """Whether vmap can batch this module: one trial call on the meta device, on inputs
+    of the members' recorded dtypes, giving the members' output shape and dtype."""
     n = 2
     try:
         params = {
@@ -280,11 +315,11 @@ def _vmap_trial(template: nn.Module, sources: list[Source], kwargs: dict, out_sh
             for k, b in template.named_buffers()
             if b is not None
         }
-        ref = next(iter(template.parameters()), None)
-        dtype = ref.dtype if ref is not None else torch.float32
+        if len(dtypes) != len(sources):
+            return False
         xs = [
             torch.empty(s.shape if s.layout == SHARED else (n,) + tuple(s.shape), dtype=dtype, device="meta")
-            for s in sources
+            for s, dtype in zip(sources, dtypes)
         ]
         dims = tuple(None if s.layout == SHARED else 0 for s in sources)
 
@@ -293,7 +328,7 @@ def _vmap_trial(template: nn.Module, sources: list[Source], kwargs: dict, out_sh
 
         with torch.no_grad():
             out = torch.func.vmap(f, in_dims=(0, 0) + dims, randomness="different")(params, buffers, *xs)
-        return isinstance(out, torch.Tensor) and tuple(out.shape) == (n,) + tuple(out_shape)
+        return isinstance(out, torch.Tensor) and tuple(out.shape) == (n,) + tuple(out_shape) and out.dtype == out_dtype
     except Exception as exc:  # noqa: BLE001 - any failure means "do not fuse"
         log.debug("vmap trial failed: %s", exc)
         return False

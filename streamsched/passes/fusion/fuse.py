@@ -15,6 +15,7 @@ from torch import fx, nn
 
 from ...frontend.meta import ValueMeta
 from ...frontend.nodes import node_label, target_name
+from ...frontend.trace_guard import autocast_state
 from ...ir.cost import DeviceModel
 from .builders import BUILDERS, Group
 from .kernels import FusedKernel
@@ -57,7 +58,9 @@ def fuse_graph(
     """Fuse ``graph`` in place; ``stacks`` provides the stacked parameter holders."""
     proposals = propose(graph, FusionSupport(root, metas), min_size)
     unfused = [_unfused(root, reason, nodes) for reason, nodes in proposals.excluded]
-    rw = Rewriter(graph, root, metas, stacks, device)
+    # The plan is made inside the call that recorded ``metas``, under the autocast state
+    # its trace (and so every later call running this plan) is keyed by.
+    rw = Rewriter(graph, root, metas, stacks, device, autocast_state())
     fused_modules: list[nn.Module] = []
     for kind, members in proposals.groups:
         rw.inserted = []
@@ -66,6 +69,9 @@ def fuse_graph(
             group = Group(rw, members)
             built = BUILDERS[kind](group)
             reason = group.reason
+            if built is not None:
+                # The kernel checks every result against what the members returned.
+                built.kernel.out_dtype = group.out_dtype
             kernel = None if built is None else rw.emit(members, built.kernel, built.inputs, built.sizes)
         except Exception as exc:  # noqa: BLE001 - a group that cannot be built stays unfused
             reason = f"building its kernel failed: {type(exc).__name__}: {exc}"

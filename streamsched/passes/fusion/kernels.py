@@ -36,6 +36,7 @@ from .params import StackedTensors
 
 __all__ = [
     "FusedKernel",
+    "FusedDtypeError",
     "LinearKernel",
     "ConvKernel",
     "BatchNormKernel",
@@ -46,11 +47,23 @@ __all__ = [
 ]
 
 
+class FusedDtypeError(RuntimeError):
+    """A fused kernel returned another dtype than its members do under the same autocast
+    state and input dtypes. Never expected: each kernel kind is built to match (or left
+    unfused where it cannot); raised rather than return a silently different result."""
+
+
 class FusedKernel:
-    """Base: naming for fx, and the facts the plan shows."""
+    """Base: naming for fx, the facts the plan shows, and the dtype check.
+
+    Subclasses implement :meth:`run`; calling the kernel runs it and checks that the
+    result has :attr:`out_dtype`, the dtype the members returned on the recording call
+    (under the autocast state and input dtypes the plan is keyed by)."""
 
     kind = "fused"
     kernel = "fused"
+    out_dtype: Optional[torch.dtype] = None
+    """What each member returns; set by the pass from the recorded metas."""
 
     def __init__(self, n: int, members: Sequence[str], out_layout: Layout, out_shape: tuple[int, ...]):
         self.n = n
@@ -67,6 +80,19 @@ class FusedKernel:
     @property
     def params(self) -> list[StackedTensors]:
         return []
+
+    def run(self, *xs: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __call__(self, *xs: torch.Tensor) -> torch.Tensor:
+        out = self.run(*xs)
+        if self.out_dtype is not None and out.dtype != self.out_dtype:
+            raise FusedDtypeError(
+                f"fused {self.kernel} x{self.n} ({self.member_names[0]} ...) returned {out.dtype} where its "
+                f"members return {self.out_dtype}; this is a streamsched bug: please report it, and pass "
+                "fuse=False to run the members one by one"
+            )
+        return out
 
 
 def _grad() -> bool:
@@ -100,7 +126,7 @@ class LinearKernel(FusedKernel):
     def params(self) -> list[StackedTensors]:
         return [p for p in (self.weight, self.bias) if p is not None]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def run(self, x: torch.Tensor) -> torch.Tensor:
         n, fin, fout = self.n, self.in_features, self.out_features
         grad = _grad()
         w = self.weight.value(grad)
@@ -152,7 +178,7 @@ class ConvKernel(FusedKernel):
     def params(self) -> list[StackedTensors]:
         return [p for p in (self.weight, self.bias) if p is not None]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def run(self, x: torch.Tensor) -> torch.Tensor:
         grad = _grad()
         w = self.weight.value(grad)
         b = self.bias.value(grad) if self.bias is not None else None
@@ -200,7 +226,7 @@ class BatchNormKernel(FusedKernel):
             p for p in (self.weight, self.bias, self.running_mean, self.running_var, self.num_batches) if p is not None
         ]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def run(self, x: torch.Tensor) -> torch.Tensor:
         m = self.first
         xf = to_fold(x, self.in_layout, self.n, self.in_shape, 1)
         grad = _grad()
@@ -246,15 +272,22 @@ class LayerNormKernel(FusedKernel):
     def params(self) -> list[StackedTensors]:
         return [p for p in (self.weight, self.bias) if p is not None]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def run(self, x: torch.Tensor) -> torch.Tensor:
         xs = to_stack(x, self.in_layout, self.n, self.in_shape)
-        y = F.layer_norm(xs, self.normalized_shape, None, None, self.eps)
+        # layer_norm computes a half-precision input in float32, affine included, and
+        # rounds once (also with float32 weights: a bf16 activation under autocast meets
+        # a float32 LayerNorm). Normalising and scaling in the input's dtype would round
+        # three times, and a float32 weight would promote the result to float32.
+        compute = torch.float32 if xs.dtype in (torch.float16, torch.bfloat16) else xs.dtype
+        y = F.layer_norm(xs.to(compute), self.normalized_shape, None, None, self.eps)
         grad = _grad()
         if self.weight is not None:
-            y = y * self.weight.value(grad).view(self.affine_shape)
+            y = y * self.weight.value(grad).view(self.affine_shape).to(compute)
         if self.bias is not None:
-            y = y + self.bias.value(grad).view(self.affine_shape)
-        return y
+            y = y + self.bias.value(grad).view(self.affine_shape).to(compute)
+        # What the members return: the input's dtype, or float32 where autocast runs
+        # layer_norm in float32 (CUDA).
+        return y.to(self.out_dtype or xs.dtype)
 
 
 class ElementwiseKernel(FusedKernel):
@@ -293,7 +326,7 @@ class ElementwiseKernel(FusedKernel):
         super().__init__(n, names, out_layout, out_shape)
         self.ndim = len(out_shape)
 
-    def __call__(self, *tensors: torch.Tensor) -> torch.Tensor:
+    def run(self, *tensors: torch.Tensor) -> torch.Tensor:
         it = iter(tensors)
         args = []
         for op in self.operands:
@@ -341,7 +374,7 @@ class VmapKernel(FusedKernel):
     def params(self) -> list[StackedTensors]:
         return list(self.param_stacks.values()) + list(self.buffer_stacks.values())
 
-    def __call__(self, *xs: torch.Tensor) -> torch.Tensor:
+    def run(self, *xs: torch.Tensor) -> torch.Tensor:
         grad = _grad()
         p = {k: v.value(grad) for k, v in self.param_stacks.items()}
         b = {k: v.value(False) for k, v in self.buffer_stacks.items()}
@@ -385,7 +418,7 @@ class WideKernel(FusedKernel):
     def params(self) -> list[StackedTensors]:
         return [p for p in (self.weight, self.bias) if p is not None]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def run(self, x: torch.Tensor) -> torch.Tensor:
         # The whole output: a cat of all members along split_dim is this tensor itself;
         # other consumers read torch.split(...) views of it.
         grad = _grad()

@@ -95,12 +95,15 @@ class Rewriter:
         metas: dict[fx.Node, ValueMeta],
         stacks: Any,
         device: DeviceModel,
+        autocast: tuple = (),
     ):
         self.graph = graph
         self.root = root
         self.metas = metas
         self.stacks = stacks
         self.device = device
+        self.autocast = autocast
+        """The autocast state the plan runs under (``trace_guard.autocast_state``)."""
         self.stacked_of: dict[fx.Node, _Stacked] = {}
         self.groups: list[FusedGroupInfo] = []
         self.kernels: list[FusedKernel] = []
