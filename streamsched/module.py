@@ -586,15 +586,14 @@ class StreamScheduledModule(nn.Module):
         return profile_costs(st.profile)
 
     def _nvtx(self, schedule: _Compiled) -> Any:
-        """The NVTX range observer, on CUDA plans, while a tool is there to see the ranges
-        (Nsight Systems attached, or the torch profiler recording): free otherwise."""
-        if not self.config.nvtx or not schedule.plan.device.startswith("cuda"):
-            return None
-        st = self._ss
-        if st.nvtx is None:
-            st.nvtx = NvtxRanges.create() or False
-        if st.nvtx and st.nvtx.wanted():
-            return st.nvtx
+        """The NVTX range observer, on every executor and device (NVTX tools profile
+        CPU-only runs too), while a tool is there to see the ranges (Nsight Systems
+        attached, or the torch profiler recording): free otherwise."""
+        ranges = self._ss.nvtx
+        if ranges is None:  # first call: the config is frozen, so this is decided once
+            ranges = self._ss.nvtx = (NvtxRanges.create() if self.config.nvtx else None) or False
+        if ranges and ranges.wanted():
+            return ranges
         return None
 
     def _graph_executor(self, schedule: _Compiled, tensors: list[torch.Tensor]) -> Optional[GraphExecutor]:

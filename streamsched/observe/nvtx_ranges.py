@@ -101,6 +101,7 @@ class NvtxRanges:
     def wanted(self) -> bool:
         """Whether anything would see the ranges now: an NVTX tool is attached, or the torch
         profiler is recording. A caller may skip installing the observer when not."""
+        # Asked on every call of a wrapped model: one attribute, then torch's flag.
         return self.tool_attached or _profiler_active()
 
     @classmethod
