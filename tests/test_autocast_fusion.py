@@ -229,13 +229,19 @@ def test_vmap_still_fuses_without_autocast():
     assert [g.kernel for g in sm.plan.fused_groups] == ["vmap(functional_call)"]
 
 
-def _run_plain(make, shape):
+def _run_plain(make, shape, make_input=None):
     model = make()
     ref = copy.deepcopy(model)
     sm = ss.StreamScheduledModule(model, executor="serial")
-    for _ in range(2):
-        x = torch.randn(shape)
-        assert_close(sm(x), ref(x))
+    for _ in range(3):
+        x = make_input() if make_input else torch.randn(shape)
+        out, expected = sm(x), ref(x)
+        assert_close(out, expected)
+        out.pow(2).sum().backward()
+        expected.pow(2).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_close(p, q, what=name)
+        assert_close(p.grad, q.grad, what=f"grad {name}")
     assert_path(sm, "plan:serial")
     return sm
 
@@ -248,3 +254,21 @@ def test_a_kernel_returning_another_dtype_than_its_members_raises():
     kernel.out_dtype = torch.bfloat16
     with pytest.raises(FusedDtypeError, match="returned torch.float32 where its members return torch.bfloat16"):
         sm(torch.randn(_FLAT))
+
+
+def test_vmap_leaves_members_with_index_inputs_unfused():
+    """The vmap trial runs on the members' recorded input dtypes: an Embedding's indices
+    are no longer tried as floats (which failed the trial); it stays unfused on purpose,
+    since one with ``max_norm`` writes its weight in place, which stacked weights refuse."""
+
+    class Lookups(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tables = nn.ModuleList(nn.Embedding(10, 4, max_norm=1.0) for _ in range(3))
+
+        def forward(self, idx):
+            return torch.cat([t(idx[:, i]) for i, t in enumerate(self.tables)], 1)
+
+    sm = _run_plain(Lookups, None, lambda: torch.randint(0, 10, (5, 3)))
+    assert not sm.plan.fused_groups
+    assert any("integer or boolean inputs" in u.reason for u in sm.plan.unfused)

@@ -264,8 +264,13 @@ def _vmap(g: Group) -> Optional[Built]:
         # BatchNorm met bfloat16 activations with float32 statistics, which the batched
         # batch_norm refuses.
         return g.give_up("vmap under autocast: batched ops are not cast as the members' ops are")
+    inputs = g.input_dtypes()
+    if not all(d.is_floating_point for d in inputs):
+        # Indices and masks: an Embedding with max_norm renormalises its weight in place,
+        # which the stacked parameters' views refuse; nothing here batches such inputs.
+        return g.give_up("vmap with integer or boolean inputs: not batched")
     floats = {t.dtype for t in (*template.parameters(), *template.buffers()) if t.is_floating_point()}
-    floats.update(d for d in g.input_dtypes() if d.is_floating_point)
+    floats.update(inputs)
     if len(floats) > 1:
         # Unbatched ops accept some mixes (a bf16 input with float32 BatchNorm statistics);
         # their batching rules do not, and the meta trial cannot tell.
@@ -274,7 +279,7 @@ def _vmap(g: Group) -> Optional[Built]:
     sources = g.sources()
     params = {n: g.stack_path(n) for n, _ in template.named_parameters()}
     buffers = {n: g.stack_path(n) for n, b in template.named_buffers() if b is not None}
-    trial = _vmap_trial(template, sources, g.input_dtypes(), dict(g.anchor.kwargs), g.out_shape, g.out_dtype)
+    trial = _vmap_trial(template, sources, inputs, dict(g.anchor.kwargs), g.out_shape, g.out_dtype)
     if not trial:
         return g.give_up("vmap cannot batch it")
     inputs = [(s.layout, s.shape) for s in sources]
