@@ -12,6 +12,31 @@ the module path added to the message.
 
 from __future__ import annotations
 
+import os
+import sys
+
+import torch
+
+# Frames in these folders are library frames: a warning points past them, at the line
+# of the user's code that called into the library.
+_LIBRARY_DIRS = (
+    os.path.dirname(os.path.abspath(__file__)) + os.sep,
+    os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
+)
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a ``warnings.warn`` made by the caller of this function
+    point at the first frame outside streamsched and PyTorch: the user's line that called
+    the wrapped model (through ``nn.Module.__call__`` and any number of library frames),
+    not a library line that depends on how the call path is built."""
+    frame = sys._getframe(1)  # the function about to call warnings.warn: stacklevel 1
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        frame = frame.f_back
+        level += 1
+    return level
+
 
 class StreamSchedError(Exception):
     """Base class of every error raised by streamsched itself."""

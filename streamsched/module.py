@@ -29,7 +29,7 @@ from torch import nn
 from . import _generation, _native
 from ._lru import LRU
 from .config import SchedulerConfig, make_config
-from .errors import ConfigError, HooksWarning, ProfileMismatchError, TraceError, UntraceableWarning
+from .errors import ConfigError, HooksWarning, ProfileMismatchError, TraceError, UntraceableWarning, user_stacklevel
 from .frontend.binder import ShapeCachedBinder
 from .frontend.effects import EffectRecorder, Effects
 from .frontend.hooks import global_hooks, has_hooks
@@ -430,15 +430,6 @@ class StreamScheduledModule(nn.Module):
             # Remember that this call structure cannot be traced: later calls go
             # straight to eager dispatch instead of failing to trace again.
             st.traces.put(trace_key, exc)
-            # Said once, and only to users who did not ask for this with strict=False.
-            if not st.warned_untraceable and "strict" not in self.config.model_fields_set:
-                st.warned_untraceable = True
-                warnings.warn(
-                    f"{exc}\n[streamsched] {type(self.module).__name__} runs its own forward (eager dispatch: only "
-                    "@streamsched.branch calls are scheduled); pass strict=True to raise this error instead.",
-                    UntraceableWarning,
-                    stacklevel=3,
-                )
             return self._eager_dispatch(spec, tensors, exc, trace_key, args, kwargs)
         metas: dict = {}
         name = type(self.module).__name__
@@ -486,6 +477,16 @@ class StreamScheduledModule(nn.Module):
         if done.sync_log is not None:
             st.last_sync_log = done.sync_log
         out = done.result()  # the call's exception, if any, raised once the call is recorded
+        # Said once, after a call that worked: an exception eager raises too is the user's
+        # own, not a tracing matter; and only to users who did not ask with strict=False.
+        if not st.warned_untraceable and "strict" not in self.config.model_fields_set:
+            st.warned_untraceable = True
+            warnings.warn(
+                f"{reason}\n[streamsched] {type(self.module).__name__} runs its own forward (eager dispatch: only "
+                "@streamsched.branch calls are scheduled); pass strict=True to raise this error instead.",
+                UntraceableWarning,
+                stacklevel=user_stacklevel(),
+            )
         if automatic:
             # A forward that calls no @streamsched.branch has nothing to dispatch: after
             # a few such calls in a row, it runs as written (the same calls, minus the
@@ -527,7 +528,7 @@ class StreamScheduledModule(nn.Module):
                 "eager; nothing is scheduled). Hooks on the StreamScheduledModule itself, or on a submodule, "
                 "keep the schedule.",
                 HooksWarning,
-                stacklevel=4,
+                stacklevel=user_stacklevel(),
             )
         return self.module(*args, **kwargs)
 

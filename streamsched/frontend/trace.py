@@ -619,11 +619,20 @@ def _describe_trace_failure(model: torch.nn.Module, tracer: _LeafTracer, exc: Ba
             if owner is model:
                 label = "the root module"
             who = f"{type(owner).__name__}.{frame.name} ({label})"
+    own = ""
+    innermost = traceback.extract_tb(exc.__traceback__)[-1:]
+    if frame is not None and innermost and innermost[0] == frame:
+        # Raised by a line of the model's own code, not by fx refusing a proxy: it may be
+        # an error eager raises just the same.
+        own = (
+            f"\n  (raised by the model's own code while traced: if {type(model).__name__} raises it when "
+            "called directly too, the error is the model's, not a limit of tracing)"
+        )
     return (
         f"streamsched cannot trace {who} of {type(model).__name__}: "
-        f"{type(exc).__name__}: {reason}{where}\n"
+        f"{type(exc).__name__}: {reason}{where}{own}\n"
         "How to fix: decorate the function or module class that does this with "
         "@streamsched.branch (its body then runs as one opaque task and may hold any "
-        "Python), name its class in leaf_modules=(...), or pass strict=False to run the "
-        "model's own forward and schedule only its @streamsched.branch calls."
+        "Python) or name its class in leaf_modules=(...). With strict=False (the default) "
+        "the model's own forward runs and only its @streamsched.branch calls are scheduled."
     )
