@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import streamsched as ss
+from streamsched.testing import assert_path
 
 
 def flatten(value: Any) -> list[torch.Tensor]:
@@ -39,6 +40,15 @@ def assert_close(actual: Any, expected: Any, atol: float = 1e-5, rtol: float = 1
                 f"({100.0 * float(bad.float().mean()):.2f}%); worst at {idx}: "
                 f"{float(a64.flatten()[worst])} vs {float(e64.flatten()[worst])}"
             )
+
+
+def called_on(sm: ss.StreamScheduledModule, path: str, *args: Any, **kwargs: Any) -> Any:
+    """Call ``sm`` and assert which way the call ran (``"recorded"``, ``"plan"`` for any
+    executor, ``"plan:threads"``, ``"as-written"`` ...): a comparison of its output with
+    eager then names the path it checked, and cannot land on another one unnoticed."""
+    out = sm(*args, **kwargs)
+    assert_path(sm, path)
+    return out
 
 
 def grads(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -8,7 +8,7 @@ import streamsched as ss
 from benchmarks.zoo import CriticEnsemble, MultiTaskHeads, ParallelFCN
 from streamsched.passes.fusion.kernels import FusedKernel
 
-from .helpers import assert_close, assert_sgd_steps_match_the_loop, check_against_eager
+from .helpers import assert_close, assert_sgd_steps_match_the_loop, called_on, check_against_eager
 
 
 def kernels(sm):
@@ -278,14 +278,21 @@ def test_reassigned_and_resized_parameters_are_never_stale():
     assert_close(sm(x), ref(x))
 
 
-def test_to_dtype_on_the_inner_model_restacks():
+@pytest.mark.parametrize("executor", ["serial", "threads"])
+def test_to_dtype_on_the_inner_model_restacks(executor):
     model, ref, x = _fcn_pair()
-    sm = ss.StreamScheduledModule(model)
-    sm(x)
-    sm(x)
+    sm = ss.StreamScheduledModule(model, executor=executor)
+    for path in ("recorded", "plan"):
+        x = torch.randn_like(x)
+        assert_close(called_on(sm, path, x), ref(x))
+    assert sm.plan.fused_groups
     model.double()
     ref.double()
-    assert_close(sm(x.double()), ref(x.double()))
+    # The float64 plan's kernels read float64 stacks of the (converted) members.
+    for path in ("recorded", "plan", "plan"):
+        x = torch.randn_like(x, dtype=torch.float64)
+        assert_close(called_on(sm, path, x), ref(x), atol=1e-10, rtol=1e-10)
+    assert sm.plan.fused_groups
 
 
 @pytest.mark.parametrize("set_to_none", [True, False])

@@ -8,7 +8,7 @@ from torch import nn
 
 import streamsched as ss
 
-from .helpers import ConvTowers, Towers, assert_close
+from .helpers import ConvTowers, Towers, assert_close, called_on
 
 
 def test_state_dict_and_parameters_are_the_models_own():
@@ -48,16 +48,21 @@ def test_train_eval_passes_through_and_selects_other_plans():
     assert len(sm.plans) == 2
 
 
-def test_to_dtype_invalidates_plans():
+@pytest.mark.parametrize("executor", ["serial", "threads"])
+def test_to_dtype_invalidates_plans(executor):
     model = Towers(3, 16)
-    sm = ss.StreamScheduledModule(model)
-    x = torch.randn(4, 16)
-    sm(x)
+    sm = ss.StreamScheduledModule(model, executor=executor)
+    for path in ("recorded", "plan"):
+        x = torch.randn(4, 16)
+        assert_close(called_on(sm, path, x), model(x))
     sm.double()
     assert next(model.parameters()).dtype == torch.float64
-    out = sm(x.double())
-    assert out.dtype == torch.float64
-    assert_close(out, model(x.double()))
+    # The float32 plan is gone: the first float64 call records, the next runs its own plan.
+    for path in ("recorded", "plan"):
+        x = torch.randn(4, 16, dtype=torch.float64)
+        out = called_on(sm, path, x)
+        assert out.dtype == torch.float64
+        assert_close(out, model(x))
 
 
 def test_plan_cache_is_bounded():
@@ -112,22 +117,31 @@ def test_errors_inside_a_cached_plan_name_the_module():
     assert "check" in str(info.value) and "Picky" in str(info.value)
 
 
-def test_nan_and_inf_propagate_like_eager():
+@pytest.mark.parametrize("executor", ["serial", "threads"])
+def test_nan_and_inf_propagate_like_eager(executor):
     model = Towers(3, 16)
-    sm = ss.StreamScheduledModule(model)
-    x = torch.randn(4, 16)
-    x[0, 0] = float("nan")
-    x[1, 1] = float("inf")
-    assert_close(sm(x), model(x))
+    sm = ss.StreamScheduledModule(model, executor=executor)
+    for path in ("recorded", "plan", "plan"):
+        x = torch.randn(4, 16)
+        x[0, 0] = float("nan")
+        x[1, 1] = float("inf")
+        out = called_on(sm, path, x)
+        assert out.isnan().any()
+        assert_close(out, model(x))
 
 
-def test_empty_batch_and_non_contiguous_input():
+@pytest.mark.parametrize("executor", ["serial", "threads"])
+def test_empty_batch_and_non_contiguous_input(executor):
     model = Towers(3, 16)
-    sm = ss.StreamScheduledModule(model)
-    assert sm(torch.randn(0, 16)).shape == (0, 8)
-    x = torch.randn(16, 8).t()
-    assert not x.is_contiguous()
-    assert_close(sm(x), model(x))
+    sm = ss.StreamScheduledModule(model, executor=executor)
+    for path in ("recorded", "plan"):
+        empty = called_on(sm, path, torch.randn(0, 16))
+        assert empty.shape == (0, 8)
+        assert_close(empty, model(torch.randn(0, 16)))
+    for path in ("recorded", "plan"):
+        x = torch.randn(16, 8).t()
+        assert not x.is_contiguous()
+        assert_close(called_on(sm, path, x), model(x))
 
 
 def test_model_mutated_after_wrapping_is_retraced():

@@ -23,8 +23,9 @@ from streamsched.observe.timeline import (
     measured_critical_path,
     model_parts,
 )
+from streamsched.testing import assert_path
 
-from .helpers import ConvTowers, Towers, assert_close
+from .helpers import ConvTowers, Towers, assert_close, called_on
 
 EXECUTORS = ["serial", "threads", "streams"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -139,12 +140,14 @@ def test_ranges_are_closed_when_a_task_raises(executor):
     model = Failing()
     sm = ss.StreamScheduledModule(model, executor=executor, num_streams=3, min_task_cost=0.0, fuse=False)
     x = torch.randn(8, 64)
-    expected = sm(x)
+    expected = model(x)  # eager: the wrapper is compared with the model, not with itself
+    assert_close(called_on(sm, "recorded", x), expected)
     domain = RecordingDomain()
     model.fail = 1
     with sm.observing(NvtxRanges(domain)):
         with pytest.raises(ValueError, match="boom in tower 1"):
             sm(x)
+    assert_path(sm, f"plan:{executor}")
     closed = domain.per_thread_ranges()  # balanced on every thread
     failing = [t for t in sm.plan.tasks if "check_1" in t.nodes]
     assert len(failing) == 1 and range_name(failing[0].name, failing[0].stream) in closed
@@ -152,7 +155,7 @@ def test_ranges_are_closed_when_a_task_raises(executor):
         assert failing[0].stream != 0  # the failure happened off the caller's stream
     model.fail = -1
     with sm.observing(NvtxRanges(domain)):
-        assert_close(sm(x), expected)
+        assert_close(called_on(sm, f"plan:{executor}", x), expected)
 
 
 def test_record_function_scopes_pair_the_ranges_only_while_the_profiler_runs(monkeypatch):

@@ -11,7 +11,7 @@ from torch import nn
 import streamsched as ss
 from benchmarks import stress
 
-from .helpers import Towers, assert_close
+from .helpers import Towers, assert_close, called_on
 
 
 class Branches(nn.Module):
@@ -42,8 +42,9 @@ def test_fault_in_branch_k_propagates_releases_memory_and_recovers(executor, k, 
     model = Branches(4)
     sm = ss.StreamScheduledModule(model, executor=executor, num_streams=4, min_task_cost=0.0, fuse=False)
     x = torch.randn(8, 32)
-    expected = sm(x)
-    sm(x)
+    expected = model(x)  # eager: the wrapper is compared with the model, not with itself
+    assert_close(called_on(sm, "recorded", x), expected)
+    assert_close(called_on(sm, f"plan:{executor}", x), expected)
     threads = threading.active_count()
     model.alive.clear()
     model.fail, model.exc = k, exc
@@ -53,7 +54,7 @@ def test_fault_in_branch_k_propagates_releases_memory_and_recovers(executor, k, 
     assert model.alive and all(ref() is None for ref in model.alive), "values of the failed call are still alive"
     assert threading.active_count() <= threads
     model.fail = -1
-    assert_close(sm(x), expected)
+    assert_close(called_on(sm, f"plan:{executor}", x), expected)
 
 
 def test_wrong_device_and_mixed_devices_raise_like_eager():
@@ -99,12 +100,16 @@ def test_output_structure_that_depends_on_a_flag():
             return (h, -h) if pair else h
 
     model = Either()
-    sm = ss.StreamScheduledModule(model)
-    x = torch.randn(3, 4)
-    assert isinstance(sm(x), torch.Tensor)
-    out = sm(x, pair=True)
-    assert isinstance(out, tuple) and len(out) == 2
-    assert_close(out, model(x, pair=True))
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    for path in ("recorded", "plan"):
+        x = torch.randn(3, 4)
+        out = called_on(sm, path, x)
+        assert isinstance(out, torch.Tensor)
+        assert_close(out, model(x))
+        x = torch.randn(3, 4)
+        out = called_on(sm, path, x, pair=True)
+        assert type(out) is tuple and len(out) == 2
+        assert_close(out, model(x, pair=True))
 
 
 def test_output_structure_that_depends_on_a_shape_is_a_trace_error():
@@ -131,14 +136,19 @@ def test_modules_added_and_removed_after_wrapping():
             return x
 
     model = Growing()
-    sm = ss.StreamScheduledModule(model)
-    x = torch.randn(2, 8)
-    sm(x)
-    sm(x)
+    sm = ss.StreamScheduledModule(model, executor="serial")
+
+    def recorded_then_planned() -> None:
+        for path in ("recorded", "plan"):
+            x = torch.randn(2, 8)
+            assert_close(called_on(sm, path, x), model(x))
+
+    recorded_then_planned()
     model.layers.append(nn.Linear(8, 8))
-    assert_close(sm(x), model(x))
+    recorded_then_planned()  # re-traced: the new layer runs
+    assert "layers_1" in sm.plan.tasks[0].nodes
     del model.layers[0]
-    assert_close(sm(x), model(x))
+    recorded_then_planned()
 
 
 def test_config_field_of_the_wrong_type():

@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import streamsched as ss
-from streamsched.testing import check_happens_before
+from streamsched.testing import assert_path, check_happens_before
 
-from .helpers import assert_close, grads
+from .helpers import assert_close, called_on, grads
 
 # --- 1. modes ------------------------------------------------------------------------
 
@@ -71,14 +71,17 @@ def _pair(model: nn.Module, **options):
     return eager, ss.StreamScheduledModule(model, **options)
 
 
-def _step_both(eager, sm, x, seed=0):
-    """One forward + backward on each; outputs, grads and the whole state must agree."""
+def _step_both(eager, sm, x, seed=0, path=None):
+    """One forward + backward on each; outputs, grads and the whole state must agree.
+    ``path``: which way the wrapper's call must have run (``streamsched.testing``)."""
     for m in (eager, sm):
         m.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
     ref = eager(x)
     torch.manual_seed(seed)
     out = sm(x)
+    if path is not None:
+        assert_path(sm, path)
     assert_close(out, ref, what="output")
     if torch.is_grad_enabled() and ref.requires_grad:
         ref.square().mean().backward()
@@ -106,13 +109,20 @@ def test_eval_then_train_then_eval_equals_eager(executor):
     _step_both(eager, sm, x)
 
 
-def test_train_then_eval_uses_running_statistics():
-    eager, sm = _pair(Net())
-    x = torch.randn(4, 3, 8, 8)
-    _step_both(eager, sm, x)  # train
+def _steps_on_each_path(eager, sm, seed=0):
+    """A recording call, then two calls of the compiled plan, each on fresh inputs and
+    compared with eager (``sm`` needs an explicit executor: no trial runs it as written)."""
+    for i, path in enumerate(("recorded", "plan", "plan")):
+        _step_both(eager, sm, torch.randn(4, 3, 8, 8), seed=seed + i, path=path)
+
+
+@pytest.mark.parametrize("executor", ["serial", "threads"])
+def test_train_then_eval_uses_running_statistics(executor):
+    eager, sm = _pair(Net(), executor=executor)
+    _steps_on_each_path(eager, sm)  # train: the running statistics move
     eager.eval(), sm.eval()
     with torch.no_grad():
-        _step_both(eager, sm, x)
+        _steps_on_each_path(eager, sm, seed=10)
 
 
 def test_freezing_batchnorm_inside_a_training_model():
@@ -128,13 +138,13 @@ def test_freezing_batchnorm_inside_a_training_model():
     assert int(sm.module.a[1].num_batches_tracked) == 1
 
 
-def test_setting_the_training_attribute_directly_is_seen():
-    eager, sm = _pair(Net())
-    x = torch.randn(4, 3, 8, 8)
-    _step_both(eager, sm, x)
+@pytest.mark.parametrize("executor", ["serial", "threads"])
+def test_setting_the_training_attribute_directly_is_seen(executor):
+    eager, sm = _pair(Net(), executor=executor)
+    _steps_on_each_path(eager, sm)
     eager.a[1].training = False
     sm.module.a[1].training = False
-    _step_both(eager, sm, x)
+    _steps_on_each_path(eager, sm, seed=10)
 
 
 def test_buffer_updates_run_every_call_with_momentum_none():
@@ -145,13 +155,13 @@ def test_buffer_updates_run_every_call_with_momentum_none():
     assert_close(sm.module.a[1].running_mean, eager.a[1].running_mean)
 
 
-def test_a_changed_flag_of_a_traced_module_retraces():
-    eager, sm = _pair(Net())
-    x = torch.randn(4, 3, 8, 8)
-    _step_both(eager, sm, x)
+@pytest.mark.parametrize("executor", ["serial", "threads"])
+def test_a_changed_flag_of_a_traced_module_retraces(executor):
+    eager, sm = _pair(Net(), executor=executor)
+    _steps_on_each_path(eager, sm)
     eager.drop.p = 0.0
     sm.module.drop.p = 0.0
-    _step_both(eager, sm, x)
+    _steps_on_each_path(eager, sm, seed=10)
 
 
 # --- 2. a trace has no side effects ----------------------------------------------------
@@ -368,13 +378,15 @@ class Factories(nn.Module):
         return z + pos + torch.ones(x.shape[0], 1)
 
 
-def test_tensor_factories_with_traced_sizes_are_traced():
+@pytest.mark.parametrize("executor", ["serial", "threads"])
+def test_tensor_factories_with_traced_sizes_are_traced(executor):
     model = Factories()
-    sm = ss.StreamScheduledModule(model)
+    sm = ss.StreamScheduledModule(model, executor=executor)
     for n in (2, 5):
-        x = torch.randn(n, 6)
-        assert_close(sm(x), model(x))
-    assert not sm.plan.opaque
+        for path in ("recorded", "plan"):
+            x = torch.randn(n, 6)
+            assert_close(called_on(sm, path, x), model(x))
+        assert not sm.plan.opaque
 
 
 def test_threads_log_of_outputs_from_side_lanes_is_clean():
