@@ -289,13 +289,26 @@ def _or(value: Any, unknown: str = "?") -> str:
     return unknown if value is None else str(value)
 
 
+def _runtime_line(runtime: dict[str, Any]) -> str:
+    """Which runtime runs, said plainly: a native runtime without the CUDA backend that a
+    CUDA build of PyTorch could use is not just "native"."""
+    if runtime.get("native_cuda_missing"):
+        return (
+            f"runtime native WITHOUT its CUDA backend (PyTorch {_or(runtime.get('torch'))} is a CUDA "
+            f"{_or(runtime.get('torch_cuda'))} build; the extension was compiled for CPU only)"
+        )
+    return f"runtime {_or(runtime.get('runtime'))} ({_or(runtime.get('reason'))})"
+
+
 def format_report(report: dict[str, Any]) -> str:
     """The report as a few lines of text (missing entries print as ``?``)."""
     py, plat, cpu = report.get("python", {}), report.get("platform", {}), report.get("cpu", {})
     tor, ss, nvml = report.get("torch", {}), report.get("streamsched", {}), report.get("nvml", {})
     runtime = ss.get("runtime", {})
-    lines = [
-        f"streamsched {_or(ss.get('version'))}: runtime {_or(runtime.get('runtime'))} ({_or(runtime.get('reason'))})",
+    lines = [f"streamsched {_or(ss.get('version'))}: {_runtime_line(runtime)}"]
+    if runtime.get("build_hint"):
+        lines.append(f"    to fix: {runtime['build_hint']}")
+    lines += [
         f"python {_or(py.get('version'))} ({_or(py.get('implementation'))}) on {_or(plat.get('system'))} "
         f"{_or(plat.get('release'))} {_or(plat.get('machine'))}",
         f"torch {_or(tor.get('version'))}: CUDA {_or(tor.get('cuda'), 'none')}, cuDNN {_or(tor.get('cudnn'), 'none')}, "
