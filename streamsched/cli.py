@@ -51,6 +51,11 @@ _DELEGATES = {
 }
 
 
+# A profile whose rounds' total task times spread wider than this, (slowest - fastest) /
+# fastest, is refused by `streamsched profile` unless --max-spread says otherwise.
+MAX_PROFILE_SPREAD = 0.5
+
+
 class UsageError(Exception):
     """A bad command-line argument: reported on stderr, exit status 2."""
 
@@ -185,7 +190,18 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     prof = commands.add_parser("profile", help="measure per-task costs into a schedule profile (JSON)")
     _add_model_arguments(prof)
     prof.add_argument("--out", required=True, metavar="PATH.json", help="where to write the profile")
-    prof.add_argument("--runs", type=int, default=5, help="observed calls; each task's median is kept (5)")
+    prof.add_argument("--runs", type=int, default=5, help="observed calls per round; a task's median is taken (5)")
+    prof.add_argument(
+        "--rounds", type=int, default=3, help="rounds of --runs calls; each task keeps its fastest round median (3)"
+    )
+    prof.add_argument(
+        "--max-spread",
+        type=float,
+        default=MAX_PROFILE_SPREAD,
+        metavar="FRACTION",
+        help="refuse the profile when the rounds' total task times spread wider than this: "
+        f"(slowest - fastest) / fastest ({MAX_PROFILE_SPREAD}); tasks spreading wider are warned about",
+    )
 
     for name, module in _DELEGATES.items():
         commands.add_parser(name, help=f"run {module} (arguments are passed through; `{name} --help` for its own)")
@@ -288,19 +304,39 @@ def _cmd_timeline(ns: argparse.Namespace) -> int:
 
 
 def _cmd_profile(ns: argparse.Namespace) -> int:
-    runs = _positive(ns.runs, "--runs")
+    runs, rounds = _positive(ns.runs, "--runs"), _positive(ns.rounds, "--rounds")
+    if not ns.max_spread > 0:
+        raise UsageError(f"--max-spread must be above 0, got {ns.max_spread}")
     prepared = _Prepared(ns)
     with prepared.running("profiling"):
-        profile = measure_profile(prepared.sm, *prepared.inputs(), runs=runs)
-    path = profile.save(ns.out)
+        profile = measure_profile(prepared.sm, *prepared.inputs(), runs=runs, rounds=rounds)
     total = sum(profile.task_us.values())
+    rounds_ms = ", ".join(f"{us / 1000:.2f}" for us in profile.round_total_us)
     print(
         f"profile of {profile.model} {profile.signature} on {profile.device} ({profile.device_name}), "
         f"executor {profile.executor}: {len(profile.task_us)} tasks, {total / 1000:.2f} ms of task time "
-        f"(median of {profile.runs} runs)"
+        f"(fastest of {profile.rounds} rounds of {profile.runs} calls, each task's median; "
+        f"round totals {rounds_ms} ms, spread {profile.spread():.0%})"
     )
     for name, us in sorted(profile.task_us.items(), key=lambda kv: -kv[1])[:5]:
-        print(f"  {us:10.1f} us  {name}")
+        print(f"  {us:10.1f} us  {name}  (spread {profile.task_spread.get(name, 0.0):.0%})")
+    if profile.spread() > ns.max_spread:
+        raise RunError(
+            f"the measurements are not steady: the rounds' total task times ({rounds_ms} ms) spread "
+            f"{profile.spread():.0%}, more than --max-spread {ns.max_spread:.0%}; nothing written. Measure on a "
+            "quieter machine (other processes share the cores or the GPU), with more --runs/--rounds, or "
+            "raise --max-spread to accept it"
+        )
+    unsteady = profile.unsteady_tasks(ns.max_spread)
+    if unsteady:
+        listed = ", ".join(f"{name} ({spread:.0%})" for name, spread in unsteady[:5])
+        more = f" and {len(unsteady) - 5} more" if len(unsteady) > 5 else ""
+        print(
+            f"warning: {len(unsteady)} task(s) spread more than {ns.max_spread:.0%} between rounds: {listed}{more}; "
+            "the profile keeps each task's fastest round",
+            file=sys.stderr,
+        )
+    path = profile.save(ns.out)
     print(f"wrote {path}  (use it with SchedulerConfig(profile={str(path)!r}))")
     return 0
 

@@ -15,6 +15,16 @@ Example::
     41.7
 
 From the command line: ``python -m streamsched profile MODULE:FACTORY --input-shape ... --out PATH.json``.
+
+Measurements on a shared machine wander (another process takes the cores for a while, a
+GPU clocks down): one round of calls can come out hundreds of times slower than the next.
+So a profile is taken in several *rounds* of calls; a task's figure in a round is its
+median over the round's calls, and the profile keeps the fastest round's figure (other
+work only ever adds time) together with the *spread* of the rounds, (slowest - fastest) /
+fastest, per task and for the total. :meth:`ScheduleProfile.spread` and
+:meth:`ScheduleProfile.unsteady_tasks` say whether the figures can be trusted; the CLI
+warns about unsteady tasks and refuses to write a profile whose total spread exceeds
+``--max-spread``.
 """
 
 from __future__ import annotations
@@ -59,10 +69,36 @@ class ScheduleProfile(BaseModel):
     """When it was measured (ISO 8601, UTC)."""
     executor: str
     runs: int = Field(ge=1)
+    """Observed calls per round."""
+    rounds: int = Field(default=1, ge=1)
+    """Rounds of ``runs`` calls each (profiles from before rounds existed have one)."""
     task_us: dict[str, float]
-    """Per task name, the median of its measured duration (microseconds) over the runs."""
+    """Per task name, its duration in microseconds: the median over a round's calls, of
+    the fastest round."""
+    task_spread: dict[str, float] = {}
+    """Per task name, how far its round medians spread: (slowest - fastest) / fastest
+    (0.0 with one round)."""
+    round_total_us: list[float] = []
+    """Per round, the sum of its task medians (microseconds)."""
     plan: Plan
     """The plan the measurements were taken with."""
+
+    def spread(self) -> float:
+        """How far the rounds' total task times spread: (slowest - fastest) / fastest;
+        0.0 with fewer than two rounds."""
+        return _spread(self.round_total_us)
+
+    def unsteady_tasks(self, limit: float, min_share: float = 0.01) -> list[tuple[str, float]]:
+        """Tasks whose spread exceeds ``limit`` and whose figure is at least ``min_share``
+        of the total task time (a task of a few microseconds wanders by itself and weighs
+        nothing in the plan), widest first."""
+        total = sum(self.task_us.values()) or 1.0
+        wide = [
+            (name, spread)
+            for name, spread in self.task_spread.items()
+            if spread > limit and self.task_us.get(name, 0.0) >= min_share * total
+        ]
+        return sorted(wide, key=lambda item: -item[1])
 
     def save(self, path: Union[str, Path]) -> Path:
         """Write the profile as JSON (creating the folder); return the path."""
@@ -72,19 +108,43 @@ class ScheduleProfile(BaseModel):
         return out
 
 
-def measure_profile(sm: Observable, *inputs: Any, runs: int = 5) -> ScheduleProfile:
-    """Measure each task of ``sm(*inputs)`` over ``runs`` observed calls (after warming up).
+def _spread(values: list[float]) -> float:
+    if len(values) < 2 or min(values) <= 0:
+        return 0.0
+    return (max(values) - min(values)) / min(values)
+
+
+def measure_profile(sm: Observable, *inputs: Any, runs: int = 5, rounds: int = 3) -> ScheduleProfile:
+    """Measure each task of ``sm(*inputs)`` in ``rounds`` rounds of ``runs`` observed calls
+    (after warming up).
 
     A task's cost is its duration (end - start, CUDA events on the GPU, the host clock on
-    the CPU); the profile keeps the median per task name. Call it in the grad mode the
-    profile is for (``torch.no_grad()`` for inference).
+    the CPU). Per round, the median per task name; the profile keeps each task's fastest
+    round median and the spread of its round medians (see :class:`ScheduleProfile`). Call
+    it in the grad mode the profile is for (``torch.no_grad()`` for inference).
     """
-    observed = record_runs(sm, *inputs, runs=runs, warmup=2)
-    durations: dict[str, list[float]] = {}
-    for call in observed:
-        for span in call.spans:
-            durations.setdefault(span.name, []).append(span.duration_us)
-    plan = observed[-1].schedule.plan
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds must be an int >= 1, got {rounds!r}")
+    medians: dict[str, list[float]] = {}
+    totals: list[float] = []
+    schedule: Any = None
+    for r in range(rounds):
+        observed = record_runs(sm, *inputs, runs=runs, warmup=2 if r == 0 else 1)
+        durations: dict[str, list[float]] = {}
+        for call in observed:
+            for span in call.spans:
+                durations.setdefault(span.name, []).append(span.duration_us)
+        round_medians = {name: statistics.median(values) for name, values in durations.items()}
+        if schedule is not None and observed[-1].schedule is not schedule:
+            raise RuntimeError(
+                f"{schedule.plan.model}: the plan changed between rounds (the module was re-planned); "
+                "profile it with the same inputs and do not modify it while measuring"
+            )
+        schedule = observed[-1].schedule
+        for name, value in round_medians.items():
+            medians.setdefault(name, []).append(value)
+        totals.append(round(sum(round_medians.values()), 3))
+    plan = schedule.plan
     return ScheduleProfile(
         model=plan.model,
         signature=plan.signature,
@@ -94,8 +154,11 @@ def measure_profile(sm: Observable, *inputs: Any, runs: int = 5) -> ScheduleProf
         streamsched_version=__version__,
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         executor=plan.schedule_executor,
-        runs=len(observed),
-        task_us={name: round(statistics.median(values), 3) for name, values in durations.items()},
+        runs=runs,
+        rounds=rounds,
+        task_us={name: round(min(values), 3) for name, values in medians.items()},
+        task_spread={name: round(_spread(values), 4) for name, values in medians.items()},
+        round_total_us=totals,
         plan=plan,
     )
 
