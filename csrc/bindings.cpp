@@ -22,9 +22,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("writes"), py::arg("cross_reads"), py::arg("frees"));
 
   py::class_<StreamRuntime>(m, "StreamRuntime")
-      .def(py::init<std::vector<TaskSync>, int64_t, std::vector<int64_t>, std::vector<int64_t>, bool, int64_t>(),
+      .def(py::init<std::vector<TaskSync>, int64_t, std::vector<int64_t>, std::vector<int64_t>, bool, int64_t,
+                    py::object>(),
            py::arg("tasks"), py::arg("num_streams"), py::arg("side_outputs"), py::arg("output_slots"),
-           py::arg("use_cuda"), py::arg("device") = 0)
+           py::arg("use_cuda"), py::arg("device") = 0, py::arg("ops") = py::none())
       .def("begin", &StreamRuntime::begin, py::arg("log"))
       .def("enter", &StreamRuntime::enter, py::arg("index"))
       .def("leave", &StreamRuntime::leave, py::arg("index"), py::arg("env"))
@@ -39,7 +40,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              return out;
            })
       .def_property_readonly("uses_cuda", &StreamRuntime::uses_cuda)
-      .def_property_readonly("num_tasks", &StreamRuntime::num_tasks);
+      .def_property_readonly("num_tasks", &StreamRuntime::num_tasks)
+      .def_property_readonly("num_events", &StreamRuntime::num_events);
+  // StreamRuntime(..., ops=...) drives its streams through a Python object (runtime.h).
+  m.attr("stream_ops") = true;
 
   py::class_<StackGuard>(m, "StackGuard")
       .def(py::init<std::vector<at::Tensor>>(), py::arg("tensors"))

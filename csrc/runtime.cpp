@@ -13,7 +13,7 @@ namespace py = pybind11;
 namespace streamsched {
 
 StreamRuntime::StreamRuntime(std::vector<TaskSync> tasks, int64_t num_streams, std::vector<int64_t> side_outputs,
-                             std::vector<int64_t> output_slots, bool use_cuda, int64_t device)
+                             std::vector<int64_t> output_slots, bool use_cuda, int64_t device, py::object ops)
     : tasks_(std::move(tasks)),
       num_streams_(num_streams),
       side_outputs_(std::move(side_outputs)),
@@ -42,7 +42,10 @@ StreamRuntime::StreamRuntime(std::vector<TaskSync> tasks, int64_t num_streams, s
       }
     }
   }
-  if (use_cuda) {
+  num_events_ = events;
+  if (!ops.is_none()) {
+    backend_ = make_python_backend(std::move(ops));
+  } else if (use_cuda) {
     backend_ = make_cuda_backend(device, num_streams_, events);
   }
 }

@@ -44,7 +44,13 @@ struct TaskSync {
   std::vector<int64_t> frees;
 };
 
-// The stream operations, implemented for CUDA in cuda_backend.cpp.
+// The stream operations: the narrow interface through which the runtime's fork, wait,
+// record, record_stream and join reach streams and events. Implemented for CUDA in
+// cuda/cuda_backend.cpp (c10::cuda), and in python_backend.cpp by a Python object
+// (streamsched.runtime.backends.NativeStreamOps) that drives torch.cuda: that is how the
+// runtime's every synchronisation action is exercised on the emulated device.
+// Streams are numbered as in plans (0: the caller's stream, captured by fork()); events
+// by the runtime (one per recording task).
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -58,12 +64,18 @@ class Backend {
 };
 
 std::unique_ptr<Backend> make_cuda_backend(int64_t device, int64_t num_streams, int64_t num_events);
+// ops: an object with the methods of Backend (fork, set_stream, wait, record,
+// record_stream, join, restore), called with the GIL held.
+std::unique_ptr<Backend> make_python_backend(pybind11::object ops);
 bool cuda_compiled();
 
 class StreamRuntime {
  public:
+  // ops: a Python Backend (make_python_backend) used instead of CUDA's when not None.
   StreamRuntime(std::vector<TaskSync> tasks, int64_t num_streams, std::vector<int64_t> side_outputs,
-                std::vector<int64_t> output_slots, bool use_cuda, int64_t device);
+                std::vector<int64_t> output_slots, bool use_cuda, int64_t device,
+                pybind11::object ops = pybind11::none());
+  int64_t num_events() const { return num_events_; }
 
   void begin(bool log);
   void enter(int64_t index);
@@ -85,6 +97,7 @@ class StreamRuntime {
   std::vector<int64_t> output_slots_;
   std::vector<int64_t> event_of_task_;  // task id -> event index, -1 if it never records
   std::unique_ptr<Backend> backend_;
+  int64_t num_events_ = 0;
   int64_t current_ = 0;
   bool logging_ = false;
   std::vector<SyncEntry> log_;

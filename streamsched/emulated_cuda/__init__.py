@@ -33,7 +33,12 @@ Inside ``with EmulatedCuda(devices=2):``, ``torch.cuda`` says CUDA is available 
   launch for the checker; memory from outside the graph is read by address, and a replay
   after that memory was freed is reported instead of read.
 
-What it cannot show: anything about time (speed, overlap, real asynchrony of the host),
+**Simulated time** (:meth:`EmulatedCuda.timeline`): kernels take the cost model's
+duration on their stream's clock, waits and synchronisations move clocks, and streams
+overlap where nothing orders them; the timeline gives the makespan, the streams used and
+how many ran at once. These figures are simulated, never measurements.
+
+What it cannot show: measured time (speed, real asynchrony of the host),
 autograd's own stream handling in backward (backward kernels run on the stream current
 when ``backward()`` is called), the native CUDA backend of ``streamsched._C``, peak memory
 of the real allocator, kernels PyTorch does not dispatch (custom CUDA extensions).
@@ -52,13 +57,15 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+from typing import Any, Iterator, Optional
 
 from . import _api
 from ._core import CudaError, Emulator, Report, UnsynchronizedAccess
 from ._modes import KernelMode, PlacementMode
+from ._timing import KernelSpan, Timeline
 
-__all__ = ["EmulatedCuda", "Report", "UnsynchronizedAccess", "CudaError", "active"]
+__all__ = ["EmulatedCuda", "Report", "UnsynchronizedAccess", "CudaError", "active", "Timeline", "KernelSpan"]
 
 
 def active() -> Optional[EmulatedCuda]:
@@ -139,6 +146,19 @@ class EmulatedCuda:
         problems = [str(r) for r in self.emulator.reports] + self.leaks()
         if problems:
             raise AssertionError("emulated CUDA device found:\n  " + "\n  ".join(problems))
+
+    @contextlib.contextmanager
+    def timeline(self) -> Iterator[Timeline]:
+        """Record the kernels issued inside the block in simulated time (durations from
+        ``streamsched.ir.cost.GPU_MODEL``, streams overlapping where no wait orders them;
+        see ``streamsched.emulated_cuda._timing``). Every figure it gives is simulated."""
+        recorded = Timeline()
+        clocks = self.emulator.clocks
+        clocks.recording.append(recorded)
+        try:
+            yield recorded
+        finally:
+            clocks.recording.remove(recorded)
 
     def is_capturing(self) -> bool:
         return any(not c.ended for c in self.emulator._captures)

@@ -29,6 +29,8 @@ import torch.utils._pytree as pytree
 from torch.cuda._sanitizer import EventHandler, UnsynchronizedAccessError
 from torch.utils._python_dispatch import _disable_current_modes
 
+from ._timing import Clocks, critical_path
+
 __all__ = ["Emulator", "Report", "UnsynchronizedAccess", "CudaError"]
 
 CudaError: type = getattr(torch, "AcceleratorError", RuntimeError)
@@ -111,7 +113,7 @@ class _Stream:
 
 
 class _EventState:
-    __slots__ = ("eid", "device", "recorded", "capture", "frontier", "time", "timing", "checker", "__weakref__")
+    __slots__ = ("eid", "device", "recorded", "capture", "frontier", "time", "timing", "checker", "sim", "__weakref__")
 
     def __init__(self, eid: int, timing: bool):
         self.eid = eid
@@ -122,6 +124,7 @@ class _EventState:
         self.time = 0.0
         self.timing = timing
         self.checker: Optional[EventHandler] = None
+        self.sim = 0.0  # simulated time of the work it was recorded after (_timing)
 
 
 class _Block:
@@ -157,7 +160,7 @@ class _Pool:
 
 
 class _Node:
-    __slots__ = ("nid", "func", "args", "kwargs", "outputs", "fresh", "deps", "reads", "writes", "stream")
+    __slots__ = ("nid", "func", "args", "kwargs", "outputs", "fresh", "deps", "reads", "writes", "stream", "duration")
 
     def run(self) -> None:
         result = self.func(*self.args, **self.kwargs)
@@ -259,6 +262,7 @@ class Emulator:
         self._graphs: weakref.WeakSet[Any] = weakref.WeakSet()
         self._allocated = [0] * devices
         self._peak = [0] * devices
+        self.clocks = Clocks()  # simulated time (_timing)
         for d in range(devices):
             self._new_stream(d, 0)
 
@@ -498,8 +502,20 @@ class Emulator:
                 raise_now=False,
             )
 
-    def launch(self, stream: _Stream, reads: list[_Block], writes: list[_Block], name: str) -> None:
-        """One kernel on ``stream`` reading and writing these blocks."""
+    def launch(
+        self,
+        stream: _Stream,
+        reads: list[_Block],
+        writes: list[_Block],
+        name: str,
+        duration: float = 0.0,
+        host_reads: bool = False,
+    ) -> None:
+        """One kernel on ``stream`` reading and writing these blocks, lasting ``duration``
+        simulated microseconds (captured kernels take no time until replayed);
+        ``host_reads``: the host waits for its result."""
+        if stream.capture is None:
+            self.clocks.run(stream.skey, name, stream.name, duration, host_reads)
         checker = self._checker_for(stream)
         self._check_reuse(checker, stream)
         wkeys = {b.key for b in writes if b.key is not None}
@@ -562,10 +578,12 @@ class Emulator:
     def stream_synchronize(self, stream: _Stream) -> None:
         self.unsafe("cudaStreamSynchronize", (stream,))
         self.checker._handle_stream_synchronization(stream.skey)
+        self.clocks.host_waits(self.clocks.at(stream.skey))
 
     def stream_query(self, stream: _Stream) -> bool:
         self.unsafe("cudaStreamQuery", (stream,))
         self.checker._handle_stream_synchronization(stream.skey)
+        self.clocks.host_waits(self.clocks.at(stream.skey))
         return True
 
     def device_synchronize(self, device: int) -> None:
@@ -574,6 +592,7 @@ class Emulator:
         self.unsafe("cudaDeviceSynchronize", streams)
         for s in streams:
             self.checker.syncs.all_streams_wait_for_stream(s.skey)
+            self.clocks.host_waits(self.clocks.at(s.skey))
 
     def new_event(self, timing: bool) -> _EventState:
         ev = _EventState(next(self._eids), timing)
@@ -595,6 +614,7 @@ class Emulator:
             ev.capture = cap
             ev.frontier = cap.frontier.get(stream.skey, frozenset()) if cap is not None else frozenset()
             ev.time = time.perf_counter()
+            ev.sim = self.clocks.at(stream.skey)
 
     def event_wait(self, ev: _EventState, stream: _Stream) -> None:
         with self.lock:
@@ -629,6 +649,7 @@ class Emulator:
                 self._invalidate(cap, reason)
                 raise CudaError(f"{_NOT_PERMITTED} ({reason})")
             self.checker._handle_event_wait(ev.eid, stream.skey)
+            self.clocks.wait(stream.skey, ev.sim)
 
     def _join(self, stream: _Stream, cap: _Capture, frontier: frozenset) -> None:
         """A stream waits on an event recorded in a capture: it joins that capture."""
@@ -642,6 +663,7 @@ class Emulator:
         self.unsafe("cudaEventQuery")
         if ev.recorded:
             self.checker._handle_event_synchronization(ev.eid)
+            self.clocks.host_waits(ev.sim)
         return True
 
     def event_synchronize(self, ev: _EventState) -> None:
@@ -649,6 +671,7 @@ class Emulator:
         self.unsafe("cudaEventSynchronize")
         if ev.recorded:
             self.checker._handle_event_synchronization(ev.eid)
+            self.clocks.host_waits(ev.sim)
 
     def _check_captured_event(self, ev: _EventState) -> None:
         if ev.capture is not None:
@@ -814,9 +837,11 @@ class Emulator:
         reads: list[_Block],
         writes: list[_Block],
         fresh: Optional[set],
+        duration: float = 0.0,
     ) -> None:
         node = _Node()
         node.nid = len(cap.nodes)
+        node.duration = duration
         node.func = func
         node.args = pytree.tree_map(lambda v: self._replay_value(cap, v), args)
         node.kwargs = pytree.tree_map(lambda v: self._replay_value(cap, v), kwargs)
@@ -891,7 +916,8 @@ class Emulator:
                 raise UnsynchronizedAccess(reps)
             reads = [b for b in graph.reads.values() if b.cdata in self._blocks]
             writes = [b for b in graph.writes.values() if b.cdata in self._blocks]
-            self.launch(stream, reads, writes, "cudaGraphLaunch")
+            span = critical_path({n.nid: n.duration for n in graph.nodes}, {n.nid: n.deps for n in graph.nodes})
+            self.launch(stream, reads, writes, "cudaGraphLaunch", duration=span)
         order = self._random_order(graph.nodes)
         with _quiet():
             for node in order:

@@ -21,6 +21,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._core import Emulator, _Block, _Stream, tensors_in
+from ._timing import kernel_us
 
 aten = torch.ops.aten
 
@@ -233,18 +234,23 @@ def kernel(
     if cap is not None:
         emu.snapshot(cap, wb)
     out = func(*args, **kwargs)
+    # Simulated time (_timing): only while a timeline records, or for a captured kernel
+    # (its replay takes the captured kernels' time).
+    duration = 0.0
+    if not alloc_only and (cap is not None or emu.clocks.timing):
+        duration = kernel_us(func, args, reads, writes, tensors_in(out))
     with emu.lock:
         new = emu.adopt(out, out_device, alloc_stream or stream) if out_device is not None else []
         if not alloc_only:
             wb = wb + new
         emu.rekey(wb)
-        emu.launch(stream, rb, wb, str(func))
+        emu.launch(stream, rb, wb, str(func), duration, host_reads=sync)
         if cap is not None and not alloc_only:
             fresh = None
             if new:
                 ids = {b.cdata for b in new}
                 fresh = {i for i, t in enumerate(tensors_in(out)) if _cdata(t) in ids}
-            emu.record_node(cap, stream, func, args, kwargs, out, rb, wb, fresh)
+            emu.record_node(cap, stream, func, args, kwargs, out, rb, wb, fresh, duration)
         if sync:
             emu.checker._handle_stream_synchronization(stream.skey)
     return out
@@ -281,6 +287,7 @@ def _barrier(emu: Emulator, waiter: _Stream, on: _Stream) -> None:
     emu.checker._handle_event_record(eid, on.skey)
     emu.checker._handle_event_wait(eid, waiter.skey)
     emu.checker._handle_event_deletion(eid)
+    emu.clocks.wait(waiter.skey, emu.clocks.at(on.skey))
 
 
 def _copy_between(

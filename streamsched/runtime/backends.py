@@ -30,7 +30,7 @@ from .chaos import Chaos
 if TYPE_CHECKING:
     from .program import Program
 
-__all__ = ["StreamBackend", "CudaBackend", "SimulatedBackend"]
+__all__ = ["StreamBackend", "CudaBackend", "SimulatedBackend", "NativeStreamOps"]
 
 
 class StreamBackend(Protocol):
@@ -196,6 +196,50 @@ class CudaBackend:
 
     def chaos(self, chaos: Chaos, lane: int) -> None:
         chaos.gpu_delay(lane)
+
+
+class NativeStreamOps:
+    """The stream operations of the native runtime (``Backend`` in ``csrc/runtime.h``)
+    over a :class:`CudaBackend`: the native runtime decides, this issues.
+
+    It does what ``csrc/cuda/cuda_backend.cpp`` does with ``c10::cuda``, through
+    ``torch.cuda``: the caller's stream is the stream current at :meth:`fork`; events are
+    made once per plan (one per recording task); the join waits for each side stream's
+    work so far. A CPU-only build of ``streamsched._C`` drives CUDA streams through it,
+    which is how every synchronisation action of the native runtime runs on the emulated
+    device; a CUDA build uses its C++ backend instead.
+    """
+
+    def __init__(self, backend: CudaBackend, num_streams: int, num_events: int):
+        self.backend = backend
+        self._side = backend.streams(max(1, num_streams))[1:]
+        self._events = [backend.event(e) for e in range(num_events)]
+        self._caller: Any = None
+
+    def _stream(self, index: int) -> Any:
+        return self._caller if index == 0 else self._side[index - 1]
+
+    def fork(self, side: list[int]) -> None:
+        self._caller = self.backend.current_stream()
+        self.backend.fork(self._caller, [self._stream(s) for s in side])
+
+    def set_stream(self, index: int) -> None:
+        self.backend.set_stream(self._stream(index))
+
+    def wait(self, index: int, event: int) -> None:
+        self.backend.wait(self._stream(index), self._events[event])
+
+    def record(self, index: int, event: int) -> None:
+        self.backend.record(self._stream(index), self._events[event])
+
+    def record_stream(self, tensor: torch.Tensor, index: int) -> None:
+        self.backend.record_stream(tensor, self._stream(index))
+
+    def join(self, side: list[int]) -> None:
+        self.backend.join(self._caller, [self._stream(s) for s in side])
+
+    def restore(self) -> None:
+        self.backend.set_stream(self._caller)
 
 
 def _caller_stream() -> int:

@@ -30,7 +30,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from .backends import CudaBackend, SimulatedBackend
+from .backends import CudaBackend, NativeStreamOps, SimulatedBackend
 from .chaos import Chaos
 from .executor import PerProgram
 from .program import Program, run_task
@@ -53,12 +53,21 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(v)
 
 
+def _has_stream_ops(native: Any) -> bool:
+    """Whether ``streamsched._C`` can drive streams through a Python backend (a build
+    from before csrc/python_backend.cpp cannot)."""
+    return bool(getattr(native, "stream_ops", False))
+
+
 class StreamExecutor:
     """Issues a plan onto streams; see the module docstring for the exact protocol.
 
     With the native runtime (``streamsched._C``) the bookkeeping of each task is two C++
     calls (enter, leave) instead of a dozen Python ones; the decisions and the SyncLog
-    are the same.
+    are the same. On CUDA the native runtime issues its stream operations through its
+    C++ CUDA backend (a CUDA build) or, in a CPU-only build, through
+    :class:`~.backends.NativeStreamOps` (torch.cuda: the emulated device runs the native
+    runtime so).
     """
 
     name = "streams"
@@ -66,8 +75,8 @@ class StreamExecutor:
     def __init__(self, backend: Any, native: Any = None):
         self.backend = backend
         self.native = native
-        if native is not None and backend.is_cuda and not native.cuda_compiled():
-            self.native = None  # a CPU-only build cannot drive CUDA streams
+        if native is not None and backend.is_cuda and not native.cuda_compiled() and not _has_stream_ops(native):
+            self.native = None  # an older CPU-only build cannot drive CUDA streams
         # Made once per program and reused on every call: the native task table, the
         # backend's events.
         self._runtimes: PerProgram[Any] = PerProgram()
@@ -100,14 +109,14 @@ class StreamExecutor:
         device = 0
         if self.backend.is_cuda and self.backend.device.index is not None:
             device = self.backend.device.index
-        return nat.StreamRuntime(
-            tasks,
-            max(1, program.num_streams),
-            list(program.side_outputs),
-            list(program.output_slots),
-            bool(self.backend.is_cuda),
-            device,
-        )
+        args = (tasks, max(1, program.num_streams), list(program.side_outputs), list(program.output_slots))
+        if self.backend.is_cuda and not nat.cuda_compiled():
+            # Python issues what the runtime decides: one event per recording task, as the
+            # runtime numbers them (csrc/runtime.cpp).
+            events = sum(1 for t in program.tasks if t.records)
+            ops = NativeStreamOps(self.backend, max(1, program.num_streams), events)
+            return nat.StreamRuntime(*args, False, device, ops=ops)
+        return nat.StreamRuntime(*args, bool(self.backend.is_cuda), device)
 
     def _run_native(
         self, program: Program, inputs: list[Any], log: Optional[SyncLog], chaos: Optional[Chaos], observer: Any

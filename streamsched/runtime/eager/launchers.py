@@ -106,8 +106,9 @@ class _StreamLauncher:
     """Issues one call's branches from the calling thread onto the side streams of a
     :class:`~streamsched.runtime.backends.StreamBackend`, in turn.
 
-    The side stream first waits for the caller's stream (fork); the branch's inputs are
-    ``record_stream``-ed there; an event is recorded after the branch, also when it
+    The side stream first waits for the caller's stream (fork); the branch's inputs stay
+    alive until the end-of-call join (the call log holds them); an event is recorded
+    after the branch, also when it
     raised (it raised at once, as in eager), so that the join and any later wait have an
     event to wait on. The first use on a stream waits for that event and
     ``record_stream``-s the result there.
@@ -138,10 +139,15 @@ class _StreamLauncher:
         with backend.use(side):
             if self.chaos is not None:
                 backend.chaos(self.chaos, lane)
-            # Inputs made on the caller's stream: their memory must outlive this stream's reads.
-            for t, slot in zip(_tensors((args, kwargs)), launch.input_slots):
-                _record_stream(backend, t, side)
-                if sync is not None:
+            # Inputs made on the caller's stream need no record_stream here: the call log
+            # holds every branch input (_CallLog.slot) until after the end-of-call join,
+            # which orders the caller's stream after this stream's reads; so an input's
+            # memory goes back to the allocator only when that is safe (and any stream
+            # the caller itself ordered it on is ordered after the join too).
+            # tests/test_cuda_protocol.py drops an input mid-forward to hold this. The
+            # SyncLog entry stands for that hold, as for a CPU lane's consumer.
+            if sync is not None:
+                for slot in launch.input_slots:
                     sync.record_stream(lane, slot)
             try:
                 launch.value = self.runner.run(launch, fn, args, kwargs)
