@@ -15,6 +15,8 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import fx
 
+from .opaque_outputs import consistent
+
 __all__ = ["TensorMeta", "ValueMeta", "describe", "run_and_record", "tensor_metas"]
 
 
@@ -98,24 +100,32 @@ def run_and_record(
     exception and the failing node before it propagates (to add the module path).
     ``effects`` (an active :class:`~streamsched.frontend.effects.EffectRecorder`) is told which
     node runs, so it attributes each storage access to its node.
-    """
-    nodes = list(graph.nodes)
-    last_use: dict[fx.Node, fx.Node] = {}
-    for node in reversed(nodes):
-        for inp in node.all_input_nodes:
-            last_use.setdefault(inp, node)
-    frees: dict[fx.Node, list[fx.Node]] = {}
-    for value, user in last_use.items():
-        frees.setdefault(user, []).append(value)
 
+    Where ``root`` is a trace's root, every leaf call's value is checked against how the
+    graph reads it (:mod:`~streamsched.frontend.opaque_outputs`): one that misled the trace
+    (``None`` where the traced code went on with a tensor) makes the trace learn its
+    structure and trace again, replacing the :class:`~streamsched.frontend.trace.Traced`'s
+    graph in place; the run goes on in the new graph from that call (the nodes before it
+    are the same: the traced code before the call did not depend on it). Until the last
+    leaf call that could mislead it has run, no value is dropped, since the new graph may
+    read it later than the old one did.
+    """
+    ref = root.__dict__.get("_streamsched_traced")
+    traced = ref() if ref is not None else None
+    nodes = list(graph.nodes)
+    frees, hold_until = _plan_frees(nodes, traced is not None, root, 0)
+    held: list[fx.Node] = []
     env: dict[fx.Node, Any] = {}
     it = iter(inputs)
     result: Any = None
+    retraces = 0
 
     def load(a: Any) -> Any:
         return fx.node.map_arg(a, lambda n: env[n])
 
-    for node in nodes:
+    i = 0
+    while i < len(nodes):
+        node = nodes[i]
         if effects is not None:
             effects.begin(node.name)
         try:
@@ -132,6 +142,7 @@ def run_and_record(
                 value = getattr(self_obj, node.target)(*rest, **load(node.kwargs))
             elif node.op == "output":
                 result = load(node.args[0])
+                i += 1
                 continue
             else:  # pragma: no cover - fx has no other ops
                 raise RuntimeError(f"unknown fx op {node.op}")
@@ -141,12 +152,92 @@ def run_and_record(
         finally:
             if effects is not None:
                 effects.end()
+        if traced is not None and node.op == "call_module" and not consistent(node, value):
+            retraces += 1
+            if retraces > _MAX_RETRACES:
+                raise RuntimeError(f"{retraces} re-traces for what leaf calls return; giving up at '{node.target}'")
+            try:
+                traced.relearn(node, value)
+            except Exception as exc:
+                on_error(exc, node)
+                raise
+            old = nodes
+            nodes = list(traced.graph.nodes)
+            root = traced.root
+            renamed = _same_prefix(old, nodes, i)
+            env = {renamed[n]: v for n, v in env.items()}
+            if record is not None:
+                for n in old[: i + 1]:
+                    if n in record:
+                        record[renamed[n]] = record.pop(n)
+            node = nodes[i]
+            frees, hold_until = _plan_frees(nodes, True, root, i + 1)
+            # Values the new graph reads no more after this point: dropped with the rest.
+            position = {n: k for k, n in enumerate(nodes)}
+            held = [n for n in env if max((position[u] for u in n.users), default=-1) <= i]
         env[node] = value
         if record is not None:
             record[node] = describe(value)
-        for dead in frees.get(node, ()):
-            env.pop(dead, None)
+        dead = frees.get(node, ())
+        if i < hold_until:
+            held.extend(dead)
+        else:
+            for d in (*held, *dead):
+                env.pop(d, None)
+            held = []
+        i += 1
     return result
+
+
+_MAX_RETRACES = 256
+
+
+def _plan_frees(nodes: list[fx.Node], checked: bool, root: torch.nn.Module, start: int) -> tuple[dict, int]:
+    """Which values die after each node (their last use), and the index of the last leaf
+    call that could still make the trace change (``-1`` when none can)."""
+    last_use: dict[fx.Node, fx.Node] = {}
+    for node in reversed(nodes):
+        for inp in node.all_input_nodes:
+            last_use.setdefault(inp, node)
+    frees: dict[fx.Node, list[fx.Node]] = {}
+    for value, user in last_use.items():
+        frees.setdefault(user, []).append(value)
+    hold_until = -1
+    if checked:
+        for k in range(len(nodes) - 1, start - 1, -1):
+            node = nodes[k]
+            if node.op == "call_module" and may_mislead(root.get_submodule(node.target)):
+                hold_until = k
+                break
+    return frees, hold_until
+
+
+def may_mislead(module: torch.nn.Module) -> bool:
+    """Whether a leaf call of ``module`` may return something other than a tensor, or
+    tensors only: every module but ``torch.nn``'s own, and ``MultiheadAttention``
+    (``(out, None)`` without weights)."""
+    cls = type(module)
+    return not cls.__module__.startswith("torch.nn.") or isinstance(module, torch.nn.MultiheadAttention)
+
+
+def _same_prefix(old: list[fx.Node], new: list[fx.Node], upto: int) -> dict[fx.Node, fx.Node]:
+    """Old node -> new node for the first ``upto + 1`` nodes, which must be the same
+    program (a re-trace records the code before a call the same way)."""
+    if len(new) <= upto:
+        raise RuntimeError("the re-trace is shorter than the part of the call already run")
+    for a, b in zip(old[: upto + 1], new[: upto + 1]):
+        if (a.op, a.name, str(a.target), str(a.args), str(a.kwargs)) != (
+            b.op,
+            b.name,
+            str(b.target),
+            str(b.args),
+            str(b.kwargs),
+        ):
+            raise RuntimeError(
+                f"the re-trace differs from the first trace before '{old[upto].target}' ({a.format_node()} vs "
+                f"{b.format_node()}): the call cannot go on in it"
+            )
+    return dict(zip(old[: upto + 1], new[: upto + 1]))
 
 
 def fetch_attr(root: torch.nn.Module, target: str) -> Any:

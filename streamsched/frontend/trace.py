@@ -32,6 +32,7 @@ import os
 import sys
 import threading
 import traceback
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Optional, Sequence
 
@@ -44,10 +45,11 @@ from ..branch import is_branch_module
 from ..errors import TraceError
 from .hooks import capture_hooks, has_hooks
 from .nodes import AUGMENTED_OPERATORS
+from .opaque_outputs import OutputCheck, Skeleton, learn, learned, skeleton_of
 from .output_tree import OutputTree
 from .trace_guard import GradModeGuard, SideEffectDuringTrace, TraceSideEffectGuard, autocast_state
 
-__all__ = ["CallBinder", "CallSpec", "Traced", "trace_model"]
+__all__ = ["CallBinder", "CallSpec", "Traced", "trace_model", "is_compiled_module"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(__file__)
@@ -186,10 +188,15 @@ class _LeafTracer(fx.Tracer):
         model: torch.nn.Module,
         leaf_functions: tuple[Any, ...] = (),
         opaque_types: frozenset[type] = frozenset(),
+        known_outputs: Optional[dict[tuple[str, int], Skeleton]] = None,
     ):
         super().__init__(autowrap_functions=tuple(leaf_functions) + _FACTORIES)
         self.leaf_types = leaf_types
         self.opaque_types = opaque_types
+        # What leaf calls returned on a real call where a proxy misled the traced code
+        # (frontend.opaque_outputs): (path, index among that path's calls) -> skeleton.
+        self.known_outputs = known_outputs or {}
+        self.leaf_calls: dict[str, int] = {}
         self.model = model
         self.thread = threading.get_ident()
         self.thread_state = self._thread_state()
@@ -213,6 +220,7 @@ class _LeafTracer(fx.Tracer):
         try:
             out = super().call_module(m, forward, args, kwargs)
             if leaf and m is not self.model:
+                out = self._known_structure(m, out)
                 # A leaf's capture hooks hand its output to the enclosing forward: fire
                 # them here, on the proxy (frontend.hooks); at run time they are no-ops.
                 for hook in capture_hooks(m):
@@ -225,6 +233,19 @@ class _LeafTracer(fx.Tracer):
                 except AttributeError:  # pragma: no cover - exceptions with __slots__
                     pass
             raise
+
+    def _known_structure(self, m: torch.nn.Module, out: Any) -> Any:
+        """A leaf call's value as the traced code sees it: the proxy, or, where a real
+        call showed what it returns (``None`` in a tuple, say), that structure, read
+        through an :class:`OutputCheck` node."""
+        path = self.path_of_module(m)
+        index = self.leaf_calls.get(path, 0)
+        self.leaf_calls[path] = index + 1
+        skeleton = self.known_outputs.get((path, index))
+        if skeleton is None:
+            return out
+        checked = self.create_proxy("call_function", OutputCheck(skeleton, path), (out,), {})
+        return skeleton.rebuild(checked)
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return _Proxy(node, self)
@@ -339,6 +360,36 @@ class Traced:
     output_tree: Optional[OutputTree] = None
     opaque: dict[str, str] = field(default_factory=dict)
     flags: tuple = ()
+    leaf_types: tuple = ()
+    """The ``leaf_types`` it was traced with (a re-trace uses them again)."""
+
+    def relearn(self, node: fx.Node, value: Any) -> None:
+        """The recording call found leaf call ``node`` returning ``value``, which the
+        traced code read as a tensor (``frontend.opaque_outputs``): learn its structure
+        and trace again, replacing this trace's graph and everything derived from it in
+        place. Raises :class:`TraceError` where ``value`` has no structure a trace can
+        stand in for."""
+        skeleton = skeleton_of(value)
+        label = str(node.target)
+        if skeleton is None:
+            raise TraceError(
+                f"'{label}' (an opaque call) returned a {type(value).__name__} holding a None or a constant where the "
+                "traced code reads a tensor: the trace took a branch eager does not. Make the module reading it a "
+                "@streamsched.branch or list its class in leaf_modules=, so that it runs as written."
+            )
+        index = 0  # which call of that module, in trace order (as the tracer counts them)
+        for n in self.graph.nodes:
+            if n is node:
+                break
+            index += n.op == "call_module" and n.target == node.target
+        learn(self.model, _learned_key(self.model, self.spec), label, index, skeleton)
+        fresh = trace_model(self.model, self.root._streamsched_binder, self.spec, self.leaf_types)
+        if self.same_program(fresh):
+            raise TraceError(f"'{label}': learning what it returns ({skeleton.shape}) did not change the trace")
+        self.graph, self.root, self.input_names = fresh.graph, fresh.root, fresh.input_names
+        self.module_ids, self.structure, self.output_tree = fresh.module_ids, fresh.structure, fresh.output_tree
+        self.opaque, self.flags = fresh.opaque, fresh.flags
+        self.root.__dict__["_streamsched_traced"] = weakref.ref(self)
 
     def modules_unchanged(self) -> bool:
         """Whether the model still has exactly the modules it had when traced (same
@@ -390,6 +441,14 @@ def _flag_values(module: torch.nn.Module) -> tuple:
 
 def _type_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def is_compiled_module(m: Any) -> bool:
+    """Whether ``m`` is a ``torch.compile`` wrapper (``OptimizedModule``). Imports nothing:
+    a compiled module exists only once ``torch._dynamo`` is loaded."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    optimized = getattr(eval_frame, "OptimizedModule", None)
+    return optimized is not None and isinstance(m, optimized)
 
 
 def _is_compiled_module(m: torch.nn.Module) -> bool:
@@ -474,13 +533,22 @@ def trace_model(
     module_types = tuple(t for t in leaf_types if isinstance(t, type)) + _registered_leaf_types()
     functions = tuple(f for f in leaf_types if not isinstance(f, type)) + _registered_leaf_functions()
     opaque: dict[type, str] = {}
+    known = learned(model, _learned_key(model, spec))
     while True:
         try:
-            return _trace_once(model, binder, spec, module_types, functions, opaque)
+            traced = _trace_once(model, binder, spec, module_types, functions, opaque, known)
+            traced.leaf_types = tuple(leaf_types)
+            return traced
         except _OpaqueRetry as retry:
             if retry.cls in opaque or len(opaque) >= _MAX_OPAQUE_RETRIES:
                 raise retry.error from retry.error.__cause__
             opaque[retry.cls] = retry.reason
+
+
+def _learned_key(model: torch.nn.Module, spec: CallSpec) -> Hashable:
+    """What a learned opaque output holds for: one call structure, in one train/eval
+    state of every module and one autocast state (what a trace is made for)."""
+    return (spec.key, tuple(m.training for m in model.modules()), autocast_state())
 
 
 class _OpaqueRetry(Exception):
@@ -498,6 +566,7 @@ def _trace_once(
     module_types: tuple[type, ...],
     functions: tuple[Any, ...],
     opaque: dict[type, str],
+    known: dict[tuple[str, int], Skeleton],
 ) -> Traced:
     names = _placeholder_names(binder, spec)
     root_cls = type(
@@ -508,7 +577,7 @@ def _trace_once(
     root = root_cls(model)
     root.__dict__["_streamsched_binder"] = binder
     root.__dict__["_streamsched_spec"] = spec
-    tracer = _LeafTracer(module_types, model, functions, frozenset(opaque))
+    tracer = _LeafTracer(module_types, model, functions, frozenset(opaque), known)
     try:
         with TraceSideEffectGuard(model, root), GradModeGuard():
             graph = tracer.trace(root)
@@ -531,7 +600,7 @@ def _trace_once(
             module_ids[node.target.owner_path] = id(node.target.owner)
     flags = tuple((m, _flag_values(m)) for m in tracer.traced_through.values())
     _generation.watch(k for _, values in flags for k, _ in values)
-    return Traced(
+    traced = Traced(
         graph,
         root,
         model,
@@ -543,6 +612,9 @@ def _trace_once(
         opaque={_type_name(cls): reason for cls, reason in opaque.items()},
         flags=flags,
     )
+    # The recording call re-traces through this where a leaf call misled the trace.
+    root.__dict__["_streamsched_traced"] = weakref.ref(traced)
+    return traced
 
 
 def _first_line(exc: BaseException) -> str:

@@ -523,6 +523,23 @@ TRANSFORMERS: list[ModelSpec] = [
         with_kwargs(_TOKENS, output_hidden_states=True, output_attentions=True),
         **_SMALL,
     ),
+    # Its relative attention runs opaque and returns (h, None); the layer's
+    # `if output_g is not None:` must see the None (it traced the other branch).
+    _hf(
+        "xlnet",
+        "XLNetConfig",
+        "XLNetModel",
+        _TOKENS,
+        note="an opaque call returning None in a tuple",
+        vocab_size=VOCAB,
+        d_model=32,
+        n_layer=2,
+        n_head=4,
+        d_inner=37,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
 ]
 
 SPECS: list[ModelSpec] = TORCHVISION + TIMM + TRANSFORMERS

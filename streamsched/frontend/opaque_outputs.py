@@ -1,0 +1,201 @@
+"""What opaque calls return: learned on the recording call, replayed by later traces.
+
+A leaf call (a ``torch.nn`` built-in, a ``leaf_modules`` class, an opaque class, a
+``@streamsched.branch`` module) is one node whose value the trace never sees: fx hands the
+traced code a proxy, and the code goes on as if it were a tensor. Where eager's value is
+``None`` or a constant, the traced code can take a branch eager never takes: XLNet's
+relative attention returns ``(h, None)``, and ``if output_g is not None:`` is true of a
+proxy, so the trace fed the ``None`` to a Linear.
+
+The recording call (:func:`~streamsched.frontend.meta.run_and_record`) runs every leaf
+call for real and checks its value against how the graph reads it
+(:func:`consistent`): tensors may be read any way, containers only through ``getitem`` /
+``getattr`` of their items, anything else (``None``, a number) not at all. On a
+mismatch, the call's :class:`Skeleton` (its structure, tensors as holes, the rest as
+constants) is learned for that model, call structure, module path and call index, and
+the model is traced again: the tracer then hands the traced code the real structure
+(``(proxy, None)``), so it branches as eager does. The new graph reads the leaf's value
+through an :class:`OutputCheck` node that fails loudly on any later call whose value has
+another structure or other constants, rather than run a branch eager would not take.
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from typing import Any, Hashable, Optional
+
+import torch
+from torch import fx
+
+__all__ = ["Skeleton", "OutputCheck", "OpaqueOutputChanged", "skeleton_of", "consistent", "learned", "learn"]
+
+_CONSTANTS = (type(None), bool, int, float, str)
+
+
+class OpaqueOutputChanged(RuntimeError):
+    """An opaque call returned another structure than the trace was made for."""
+
+
+class Skeleton:
+    """The structure of a value: ``("tensor",)``, ``("const", v)``, ``("tuple", kids)``,
+    ``("list", kids)`` or ``("dict", ((key, kid), ...))``; hashable, compared by value."""
+
+    __slots__ = ("shape",)
+
+    def __init__(self, shape: tuple):
+        self.shape = shape
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Skeleton) and other.shape == self.shape
+
+    def __hash__(self) -> int:
+        return hash(self.shape)
+
+    def __repr__(self) -> str:
+        return f"Skeleton{self.shape!r}"
+
+    def matches(self, value: Any) -> bool:
+        return _matches(self.shape, value)
+
+    def rebuild(self, proxy: Any) -> Any:
+        """The value the traced code sees: the structure, with a proxy per tensor (read
+        with ``getitem`` from ``proxy``) and the constants as they are."""
+        return _rebuild(self.shape, proxy)
+
+
+def skeleton_of(value: Any) -> Optional[Skeleton]:
+    """The skeleton of ``value``, or ``None`` where it holds something a trace cannot
+    stand in for (an object, a ``ModelOutput``, a namedtuple)."""
+    shape = _shape(value)
+    return None if shape is None else Skeleton(shape)
+
+
+def _shape(value: Any) -> Optional[tuple]:
+    if isinstance(value, torch.Tensor):
+        return ("tensor",)
+    if type(value) in _CONSTANTS:
+        return ("const", value)
+    if type(value) in (tuple, list):
+        kids = [_shape(v) for v in value]
+        if any(k is None for k in kids):
+            return None
+        return (type(value).__name__, tuple(kids))
+    if type(value) is dict and all(type(k) is str for k in value):
+        kids = [(k, _shape(v)) for k, v in value.items()]
+        if any(k is None for _, k in kids):
+            return None
+        return ("dict", tuple(kids))
+    return None
+
+
+def _matches(shape: tuple, value: Any) -> bool:
+    kind = shape[0]
+    if kind == "tensor":
+        return isinstance(value, torch.Tensor)
+    if kind == "const":
+        return type(value) is type(shape[1]) and value == shape[1]
+    if kind in ("tuple", "list"):
+        kids = shape[1]
+        return type(value).__name__ == kind and len(value) == len(kids) and all(map(_matches, kids, value))
+    if kind == "dict":
+        kids = shape[1]
+        return (
+            type(value) is dict
+            and list(value) == [k for k, _ in kids]
+            and all(_matches(kid, value[k]) for k, kid in kids)
+        )
+    return False  # pragma: no cover - no other kinds
+
+
+def _rebuild(shape: tuple, proxy: Any) -> Any:
+    kind = shape[0]
+    if kind == "tensor":
+        return proxy
+    if kind == "const":
+        return shape[1]
+    if kind == "tuple":
+        return tuple(_rebuild(kid, proxy[i]) for i, kid in enumerate(shape[1]))
+    if kind == "list":
+        return [_rebuild(kid, proxy[i]) for i, kid in enumerate(shape[1])]
+    return {k: _rebuild(kid, proxy[k]) for k, kid in shape[1]}
+
+
+class OutputCheck:
+    """The node target that reads an opaque call's value in a trace made for its learned
+    skeleton: returns the value, or raises :class:`OpaqueOutputChanged` when it has
+    another structure (the traced code would run a branch eager does not take)."""
+
+    def __init__(self, skeleton: Skeleton, label: str):
+        self.skeleton = skeleton
+        self.label = label
+        self.__name__ = "check_opaque_output"
+        self.__qualname__ = self.__name__
+        self.__module__ = __name__
+
+    def __call__(self, value: Any) -> Any:
+        if not self.skeleton.matches(value):
+            got = skeleton_of(value)
+            raise OpaqueOutputChanged(
+                f"'{self.label}' returned {got.shape if got else type(value).__name__} where the trace was made "
+                f"for {self.skeleton.shape}: its output structure (None-ness, constants) changes between calls "
+                "of one signature, which a trace cannot follow. Make its caller a @streamsched.branch or list the "
+                "caller's class in leaf_modules=, so that the code reading it runs as written."
+            )
+        return value
+
+    def __repr__(self) -> str:
+        return f"<check {self.label}: {self.skeleton.shape}>"
+
+
+def consistent(node: fx.Node, value: Any) -> bool:
+    """Whether the graph reads ``node``'s real ``value`` only in ways a proxy stood for
+    correctly: a tensor any way; a container through ``getitem`` / ``getattr`` with a
+    constant key, each item consistent in turn; anything else (``None``, a number) not
+    at all (the traced code used it as a tensor, or branched on it as one)."""
+    if isinstance(value, torch.Tensor):
+        return True
+    users = list(node.users)
+    if not users:
+        return True
+    if value is None or type(value) in _CONSTANTS:
+        return False
+    for user in users:
+        if user.op == "call_function" and isinstance(user.target, OutputCheck):
+            continue  # a trace made for its structure: the check itself runs next
+        if user.op != "call_function" or user.target not in (operator.getitem, getattr):
+            return False
+        if len(user.args) != 2 or user.args[0] is not node or user.kwargs:
+            return False
+        key = user.args[1]
+        if isinstance(key, fx.Node):
+            return False
+        try:
+            item = getattr(value, key) if user.target is getattr else value[key]
+        except Exception:  # noqa: BLE001 - an item eager does not have: inconsistent
+            return False
+        if not consistent(user, item):
+            return False
+    return True
+
+
+# model -> {(call structure key, module path, call index): skeleton}. Weak: a model
+# dropped takes what was learned about it along.
+_LEARNED: weakref.WeakKeyDictionary[Any, dict[tuple, Skeleton]] = weakref.WeakKeyDictionary()
+
+
+def learned(model: Any, spec_key: Hashable) -> dict[tuple[str, int], Skeleton]:
+    """What is known of the opaque calls of ``model`` for calls of ``spec_key``:
+    (module path, index among that path's calls) -> skeleton."""
+    table = _LEARNED.get(model)
+    if not table:
+        return {}
+    return {(path, index): s for (key, path, index), s in table.items() if key == spec_key}
+
+
+def learn(model: Any, spec_key: Hashable, path: str, index: int, skeleton: Skeleton) -> None:
+    """Remember what the ``index``-th call of ``path`` returned for calls of ``spec_key``."""
+    table = _LEARNED.get(model)
+    if table is None:
+        table = _LEARNED[model] = {}
+    table[(spec_key, path, index)] = skeleton
