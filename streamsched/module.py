@@ -35,7 +35,7 @@ from .frontend.effects import EffectRecorder, Effects
 from .frontend.hooks import global_hooks, has_hooks
 from .frontend.meta import run_and_record
 from .frontend.nodes import node_label
-from .frontend.trace import CallBinder, Traced, trace_model
+from .frontend.trace import CallBinder, Traced, is_compiled_module, trace_model
 from .frontend.trace_guard import autocast_state
 from .observe.nvtx_ranges import NvtxRanges
 from .observe.profiles import check_profile, load_profile, profile_costs
@@ -188,6 +188,15 @@ class StreamScheduledModule(nn.Module):
             )
         if not isinstance(model, nn.Module):
             raise TypeError(f"StreamScheduledModule wraps an nn.Module, got {type(model).__name__}")
+        if is_compiled_module(model):
+            # Its forward is dynamo's compiled code: fx cannot trace it, and run as one call
+            # it would leave nothing to schedule.
+            raise ConfigError(
+                f"StreamScheduledModule cannot wrap a torch.compile'd module ({type(model._orig_mod).__name__} in an "
+                "OptimizedModule): wrap the model itself and compile the wrapper, "
+                "torch.compile(StreamScheduledModule(model)), or compile its branches "
+                "(model.towers[i] = torch.compile(tower)) and wrap the model (its ._orig_mod is the module you compiled)"
+            )
         name = type(model).__name__
         cfg = make_config(config, overrides, owner=name)
         super().__init__()
