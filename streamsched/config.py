@@ -10,9 +10,13 @@ Example::
     >>> cfg = SchedulerConfig(num_streams=4, executor="streams")
     >>> cfg.num_streams
     4
-    >>> SchedulerConfig(nmu_streams=4)              # doctest: +IGNORE_EXCEPTION_DETAIL
+    >>> SchedulerConfig(nmu_streams=4)              # doctest: +ELLIPSIS
     Traceback (most recent call last):
-    pydantic_core._pydantic_core.ValidationError: unknown option 'nmu_streams'; did you mean 'num_streams'?
+    streamsched.config.ConfigValidationError: unknown option 'nmu_streams'; did you mean 'num_streams'? ...
+
+A bad option raises :class:`~streamsched.errors.ConfigError` with one line per option
+(never pydantic's per-union-member errors or documentation links); the error is also a
+``pydantic.ValidationError``, for code that catches that.
 """
 
 from __future__ import annotations
@@ -34,24 +38,118 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from typing_extensions import TypedDict
 
 from .errors import ConfigError
 
-__all__ = ["SchedulerConfig", "make_config"]
+__all__ = ["SchedulerConfig", "SchedulerOptions", "ConfigValidationError", "make_config"]
 
 MAX_STREAMS = 32
 
 ExecutorName = Literal["auto", "serial", "streams", "threads"]
 
 
+class ConfigValidationError(ConfigError, ValidationError):
+    """A :class:`~streamsched.errors.ConfigError` (a ``ValueError``) that is also the
+    ``pydantic.ValidationError`` a pydantic model raises, so that code catching either
+    works. Its message says, in one line per option, what is wrong and what is valid;
+    ``errors()`` keeps pydantic's structured list."""
+
+    def __str__(self) -> str:
+        return getattr(self, "_message", None) or "invalid streamsched configuration"
+
+    __repr__ = ValidationError.__repr__
+
+    @classmethod
+    def with_message(cls, message: str, errors: Optional[list] = None) -> ConfigValidationError:
+        error = cls.from_exception_data("SchedulerConfig", [])
+        error._message = message
+        error._details = errors or []
+        return error
+
+    def errors(self, *args: Any, **kwargs: Any) -> list:  # type: ignore[override]
+        return list(getattr(self, "_details", []))
+
+    def error_count(self) -> int:
+        return len(getattr(self, "_details", [])) or 1
+
+
+def _describe(exc: ValidationError) -> str:
+    """pydantic's errors as one clause per option: a union field fails once per member
+    (``num_streams=100`` is neither ``'auto'`` nor an int up to 32), which pydantic lists
+    as separate errors with documentation links; here they become one clause."""
+    clauses: dict[str, list[str]] = {}
+    values: dict[str, Any] = {}
+    for error in exc.errors(include_url=False):
+        message = str(error.get("msg", ""))
+        for prefix in ("Value error, ", "Assertion failed, "):
+            if message.startswith(prefix):
+                message = message[len(prefix) :]
+        if message.startswith("Input should"):
+            message = "should" + message[len("Input should") :]
+        loc = error.get("loc") or ()
+        field = str(loc[0]) if loc else ""
+        if field:
+            values.setdefault(field, error.get("input"))
+        found = clauses.setdefault(field, [])
+        if message not in found:
+            found.append(message)
+    parts = []
+    for field, messages in clauses.items():
+        if field:
+            parts.append(f"{field}={values[field]!r}: {' or '.join(messages)}")
+        else:
+            parts.extend(messages)
+    return "; ".join(parts) or str(exc)
+
+
+class SchedulerOptions(TypedDict, total=False):
+    """The keyword options of :class:`~streamsched.StreamScheduledModule` (the fields of
+    :class:`SchedulerConfig`), typed for IDEs and type checkers."""
+
+    num_streams: Union[Literal["auto"], int]
+    executor: Literal["auto", "serial", "streams", "threads"]
+    fuse: bool
+    fuse_min_size: int
+    fuse_params: Literal["alias", "copy"]
+    grad_handoff: Literal["autograd", "direct"]
+    cuda_graph: Union[bool, Literal["auto"]]
+    clone_outputs: bool
+    graph_cache_size: int
+    nvtx: bool
+    leaf_modules: Any
+    strict: bool
+    min_task_cost: float
+    plan_cache_size: int
+    sync_log: bool
+    chaos: Optional[int]
+    profile: Optional[Union[str, Path]]
+
+
 class SchedulerConfig(BaseModel):
     """How :class:`~streamsched.StreamScheduledModule` traces, fuses, plans and runs a model.
 
     Every field has a default that suits most models; a misspelt option or a value out of
-    range raises a ``pydantic.ValidationError`` (a ``ValueError``) naming the field.
+    range raises :class:`~streamsched.errors.ConfigError` (a ``ValueError``, and a
+    ``pydantic.ValidationError``) naming the option, with the closest valid name for a
+    misspelt one. The config is frozen: assigning a field raises the same error.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+    def __init__(self, **options: Any) -> None:
+        try:
+            super().__init__(**options)
+        except ConfigValidationError:
+            raise
+        except ValidationError as exc:
+            raise ConfigValidationError.with_message(_describe(exc), exc.errors(include_url=False)) from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise ConfigValidationError.with_message(
+            f"SchedulerConfig is frozen: cannot set {name}; make a new one with the options you want "
+            f"(SchedulerConfig(..., {name}=...), or StreamScheduledModule(model, {name}=...))"
+        )
 
     num_streams: Union[Literal["auto"], Annotated[StrictInt, Field(ge=1, le=MAX_STREAMS)]] = "auto"
     """Upper bound on the CUDA streams (or CPU lanes) one forward may use. ``"auto"`` uses
@@ -211,4 +309,7 @@ def make_config(config: Optional[SchedulerConfig], overrides: dict[str, Any], ow
         merged.update(overrides)
         return SchedulerConfig(**merged)
     except ValidationError as exc:
-        raise ConfigError(f"invalid streamsched configuration for {owner}: {exc}") from exc
+        errors = exc.errors() if isinstance(exc, ConfigValidationError) else []
+        raise ConfigValidationError.with_message(
+            f"invalid streamsched configuration for {owner}: {exc}", errors
+        ) from None

@@ -25,10 +25,11 @@ from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
+from typing_extensions import Unpack
 
 from . import _generation, _native
 from ._lru import LRU
-from .config import SchedulerConfig, make_config
+from .config import SchedulerConfig, SchedulerOptions, make_config
 from .errors import ConfigError, HooksWarning, ProfileMismatchError, TraceError, UntraceableWarning, user_stacklevel
 from .frontend.binder import ShapeCachedBinder
 from .frontend.effects import EffectRecorder, Effects
@@ -180,7 +181,9 @@ class StreamScheduledModule(nn.Module):
         4
     """
 
-    def __init__(self, model: nn.Module, config: Optional[SchedulerConfig] = None, **overrides: Any):
+    def __init__(
+        self, model: nn.Module, config: Optional[SchedulerConfig] = None, **overrides: Unpack[SchedulerOptions]
+    ):
         if isinstance(model, StreamScheduledModule):
             raise ConfigError(
                 f"{type(model.module).__name__} is already wrapped in a StreamScheduledModule; "
