@@ -68,6 +68,16 @@ $(MODELS_INSTALLED): $(CUDA_INSTALLED)
 test-models: $(MODELS_INSTALLED)
 	STREAMSCHED_DISABLE_EXT=1 STREAMSCHED_REQUIRE_EXT=0 HF_HUB_OFFLINE=1 $(CUDA_PY) -m pytest -q tests/models
 
+# The suite's strength: known breakages (a fused member 1e-3 off, effect edges dropped, the
+# mode key ignoring submodules, output types lost, the eager fallback disabled, the stacked
+# optimizer's unstack broken, record_stream removed, a float32-only kernel error, every
+# compiled-schedule output +1), each planted in a copy of the tree under /tmp, must fail a
+# test (the model tier too where $(CUDA_VENV) has it). Prints "N killed, M survived" last;
+# fails on a survivor (tests/mutation_lite.py).
+.PHONY: mutation-lite
+mutation-lite: $(EXT_STAMP)
+	$(PY) tests/mutation_lite.py
+
 all: test
 
 $(PY):

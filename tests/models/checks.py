@@ -24,6 +24,22 @@ rounding difference of 1e-6 in float32 flips the choice and moves gradients by 0
 and no float32 rule can tell that from a wrong result. In float64 the flip does not
 happen, and a fused computation that is wrong stays wrong.
 
+Kernels first. On a call that ran a fused plan, every fused kernel is run on that call's
+inputs and compared with its members run one by one, in float32 (``tests/fused_kernels.py``,
+the first plan call of each signature). A kernel that fails fails the call before any
+whole-model rule is tried: the float64 rules exist for differences that eager's own
+float32-to-float64 distance explains, and a float32-only kernel error (exact in float64,
+so the float64 wrapper agrees with float64 eager) must never pass through them.
+
+Paths. Every call says which way it ran (``streamsched.testing.last_path``), and the
+options say which ways it may: ``serial`` and ``threads`` name an executor, so no trial
+runs the model as written: the first call of each signature (mode, grad mode) is the
+recording call, every later one the compiled plan, and each is asserted. ``default`` is
+what users run: the recording call, then the ``auto`` trial (the plan, or the model's
+own forward), each call's path reported. The rules above apply by path: a recording
+call and a call run as written run eager's kernels in eager's order (bitwise equal); only
+a call that ran a fused plan gets the fused rules.
+
 Values are compared tensor by tensor in output order, whatever the containers; the
 output-types check compares the structure: the same types at every level (a transformers
 ``ModelOutput`` subclass, tuples, dicts), the same keys, shapes and dtypes.
@@ -32,6 +48,7 @@ output-types check compares the structure: the same types at every level (a tran
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from dataclasses import fields, is_dataclass
 from typing import Any, Callable, Optional
 
@@ -39,7 +56,9 @@ import torch
 from torch import nn
 
 import streamsched as ss
+from streamsched.testing import assert_path, last_path
 
+from ..fused_kernels import fused_kernel_problems
 from .zoo import ModelSpec
 
 FLOAT64_FACTOR = 4.0
@@ -57,7 +76,12 @@ def factor(numel: int) -> float:
 ULPS = 16 * torch.finfo(torch.float32).eps
 RTOL32, ATOL32 = 1.3e-6, 1e-5
 
-OPTIONS = {"default": {}, "nonstrict": {"strict": False}}
+# The ways each model is wrapped: as users run it, and under each executor this machine
+# has, named explicitly so that no trial replaces the schedule with the model's own forward.
+OPTIONS = {"default": {}, "serial": {"executor": "serial"}, "threads": {"executor": "threads"}}
+
+# (model, options) -> how many calls ran each path, for the run's summary (conftest.py).
+PATHS_SEEN: dict[tuple[str, str], Counter] = {}
 
 _BN = nn.modules.batchnorm._BatchNorm
 
@@ -267,13 +291,13 @@ def _plan_fused(sm: ss.StreamScheduledModule) -> bool:
     return bool(plan is not None and getattr(plan, "fused_groups", None))
 
 
-def _plan_threads(sm: ss.StreamScheduledModule) -> bool:
-    """Whether the last call may have run on CPU threads: a ``threads`` plan, or one
-    whose first calls timed ``threads`` against the others (the trial)."""
-    plan = sm.plan
-    if plan is None or plan.num_streams < 2:
-        return False
-    return plan.executor == "threads" or (plan.trial is not None and "threads" in plan.trial.calls)
+def ran_plan(path: str) -> bool:
+    """Whether a call on ``path`` ran the compiled schedule (any executor, or its CUDA graph)."""
+    return path.startswith("plan:") or path == "graph"
+
+
+def options_name(options: dict) -> str:
+    return next((name for name, o in OPTIONS.items() if o == options), repr(options))
 
 
 class Lockstep:
@@ -292,6 +316,14 @@ class Lockstep:
         self.seed = 0
         self.fused_seen = False
         self.calls = 0
+        # An explicit executor: no trial, every call after a signature's first runs the plan.
+        self.explicit = options.get("executor", "auto") != "auto"
+        self.signatures: set = set()
+        self.kernels_checked: set = set()
+        # The path of every call, and of the calls whose output types were compared.
+        self.paths: list[str] = []
+        self.structure_paths: list[str] = []
+        self.seen = PATHS_SEEN.setdefault((spec.name, options_name(options)), Counter())
         # (args, kwargs, every module's training flag) of each call: replayed in float64
         # when buffers need a reference.
         self.history: list[tuple] = []
@@ -349,7 +381,7 @@ class Lockstep:
                 for m, r in zip(m64.modules(), self.ref.modules()):
                     m.training = r.training
                 sm64 = ss.StreamScheduledModule(m64, **self.options)
-                for _ in range(2):  # the first call records, the second runs the plan
+                for _ in range(2):  # the first call records, the second runs the plan (checked below)
                     with torch.no_grad():
                         for name, b in m64.named_buffers():
                             b.copy_(buffers[name])
@@ -361,27 +393,69 @@ class Lockstep:
                             loss_of(out).backward()
                 memo["out"] = out
                 memo["grads"] = {n: p.grad for n, p in m64.named_parameters() if p.grad is not None}
-                memo["fused"] = _plan_fused(sm64)
+                memo["fused"] = _plan_fused(sm64) and ran_plan(last_path(sm64))
             return memo["out"], memo["grads"], memo["fused"]
 
         return run
+
+    @property
+    def scheduled(self) -> bool:
+        """Whether any call so far ran the compiled schedule (an untraceable model under
+        eager dispatch, or one the trial runs as written, never does)."""
+        return any(ran_plan(p) for p in self.paths)
+
+    def _check_path(self, label: str, new_signature: bool) -> str:
+        """The path of the wrapper's last call, asserted against what the options allow."""
+        path = last_path(self.sm)
+        self.paths.append(path)
+        self.seen[path] += 1
+        untraceable = self.paths[0] == "eager-dispatch"
+        try:
+            if untraceable:
+                # The model's forward cannot be traced: eager dispatch (its branch calls
+                # scheduled), or after quiet calls under the default options, as written.
+                assert_path(self.sm, "eager-dispatch", *(() if self.explicit else ("as-written",)))
+            elif new_signature:
+                assert_path(self.sm, "recorded")
+            elif self.explicit:
+                assert_path(self.sm, "plan", "graph")
+            else:
+                assert_path(self.sm, "plan", "graph", "as-written")
+        except AssertionError as exc:
+            raise AssertionError(f"{label}: {exc}") from None
+        return path
 
     def call(self, what: str, backward: bool, values: bool = True, structure: bool = False) -> tuple[Any, Any]:
         """One call of both with fresh inputs. ``backward``: in grad mode, then
         ``loss_of(out).backward()`` on each (gradients set to None first); else under
         ``no_grad``. ``values``: compare the outputs' tensors (in order, whatever the
         containers) and, with ``backward``, every parameter's gradient. ``structure``:
-        compare the outputs' types and structure. Returns ``(wrapped, eager)`` outputs."""
+        compare the outputs' types and structure. The wrapper's path is asserted (see the
+        module's docstring); a fused plan's kernels are checked against their members
+        first. Returns ``(wrapped, eager)`` outputs."""
         args, kwargs = self._inputs()
         self.calls += 1
-        self.history.append((args, kwargs, [m.training for m in self.ref.modules()]))
+        flags = [m.training for m in self.ref.modules()]
+        self.history.append((args, kwargs, flags))
+        signature = (tuple(flags), backward)
+        new_signature = signature not in self.signatures
+        self.signatures.add(signature)
         buffers = {n: b.clone() for n, b in self.ref.named_buffers()} if values else {}
         for p in list(self.ref.parameters()) + list(self.sm.parameters()):
             p.grad = None
         with torch.set_grad_enabled(backward):
             expected = self.ref(*args, **kwargs)
             actual = self.sm(*args, **kwargs)
-            fused = _plan_fused(self.sm)
+            path = self._check_path(f"{what}: call {self.calls}", new_signature)
+            # Only a call that ran a fused plan ran fused kernels: the recording call and
+            # the model as written run eager's own.
+            fused = ran_plan(path) and _plan_fused(self.sm)
+            label = f"{what}: call {self.calls} ({path}, {'fused' if fused else 'no fused kernel'})"
+            if fused and signature not in self.kernels_checked:
+                self.kernels_checked.add(signature)
+                checked, problems = fused_kernel_problems(self.sm, *args, **kwargs)
+                assert checked, f"{label}: the plan lists fused groups but its graph ran no fused kernel"
+                report(problems, f"{label}: fused kernels vs their members, float32")
             self.fused_seen |= fused
             if backward:
                 loss_of(expected).backward()
@@ -389,9 +463,9 @@ class Lockstep:
         # Branches run side by side on CPU threads create their autograd nodes
         # interleaved, and the engine sums a gradient several branches feed in that
         # order: float rounding, held to the float64 rule as fused values are.
-        reordered = fused or _plan_threads(self.sm) or not self.exact_grads
-        label = f"{what}: call {self.calls} (plan {'fused' if fused else 'not fused'})"
+        reordered = fused or path == "plan:threads" or not self.exact_grads
         if structure:
+            self.structure_paths.append(path)
             try:
                 assert_same_structure(actual, expected)
             except AssertionError as exc:
@@ -486,23 +560,3 @@ class Lockstep:
             if p:
                 problems.append(p)
         report(problems, f"{what}: state_dict after call {self.calls}")
-
-
-def needs_nonstrict(spec: ModelSpec, base: nn.Module, cache: dict) -> bool:
-    """Whether the default options raise TraceError on this model (eval or train call)."""
-    if spec.name not in cache:
-        raised = False
-        sm = ss.StreamScheduledModule(copy.deepcopy(base))
-        for train in (False, True):
-            sm.train(train)
-            args, kwargs = spec.inputs(0)
-            try:
-                with torch.no_grad():
-                    sm(*args, **kwargs)
-            except ss.TraceError:
-                raised = True
-                break
-            except Exception:  # noqa: BLE001 - other failures are the default tests' to report
-                pass
-        cache[spec.name] = raised
-    return cache[spec.name]

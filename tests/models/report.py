@@ -7,8 +7,9 @@ Run in the environment that has timm and transformers (``make test-models`` crea
     STREAMSCHED_DISABLE_EXT=1 .venv-cuda/bin/python tests/models/report.py [NAME ...]
 
 Each cell is ``ok`` or the first line of the failure. The wrapper uses its default
-options, or ``strict=False`` where the defaults raise ``TraceError`` (the options column
-says which). Times: median of 10 eval-mode calls under ``no_grad`` after 5 warm-up calls,
+options; the paths column lists the paths the eval check's calls ran
+(``streamsched.testing.last_path``: a model whose calls never ran ``plan:*`` runs as
+written, and is not scheduled). Times: median of 10 eval-mode calls under ``no_grad`` after 5 warm-up calls,
 eager and wrapped interleaved, CPU, one intra-op thread (as in the tests).
 """
 
@@ -32,7 +33,7 @@ import warnings  # noqa: E402
 import torch  # noqa: E402
 
 import streamsched as ss  # noqa: E402
-from tests.models.checks import OPTIONS, Lockstep, needs_nonstrict  # noqa: E402
+from tests.models.checks import OPTIONS, Lockstep  # noqa: E402
 from tests.models.zoo import BY_NAME, SPECS, build  # noqa: E402
 
 
@@ -48,11 +49,14 @@ def _outcome(fn) -> str:
     return "ok"
 
 
-def _eval(spec, base, options):
+def _eval(spec, base, options, paths: list):
     ls = Lockstep(spec, base, options)
     ls.eval()
-    for _ in range(3):
-        ls.call("eval", backward=False)
+    try:
+        for _ in range(3):
+            ls.call("eval", backward=False)
+    finally:
+        paths.extend(ls.paths)
 
 
 def _grads(spec, base, options):
@@ -87,9 +91,10 @@ def _median_ms(eager, wrapped, args, kwargs, warmup: int = 5, rounds: int = 10) 
 
 def row(spec) -> list[str]:
     base = build(spec)
-    name = "nonstrict" if needs_nonstrict(spec, base, {}) else "default"
-    options = OPTIONS[name]
-    cells = [_outcome(lambda f=f: f(spec, base, options)) for f in (_eval, _grads, _state)]
+    options = OPTIONS["default"]
+    paths: list = []
+    cells = [_outcome(lambda: _eval(spec, base, options, paths))]
+    cells += [_outcome(lambda f=f: f(spec, base, options)) for f in (_grads, _state)]
     opaque, eager_ms, wrapped_ms = "-", "-", "-"
     try:
         model = build(spec).eval()
@@ -102,15 +107,14 @@ def row(spec) -> list[str]:
             opaque = str(len(found))
     except Exception as exc:  # noqa: BLE001
         print(f"{spec.name}: timing failed: {type(exc).__name__}: {exc}".splitlines()[0], file=sys.stderr)
-    options_text = "default" if name == "default" else "strict=False"
-    return [spec.name, options_text, *cells, opaque, eager_ms, wrapped_ms]
+    return [spec.name, ", ".join(paths) or "-", *cells, opaque, eager_ms, wrapped_ms]
 
 
 def main(argv: list[str]) -> int:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     chosen = [BY_NAME[n] for n in argv] if argv else SPECS
-    header = ["model", "options", "eval", "grads", "state", "opaque submodules", "eager ms", "wrapped ms"]
+    header = ["model", "eval calls' paths", "eval", "grads", "state", "opaque submodules", "eager ms", "wrapped ms"]
     print("| " + " | ".join(header) + " |")
     print("|" + "|".join("---" if i < 5 else "---:" for i in range(len(header))) + "|")
     for spec in chosen:
