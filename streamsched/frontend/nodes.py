@@ -8,6 +8,7 @@ a stream or an event of its own.
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -15,7 +16,7 @@ from torch import fx
 
 from ..branch import BranchCall
 
-__all__ = ["node_label", "is_glue", "scope_of", "target_name", "VIEW_METHODS", "AUGMENTED_OPERATORS"]
+__all__ = ["node_label", "span_label", "is_glue", "scope_of", "target_name", "VIEW_METHODS", "AUGMENTED_OPERATORS"]
 
 VIEW_METHODS = frozenset(
     {
@@ -129,6 +130,25 @@ def node_label(node: fx.Node) -> str:
     scope = scope_of(node)
     name = target_name(node)
     return f"{scope}.{name}" if scope else name
+
+
+# Branch calls named inside a span's label, at most; the rest are counted.
+_NAMED_BRANCHES = 3
+
+
+def span_label(compute: Sequence[fx.Node]) -> str:
+    """The name of a run of nodes (a task): ``first .. last``, and the user's
+    ``@streamsched.branch`` calls between them by name, ``[with head, refine]``: merging
+    cheap neighbours into one task must not hide the functions the user marked."""
+    first, last = node_label(compute[0]), node_label(compute[-1])
+    label = first if first == last else f"{first} .. {last}"
+    inner = [node_label(n) for n in compute[1:-1] if n.op == "call_function" and isinstance(n.target, BranchCall)]
+    inner = [name for name in dict.fromkeys(inner) if name not in (first, last)]
+    if inner:
+        named = ", ".join(inner[:_NAMED_BRANCHES])
+        more = f" and {len(inner) - _NAMED_BRANCHES} more" if len(inner) > _NAMED_BRANCHES else ""
+        label += f" [with {named}{more}]"
+    return label
 
 
 def is_glue(node: fx.Node, root: Any = None) -> bool:

@@ -26,7 +26,7 @@ from typing import Iterable, Optional, Sequence
 from torch import fx
 
 from ..frontend.meta import ValueMeta
-from ..frontend.nodes import is_glue, node_label
+from ..frontend.nodes import is_glue, node_label, span_label
 from .cost import DeviceModel, estimate_node_cost
 
 __all__ = ["Task", "TaskGraph"]
@@ -49,8 +49,7 @@ class Task:
         compute = [n for n in self.nodes if not is_glue(n)] or self.nodes
         if not compute:
             return f"task{self.id}"
-        first, last = node_label(compute[0]), node_label(compute[-1])
-        return first if first == last else f"{first} .. {last}"
+        return span_label(compute)
 
 
 class TaskGraph:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from .analysis import _gaps as _gaps  # a private helper tests/test_observe.py checks directly
 from .analysis import build_timeline, measured_critical_path, timeline
-from .gantt import draw_gantt, fit_label, label_candidates, model_parts
+from .gantt import draw_gantt, fit_label, label_candidates, model_parts, part_rows
 from .model import Timeline
 from .record import ObservedCall, record_runs
 from .spans import IdleGap, TaskSpan
@@ -41,6 +41,7 @@ __all__ = [
     "build_timeline",
     "measured_critical_path",
     "model_parts",
+    "part_rows",
     "fit_label",
     "label_candidates",
 ]

@@ -14,7 +14,7 @@ from typing import Any, Callable, Protocol, Union
 
 from .spans import TaskSpan, fmt_us
 
-__all__ = ["GanttSource", "draw_gantt", "fit_label", "label_candidates", "model_parts"]
+__all__ = ["GanttSource", "draw_gantt", "fit_label", "label_candidates", "model_parts", "part_rows"]
 
 
 class GanttSource(Protocol):
@@ -126,6 +126,23 @@ def model_parts(entries: Sequence[TaskSpan]) -> list[tuple[str, float, float]]:
     return sorted(((part, lo, hi) for part, (lo, hi) in spans.items()), key=lambda p: p[1])
 
 
+def part_rows(parts: Sequence[tuple[str, float, float]]) -> list[int]:
+    """A row of the "model parts" band for each part (as :func:`model_parts` orders them),
+    such that no two parts on one row overlap in time: parts run side by side on several
+    streams, so alternating two rows drew overlapping parts on top of each other. Each
+    part takes the lowest row free at its start; there are as many rows as parts overlap
+    at most."""
+    row_ends: list[float] = []  # per row, where its last part ends
+    rows = []
+    for _part, lo, hi in parts:
+        row = next((r for r, end in enumerate(row_ends) if end <= lo), len(row_ends))
+        if row == len(row_ends):
+            row_ends.append(hi)
+        row_ends[row] = hi
+        rows.append(row)
+    return rows
+
+
 def draw_gantt(tl: GanttSource, path: Union[str, Path]) -> Path:
     """Draw ``tl`` as a Gantt chart into a PNG at ``path``: one lane per stream, the task
     names where they fit, the measured critical path outlined, and above the lanes a band
@@ -141,10 +158,13 @@ def draw_gantt(tl: GanttSource, path: Union[str, Path]) -> Path:
 
     lanes = list(tl.streams)
     lane_y = {s: len(lanes) - 1 - i for i, s in enumerate(lanes)}  # stream 0 on top
+    parts = model_parts(tl.entries)
+    rows = part_rows(parts)
+    band_rows = max(rows, default=0) + 1
     dpi = 110
-    fig = Figure(figsize=(20.0, 2.3 + 0.85 * len(lanes)), dpi=dpi, layout="constrained")
+    fig = Figure(figsize=(20.0, 2.1 + 0.85 * len(lanes) + 0.25 * band_rows), dpi=dpi, layout="constrained")
     canvas = FigureCanvasAgg(fig)  # no pyplot: no global state, safe off the main thread
-    band, ax = fig.subplots(2, 1, sharex=True, height_ratios=[0.5, len(lanes)])
+    band, ax = fig.subplots(2, 1, sharex=True, height_ratios=[0.25 * max(band_rows, 2), len(lanes)])
     span_us = max(tl.wall_us, max((e.end_us for e in tl.entries), default=0.0), 1e-3)
     critical = set(tl.critical_path)
     for i, entry in enumerate(tl.entries):
@@ -159,13 +179,12 @@ def draw_gantt(tl: GanttSource, path: Union[str, Path]) -> Path:
             edgecolor="black" if on_path else "white",
             linewidth=1.1 if on_path else 0.4,
         )
-    parts = model_parts(tl.entries)
-    for i, (_part, lo, hi) in enumerate(parts):
-        band.barh(i % 2, hi - lo, left=lo, height=0.9, color="0.55" if i % 2 else "0.75", edgecolor="white")
+    for i, ((_part, lo, hi), row) in enumerate(zip(parts, rows)):
+        band.barh(row, hi - lo, left=lo, height=0.9, color="0.55" if i % 2 else "0.75", edgecolor="white")
     ax.set_xlim(0, span_us * 1.005)
     ax.set_ylim(-0.6, len(lanes) - 0.4)
-    band.set_ylim(1.6, -0.6)
-    band.set_yticks([0.5])
+    band.set_ylim(max(band_rows, 2) - 0.4, -0.6)
+    band.set_yticks([(band_rows - 1) / 2])
     band.set_yticklabels(["model parts"], fontsize=8)
     band.tick_params(axis="x", bottom=False)
     for side in ("top", "right", "bottom"):
@@ -188,8 +207,8 @@ def draw_gantt(tl: GanttSource, path: Union[str, Path]) -> Path:
 
     for entry in tl.entries:
         label(ax, entry.start_us, entry.end_us, lane_y[entry.stream], entry.name)
-    for i, (part, lo, hi) in enumerate(parts):
-        label(band, lo, hi, i % 2, part)
+    for (part, lo, hi), row in zip(parts, rows):
+        label(band, lo, hi, row, part)
 
     scale, unit = (1e3, "ms") if span_us >= 2000 else (1.0, "us")
     ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v / scale:g}"))

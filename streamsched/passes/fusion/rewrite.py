@@ -314,13 +314,21 @@ class Rewriter:
 
 
 def _common_label(labels: list[str]) -> str:
-    """``mlps.*.fc1`` for ``mlps.0.fc1 .. mlps.999.fc1``."""
+    """``mlps.*.fc1`` for ``mlps.0.fc1 .. mlps.999.fc1``. Members that differ in their first
+    component are listed, ``{left,right}.fc``: a leading ``*`` names nothing, and a task
+    name starting with it reads like the plan's critical-path mark."""
     parts = [lab.split(".") for lab in labels]
     if len({len(p) for p in parts}) != 1:
         return f"{labels[0]} .. {labels[-1]}"
     out = []
-    for column in zip(*parts):
-        out.append(column[0] if len(set(column)) == 1 else "*")
+    for i, column in enumerate(zip(*parts)):
+        if len(set(column)) == 1:
+            out.append(column[0])
+        elif i == 0:
+            names = list(dict.fromkeys(column))
+            out.append("{" + ",".join(names if len(names) <= 4 else [*names[:2], "...", names[-1]]) + "}")
+        else:
+            out.append("*")
     return ".".join(out)
 
 
