@@ -198,7 +198,8 @@ class StreamScheduledModule(nn.Module):
                 f"StreamScheduledModule cannot wrap a torch.compile'd module ({type(model._orig_mod).__name__} in an "
                 "OptimizedModule): wrap the model itself and compile the wrapper, "
                 "torch.compile(StreamScheduledModule(model)), or compile its branches "
-                "(model.towers[i] = torch.compile(tower)) and wrap the model (its ._orig_mod is the module you compiled)"
+                "(model.towers[i] = torch.compile(tower)) and wrap the model "
+                "(its ._orig_mod is the module you compiled)"
             )
         name = type(model).__name__
         cfg = make_config(config, overrides, owner=name)
