@@ -21,7 +21,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _timing import time_variants  # noqa: E402
+from _timing import add_threads_option, apply_threads, threads_note, time_variants  # noqa: E402
 
 import streamsched as ss  # noqa: E402
 
@@ -62,7 +62,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--rounds", type=int, default=5)
+    add_threads_option(parser)
     args = parser.parse_args()
+    apply_threads(args)
     device = torch.device(args.device)
 
     torch.manual_seed(0)
@@ -86,7 +88,10 @@ def main() -> None:
     print(sm.plan)  # the last call's: after the timing runs, "auto" has settled how to run branches
     print(f"max abs error vs eager: {max(errors):.2e} over {len(errors)} random inputs (both routes)")
     print(f"eager       {times['eager']:8.2f} ms per forward (median of {args.rounds} rounds)")
-    print(f"streamsched {times['streamsched']:8.2f} ms per forward -> {times['eager'] / times['streamsched']:.2f}x")
+    print(
+        f"streamsched {times['streamsched']:8.2f} ms per forward -> {times['eager'] / times['streamsched']:.2f}x "
+        f"({threads_note(device)})"
+    )
     if max(errors) > 1e-4:
         raise SystemExit("MISMATCH: the eager-dispatched model does not match eager")
 

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 # The repository root (benchmarks.zoo), last: streamsched is the installed one as before.
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _timing import time_variants  # noqa: E402
+from _timing import add_threads_option, apply_threads, threads_note, time_variants  # noqa: E402
 
 import streamsched as ss  # noqa: E402
 from benchmarks.zoo import Inception3  # noqa: E402
@@ -34,7 +34,9 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=None, help="input side (default 299 on GPU, 149 on CPU)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--rounds", type=int, default=5)
+    add_threads_option(parser)
     args = parser.parse_args()
+    apply_threads(args)
     device = torch.device(args.device)
     size = args.size or (299 if device.type == "cuda" else 149)
 
@@ -59,7 +61,10 @@ def main() -> None:
         )
     print(f"max abs error vs eager: {max(errors):.2e} over 3 random inputs")
     print(f"eager       {times['eager']:8.2f} ms per forward (median of {args.rounds} rounds)")
-    print(f"streamsched {times['streamsched']:8.2f} ms per forward -> {times['eager'] / times['streamsched']:.2f}x")
+    print(
+        f"streamsched {times['streamsched']:8.2f} ms per forward -> {times['eager'] / times['streamsched']:.2f}x "
+        f"({threads_note(device)})"
+    )
     if max(errors) > 1e-3:
         raise SystemExit("MISMATCH: the scheduled model does not match eager")
 

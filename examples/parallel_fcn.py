@@ -5,7 +5,10 @@ Each member is Linear(20, 10) -> ReLU -> Linear(10, 1) on its own 20-column slic
 the loop (eager), streamsched on the *unmodified* loop model, and the two hand rewrites
 people write (two grouped Conv1d; two baddbmm on pre-stacked weights).
 
-    python examples/parallel_fcn.py [--members 1000] [--batch 1] [--train]
+    python examples/parallel_fcn.py [--members 1000] [--batch 1] [--train] [--threads 1]
+
+Speed ratios on CPU depend on the intra-op thread count (printed with them; the README's
+figures use ``--threads 1``).
 
 ``--train`` times a training step (forward, backward, SGD step) of the loop, of
 streamsched, and of streamsched with ``grad_handoff="direct"``.
@@ -25,7 +28,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 # The repository root (benchmarks.zoo), last: streamsched is the installed one as before.
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _timing import time_variants  # noqa: E402
+from _timing import add_threads_option, apply_threads, threads_note, time_variants  # noqa: E402
 
 import streamsched as ss  # noqa: E402
 from benchmarks.zoo import GroupedConvFCN, ParallelFCN, StackedFCN  # noqa: E402
@@ -37,7 +40,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--train", action="store_true", help="time a training step instead of inference")
+    add_threads_option(parser)
     args = parser.parse_args()
+    apply_threads(args)
     device = torch.device(args.device)
     torch.manual_seed(0)
     model = ParallelFCN(args.members).to(device)
@@ -98,6 +103,7 @@ def main() -> None:
                 inner=5,
             )
     base = times["loop"]
+    print(f"time per call ({threads_note(device)}), median of interleaved rounds:")
     for name, ms in times.items():
         print(f"  {name:12s} {ms:9.3f} ms   {base / ms:8.1f}x the loop")
 

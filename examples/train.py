@@ -31,8 +31,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+sys.path.insert(0, os.path.dirname(__file__))
 # The repository root (benchmarks.zoo), last: streamsched is the installed one as before.
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from _timing import add_threads_option, apply_threads, threads_note  # noqa: E402
 
 import streamsched as ss  # noqa: E402
 from benchmarks.zoo import NASNetCells  # noqa: E402
@@ -127,7 +130,9 @@ def main() -> None:
     parser.add_argument("--executor", choices=["auto", "serial", "threads", "streams"], default="auto")
     parser.add_argument("--no-fuse", action="store_true", help="do not batch identical branches")
     parser.add_argument("--seed", type=int, default=0)
+    add_threads_option(parser)
     args = parser.parse_args()
+    apply_threads(args)
     if args.steps < 1 or args.batch < 1 or args.print_every < 1:
         parser.error("--steps, --batch and --print-every must be positive")
     device = torch.device(args.device)
@@ -183,7 +188,7 @@ def main() -> None:
     )
     print(
         f"time per step (median): eager {t_eager:.2f} ms, streamsched {t_wrapped:.2f} ms "
-        f"-> {t_eager / t_wrapped:.2f}x  [{sm.plan.executor}, {device}]"
+        f"-> {t_eager / t_wrapped:.2f}x  [{sm.plan.executor}, {threads_note(device)}]"
     )
     print(f"(first step of streamsched, with tracing and planning: {wrapped.times_ms[0]:.1f} ms)")
 
