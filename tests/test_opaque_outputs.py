@@ -140,6 +140,29 @@ def test_a_whole_none_output_used_as_a_value():
     assert len(_checks(sm)) == 1
 
 
+def test_a_branch_on_none_that_reads_nothing_of_it():
+    """Nothing in the graph reads the None: only its None-ness decided the branch."""
+
+    class Pair(nn.Module):
+        def forward(self, x):
+            return x + 1, None
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pair = Pair()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            h, extra = self.pair(x)
+            if extra is not None:
+                h = h * 2
+            return self.lin(h)
+
+    sm = _check(Model(), lambda: torch.randn(3, 8), leaf_modules=[Pair])
+    assert len(_checks(sm)) == 1
+
+
 def test_a_structure_that_changes_between_calls_is_refused_loudly():
     class Flaky(nn.Module):
         def forward(self, x):

@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import fx
 
-from .opaque_outputs import consistent
+from .opaque_outputs import misleads
 
 __all__ = ["TensorMeta", "ValueMeta", "describe", "run_and_record", "tensor_metas"]
 
@@ -152,7 +152,7 @@ def run_and_record(
         finally:
             if effects is not None:
                 effects.end()
-        if traced is not None and node.op == "call_module" and not consistent(node, value):
+        if traced is not None and node.op == "call_module" and misleads(node, value):
             retraces += 1
             if retraces > _MAX_RETRACES:
                 raise RuntimeError(f"{retraces} re-traces for what leaf calls return; giving up at '{node.target}'")

@@ -8,15 +8,21 @@ relative attention returns ``(h, None)``, and ``if output_g is not None:`` is tr
 proxy, so the trace fed the ``None`` to a Linear.
 
 The recording call (:func:`~streamsched.frontend.meta.run_and_record`) runs every leaf
-call for real and checks its value against how the graph reads it
-(:func:`consistent`): tensors may be read any way, containers only through ``getitem`` /
-``getattr`` of their items, anything else (``None``, a number) not at all. On a
-mismatch, the call's :class:`Skeleton` (its structure, tensors as holes, the rest as
-constants) is learned for that model, call structure, module path and call index, and
-the model is traced again: the tracer then hands the traced code the real structure
-(``(proxy, None)``), so it branches as eager does. The new graph reads the leaf's value
-through an :class:`OutputCheck` node that fails loudly on any later call whose value has
-another structure or other constants, rather than run a branch eager would not take.
+call for real and asks :func:`misleads` of its value: a ``None`` or a constant anywhere
+in a tuple, list or plain dict (the trace may have decided ``is None`` on the proxy,
+even where nothing reads the value), or a ``None`` the graph reads other than as part
+of the model's output (:func:`consistent`; a ``ModelOutput`` field, say). Then the
+call's :class:`Skeleton` (its structure, tensors as holes, the rest as constants) is
+learned for that model, call structure, train/eval and autocast state, module path and
+call index, and the model is traced again: the tracer hands the traced code the real
+structure (``(proxy, None)``), so it branches as eager does. The new graph reads the
+leaf's value through an :class:`OutputCheck` node that fails loudly on any later call
+whose value has another structure or other constants, rather than run a branch eager
+would not take. A value with no skeleton (an object, a ``ModelOutput``) whose ``None``
+the graph reads is refused with a :class:`~streamsched.errors.TraceError`.
+
+Not seen: a ``None`` field of a ``ModelOutput`` or another object that only decided an
+``is None`` branch and is read by nothing (the trace cannot stand in for such objects).
 """
 
 from __future__ import annotations
@@ -28,7 +34,16 @@ from typing import Any, Hashable, Optional
 import torch
 from torch import fx
 
-__all__ = ["Skeleton", "OutputCheck", "OpaqueOutputChanged", "skeleton_of", "consistent", "learned", "learn"]
+__all__ = [
+    "Skeleton",
+    "OutputCheck",
+    "OpaqueOutputChanged",
+    "skeleton_of",
+    "misleads",
+    "consistent",
+    "learned",
+    "learn",
+]
 
 _CONSTANTS = (type(None), bool, int, float, str)
 
@@ -54,6 +69,10 @@ class Skeleton:
 
     def __repr__(self) -> str:
         return f"Skeleton{self.shape!r}"
+
+    def has_constants(self) -> bool:
+        """Whether anything in it is not a tensor (``None``, a number, a string)."""
+        return _has_constants(self.shape)
 
     def matches(self, value: Any) -> bool:
         return _matches(self.shape, value)
@@ -87,6 +106,16 @@ def _shape(value: Any) -> Optional[tuple]:
             return None
         return ("dict", tuple(kids))
     return None
+
+
+def _has_constants(shape: tuple) -> bool:
+    kind = shape[0]
+    if kind == "tensor":
+        return False
+    if kind == "const":
+        return True
+    kids = shape[1] if kind != "dict" else [kid for _, kid in shape[1]]
+    return any(_has_constants(kid) for kid in kids)
 
 
 def _matches(shape: tuple, value: Any) -> bool:
@@ -148,28 +177,40 @@ class OutputCheck:
         return f"<check {self.label}: {self.skeleton.shape}>"
 
 
+def misleads(node: fx.Node, value: Any) -> bool:
+    """Whether leaf call ``node``'s real ``value`` may have misled the trace, which saw a
+    proxy: a ``None`` or a constant anywhere in a structure the tracer can hand the traced
+    code instead (``if g is not None:`` may have been decided on the proxy, even where
+    nothing reads ``g``), or a value the graph reads other than as it is
+    (:func:`consistent`). Tensors never; values already read through an
+    :class:`OutputCheck` never (the check runs next)."""
+    if isinstance(value, torch.Tensor):
+        return False
+    if any(u.op == "call_function" and isinstance(u.target, OutputCheck) for u in node.users):
+        return False
+    skeleton = skeleton_of(value)
+    if skeleton is not None and skeleton.has_constants():
+        return True
+    return not consistent(node, value)
+
+
 def consistent(node: fx.Node, value: Any) -> bool:
     """Whether the graph reads ``node``'s real ``value`` only in ways a proxy stood for
-    correctly: a tensor any way; a container through ``getitem`` / ``getattr`` with a
-    constant key, each item consistent in turn; anything else (``None``, a number) not
-    at all (the traced code used it as a tensor, or branched on it as one)."""
+    correctly: a tensor any way; a container as it is (passed on, returned) or item by
+    item through ``getitem`` / ``getattr`` with a constant key, each item consistent in
+    turn; ``None`` or a constant only as part of the model's output, as eager returns it
+    (any other reader used it as a tensor, or the code branched on it as one)."""
     if isinstance(value, torch.Tensor):
         return True
     users = list(node.users)
-    if not users:
-        return True
     if value is None or type(value) in _CONSTANTS:
-        return False
+        return all(u.op == "output" for u in users)
     for user in users:
-        if user.op == "call_function" and isinstance(user.target, OutputCheck):
-            continue  # a trace made for its structure: the check itself runs next
         if user.op != "call_function" or user.target not in (operator.getitem, getattr):
-            return False
-        if len(user.args) != 2 or user.args[0] is not node or user.kwargs:
-            return False
+            continue  # the container itself, passed on as eager passes it
+        if len(user.args) != 2 or user.args[0] is not node or user.kwargs or isinstance(user.args[1], fx.Node):
+            continue
         key = user.args[1]
-        if isinstance(key, fx.Node):
-            return False
         try:
             item = getattr(value, key) if user.target is getattr else value[key]
         except Exception:  # noqa: BLE001 - an item eager does not have: inconsistent
