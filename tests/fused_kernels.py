@@ -16,7 +16,9 @@ ulps; a 1e-3 error in an output of size 1 is 50 times that.
 
 Nothing the check runs stays: buffers (BatchNorm running statistics, which both the
 kernel and its members update in training mode) and the random number generator are
-restored afterwards, and it runs without autograd.
+restored afterwards, and it runs without autograd. The buffers are restored in place,
+which moves their version counters: run the check after the call's backward (BatchNorm
+saves its running statistics for it).
 """
 
 from __future__ import annotations
