@@ -134,5 +134,13 @@ gpu-prep:
 	bash ../shared/gpu/wheels.sh hypothesis attrs sortedcontainers
 	mkdir -p .gpu && cp ../shared/gpu/device-prelude.sh .gpu/
 
+# Removes or moves each synchronisation call of the stream runtimes (Python executor, CUDA
+# backend, eager dispatch, graph capture, the native runtime's csrc/runtime.cpp) one at a
+# time, in a copy of the tree, and requires the cuda-marked tests on the emulated device to
+# fail; prints "N killed, M survived" last. MUTATION_ARGS="--sample 8" runs a sample.
+.PHONY: mutation
+mutation: $(EXT_STAMP)
+	$(PY) .ci/mutation.py $(MUTATION_ARGS)
+
 clean:
 	rm -rf build *.egg-info streamsched/_C*.so $(EXT_STAMP) .pytest_cache

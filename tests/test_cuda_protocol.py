@@ -97,9 +97,11 @@ def test_side_stream_outputs_are_recorded_on_the_caller_that_switches_streams(em
     model, sm = planned_heads(runtime)
     default = torch.cuda.current_stream()
     mine = torch.cuda.Stream()
+    inputs = []  # kept: freeing an input the side streams read is the caller's to order
     with torch.no_grad():
         for call in range(4):
             x = torch.randn(16, 64, device="cuda")
+            inputs.append(x)
             expected = model(x)
             caller = mine if call % 2 == 0 else default
             caller.wait_stream(default)
@@ -107,10 +109,38 @@ def test_side_stream_outputs_are_recorded_on_the_caller_that_switches_streams(em
                 outs = sm(x)
                 assert_ran(sm, runtime)
                 assert torch.cuda.current_stream() == caller
-                doubled = [o * 2 for o in outs]  # used on the caller's stream
+                assert_close(outs, expected, atol=1e-5)  # used on the caller's stream
                 del outs  # freed there: the side stream's pool may hand the memory out again
-            default.wait_stream(caller)
-            assert_close(doubled, [2 * e for e in expected], atol=1e-5)
+            # Nothing orders the next caller after this one: only record_stream(caller)
+            # keeps the next call's side streams off the memory this caller still reads.
+    torch.cuda.synchronize()
+    assert emulated_cuda.take_reports() == []
+
+
+class StemTowers(nn.Module):
+    """A stem on the caller's stream feeding towers of different depths: values made on
+    one stream, read on another and released while the call goes on."""
+
+    def __init__(self, n: int = 4, d: int = 128):
+        super().__init__()
+        self.stem = nn.Linear(d, d)
+        self.towers = Towers(n, d)
+
+    def forward(self, x):
+        return self.towers(torch.tanh(self.stem(x)))
+
+
+def test_values_read_on_other_streams_are_not_reused_early(emulated_cuda, runtime):
+    model = StemTowers().cuda().eval()
+    sm = wrap(model, runtime)
+    with torch.no_grad():
+        sm(torch.randn(32, 128, device="cuda"))  # plans
+        for _ in range(3):
+            x = torch.randn(32, 128, device="cuda")
+            out = sm(x)
+            assert_ran(sm, runtime)
+            assert_close(out, model(x), atol=1e-5)
+    assert any(t.cross_reads for t in sm._ss.last.program.tasks)
     assert emulated_cuda.take_reports() == []
 
 
@@ -263,7 +293,46 @@ class DroppedInput(nn.Module):
         return a + z
 
 
-def test_eager_dispatch_records_branch_inputs_on_the_side_stream(emulated_cuda):
+class BranchOutputs(nn.Module):
+    """Eager dispatch whose outputs are branch results, made on side streams."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(64, 64)
+        self.b = nn.Linear(64, 64)
+
+    @ss.branch
+    def run(self, layer, x):
+        return torch.tanh(layer(x))
+
+    def forward(self, x):
+        if x.sum() > -1e9:  # untraceable
+            return self.run(self.a, x), self.run(self.b, x)
+
+
+def test_eager_dispatch_outputs_are_recorded_on_a_caller_that_switches_streams(emulated_cuda):
+    model = BranchOutputs().cuda()
+    sm = ss.StreamScheduledModule(model, strict=False, executor="streams", num_streams=3)
+    default = torch.cuda.current_stream()
+    mine = torch.cuda.Stream()
+    inputs = []
+    with torch.no_grad():
+        for call in range(4):
+            x = torch.randn(16, 64, device="cuda")
+            inputs.append(x)
+            expected = model(x)
+            caller = mine if call % 2 == 0 else default
+            caller.wait_stream(default)
+            with torch.cuda.stream(caller):
+                outs = sm(x)
+                assert_path(sm, "eager-dispatch")
+                assert_close(outs, expected, atol=1e-5)
+                del outs
+    torch.cuda.synchronize()
+    assert emulated_cuda.take_reports() == []
+
+
+def test_eager_dispatch_keeps_a_dropped_branch_input_until_the_join(emulated_cuda):
     model = DroppedInput().cuda()
     sm = ss.StreamScheduledModule(model, strict=False, executor="streams", num_streams=3)
     with torch.no_grad():

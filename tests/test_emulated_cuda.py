@@ -141,6 +141,74 @@ def test_record_stream_or_a_wait_makes_the_reuse_safe(emulated_cuda, how):
     del y
 
 
+# --- simulated time ---------------------------------------------------------------------------
+
+
+def _two_streams(emulated_cuda, ordered):
+    """The same matmul on the default stream and on a side stream, the side stream
+    waiting for the first one's event when ``ordered``."""
+    a = torch.randn(64, 64, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with emulated_cuda.timeline() as tl:
+        x = a @ a
+        done = torch.cuda.Event()
+        done.record()
+        if ordered:
+            side.wait_event(done)
+        with torch.cuda.stream(side):
+            y = a @ a
+    torch.cuda.current_stream().wait_stream(side)
+    return tl, x, y
+
+
+def test_independent_streams_overlap_in_simulated_time_and_a_wait_serialises_them(emulated_cuda):
+    free, _, _ = _two_streams(emulated_cuda, ordered=False)
+    assert len(free.streams) == 2 and free.max_concurrency() == 2
+    assert free.makespan == pytest.approx(free.serial_time / 2)
+    assert free.overlap(*free.streams) == pytest.approx(free.makespan)
+    waited, _, _ = _two_streams(emulated_cuda, ordered=True)
+    first, second = waited.spans
+    assert second.start >= first.end  # the side stream's matmul waited for the event
+    assert waited.max_concurrency() == 1 and waited.makespan == pytest.approx(waited.serial_time)
+    assert "simulated" in waited.summary()
+
+
+def test_a_host_synchronisation_delays_later_work_in_simulated_time(emulated_cuda):
+    a = torch.randn(64, 64, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with emulated_cuda.timeline() as tl:
+        (a @ a).sum().item()  # the host waits for the default stream
+        with torch.cuda.stream(side):
+            a @ a  # issued after: cannot start before the host got there
+    torch.cuda.current_stream().wait_stream(side)
+    first, second = [s for s in tl.spans if "mm" in s.name]
+    assert second.start >= first.end and tl.max_concurrency() == 1
+
+
+def test_a_replay_takes_the_captured_critical_path(emulated_cuda):
+    x = torch.randn(64, 64, device="cuda")
+    side = torch.cuda.Stream()
+
+    def body():
+        side.wait_stream(torch.cuda.current_stream())
+        a = x @ x
+        with torch.cuda.stream(side):
+            b = x @ x
+        torch.cuda.current_stream().wait_stream(side)
+        return a + b
+
+    g, _ = _capture(body)
+    with emulated_cuda.timeline() as eager:
+        x @ x
+    with emulated_cuda.timeline() as replay:
+        g.replay()
+    (launch,) = replay.spans
+    # The two matmuls overlap inside the graph: one matmul, then the add.
+    assert eager.makespan < launch.end - launch.start < 2 * eager.makespan
+
+
 # --- capture ----------------------------------------------------------------------------------
 
 

@@ -40,7 +40,8 @@ how many ran at once. These figures are simulated, never measurements.
 
 What it cannot show: measured time (speed, real asynchrony of the host),
 autograd's own stream handling in backward (backward kernels run on the stream current
-when ``backward()`` is called), the native CUDA backend of ``streamsched._C``, peak memory
+when ``backward()`` is called), the CUDA calls of ``streamsched._C``'s CUDA backend (its
+runtime's logic runs here, through ``NativeStreamOps``), peak memory
 of the real allocator, kernels PyTorch does not dispatch (custom CUDA extensions).
 
 Example::
