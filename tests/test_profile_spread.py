@@ -8,6 +8,8 @@ warns about single tasks that do.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -23,8 +25,9 @@ TOWERS = ["tests.helpers:Towers", "--input-shape", "4,64"]
 
 
 def _fake_rounds(schedule, per_round: list[dict[str, list[float]]]):
-    """A stand-in for record_runs: round r's calls take ``per_round[r][task][call]`` us."""
-    rounds = iter(per_round)
+    """A stand-in for record_runs: round r's calls take ``per_round[r][task][call]`` us
+    (the list repeats when more rounds are measured)."""
+    rounds = itertools.cycle(per_round)
 
     def fake_runs(sm, *inputs, runs, warmup):
         durations = next(rounds)
@@ -76,32 +79,78 @@ def test_steady_rounds_have_small_spread_and_round_trip(monkeypatch, planned, tm
     assert loaded == profile and loaded.task_spread == {"a": 0.0, "b": 0.0}
 
 
+def test_measured_until_steady_a_slowed_round_is_set_aside(monkeypatch, planned):
+    schedule = planned._ss.last
+    per_round = [
+        {"a": [300.0] * 3, "b": [50.0] * 3},  # another process took the cores
+        {"a": [10.0] * 3, "b": [5.0] * 3},
+        {"a": [11.0] * 3, "b": [5.0] * 3},
+        {"a": [10.5] * 3, "b": [5.5] * 3},
+        {"a": [999.0] * 3, "b": [999.0] * 3},  # never measured: steady after round 4
+    ]
+    monkeypatch.setattr(profiles, "record_runs", _fake_rounds(schedule, per_round))
+    profile = measure_profile(planned, torch.randn(4, 32), runs=3, rounds=3, steady=0.5)
+    assert profile.round_total_us == [350.0, 15.0, 16.0, 16.0] and profile.rounds == 4
+    assert profile.kept_rounds == [1, 2, 3] and profile.kept_totals() == [15.0, 16.0, 16.0]
+    assert profile.task_us == {"a": 10.0, "b": 5.0}
+    assert profile.spread() == pytest.approx(1 / 15)
+
+
+def test_measured_until_steady_gives_up_after_max_rounds(monkeypatch, planned):
+    schedule = planned._ss.last
+    per_round = [{"a": [10.0 * 3**r] * 2} for r in range(5)]  # each round 3x the last: never steady
+    monkeypatch.setattr(profiles, "record_runs", _fake_rounds(schedule, per_round))
+    profile = measure_profile(planned, torch.randn(4, 32), runs=2, rounds=2, steady=0.5, max_rounds=5)
+    assert profile.rounds == 5 and profile.round_total_us == [10.0, 30.0, 90.0, 270.0, 810.0]
+    assert profile.kept_totals() == [10.0, 30.0] and profile.spread() == pytest.approx(2.0)
+
+
 def test_rounds_must_be_positive(planned):
     with pytest.raises(ValueError, match="rounds"):
         measure_profile(planned, torch.randn(4, 32), rounds=0)
 
 
 def test_cli_refuses_a_profile_that_spread_too_wide(monkeypatch, capsys, tmp_path):
-    per_round = [{"a": [400.0] * 2}, {"a": [10.0] * 2}, {"a": [11.0] * 2}]
+    per_round = [{"a": [10.0 * 2**r] * 2} for r in range(9)]  # each round twice the last
     real = profiles.measure_profile
 
-    def measure_with_a_busy_round(sm, *inputs, runs, rounds):
+    def measure_with_a_busy_round(sm, *inputs, **options):
         sm(*inputs)  # plans (record_runs' warm-up, which the stand-in skips)
         monkeypatch.setattr(profiles, "record_runs", _fake_rounds(sm._ss.last, per_round))
-        return real(sm, *inputs, runs=runs, rounds=rounds)
+        return real(sm, *inputs, **options)
 
     monkeypatch.setattr(cli, "measure_profile", measure_with_a_busy_round)
     out_path = tmp_path / "busy.json"
     code = cli.main(["profile", *TOWERS, "--out", str(out_path), "--runs", "2"])
     out, err = capsys.readouterr()
     assert code == 1 and not out_path.exists(), (out, err)
-    assert "not steady" in err and "--max-spread" in err
-    # Accepted when asked, with the task named as unsteady.
-    per_round[:] = [{"a": [400.0] * 2}, {"a": [10.0] * 2}, {"a": [11.0] * 2}]
-    code = cli.main(["profile", *TOWERS, "--out", str(out_path), "--runs", "2", "--max-spread", "100"])
+    # The fastest 3 of 9 rounds, 10, 20 and 40 us, spread 300%.
+    assert "not steady" in err and "--max-spread" in err and "after 9 rounds" in err and "300%" in err
+    # Accepted when asked.
+    code = cli.main(["profile", *TOWERS, "--out", str(out_path), "--runs", "2", "--max-spread", "5"])
     out, err = capsys.readouterr()
     assert code == 0 and out_path.exists(), err
     assert load_profile(out_path).task_us == {"a": 10.0}
+    assert "set aside" not in out  # three rounds were steady enough: no more measured
+
+
+def test_cli_sets_a_slowed_round_aside(monkeypatch, capsys, tmp_path):
+    per_round = [{"a": [400.0] * 2}, {"a": [10.0] * 2}, {"a": [11.0] * 2}, {"a": [10.5] * 2}]
+    real = profiles.measure_profile
+
+    def measure(sm, *inputs, **options):
+        sm(*inputs)
+        monkeypatch.setattr(profiles, "record_runs", _fake_rounds(sm._ss.last, per_round))
+        return real(sm, *inputs, **options)
+
+    monkeypatch.setattr(cli, "measure_profile", measure)
+    out_path = tmp_path / "aside.json"
+    code = cli.main(["profile", *TOWERS, "--out", str(out_path), "--runs", "2"])
+    out, err = capsys.readouterr()
+    assert code == 0 and out_path.exists(), err
+    assert "1 slower round(s) set aside: 0.40 ms" in out
+    profile = load_profile(out_path)
+    assert profile.kept_rounds == [1, 2, 3] and profile.task_us == {"a": 10.0}
 
 
 def test_cli_warns_about_an_unsteady_task_in_a_steady_total(monkeypatch, capsys, tmp_path):
@@ -109,10 +158,10 @@ def test_cli_warns_about_an_unsteady_task_in_a_steady_total(monkeypatch, capsys,
     per_round = [{"big": [1000.0] * 2, "small": [20.0] * 2}, {"big": [1000.0] * 2, "small": [45.0] * 2}]
     real = profiles.measure_profile
 
-    def measure(sm, *inputs, runs, rounds):
+    def measure(sm, *inputs, **options):
         sm(*inputs)  # plans (record_runs' warm-up, which the stand-in skips)
         monkeypatch.setattr(profiles, "record_runs", _fake_rounds(sm._ss.last, per_round))
-        return real(sm, *inputs, runs=runs, rounds=2)
+        return real(sm, *inputs, **{**options, "rounds": 2})
 
     monkeypatch.setattr(cli, "measure_profile", measure)
     out_path = tmp_path / "steady.json"

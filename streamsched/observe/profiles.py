@@ -32,7 +32,7 @@ from __future__ import annotations
 import datetime
 import statistics
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal, Optional, Union
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -79,14 +79,23 @@ class ScheduleProfile(BaseModel):
     """Per task name, how far its round medians spread: (slowest - fastest) / fastest
     (0.0 with one round)."""
     round_total_us: list[float] = []
-    """Per round, the sum of its task medians (microseconds)."""
+    """Per round measured, the sum of its task medians (microseconds)."""
+    kept_rounds: list[int] = []
+    """The rounds (indices into ``round_total_us``) the figures come from; empty: all.
+    Measured until steady, a profile sets aside the rounds another process slowed."""
     plan: Plan
     """The plan the measurements were taken with."""
 
     def spread(self) -> float:
         """How far the rounds' total task times spread: (slowest - fastest) / fastest;
         0.0 with fewer than two rounds."""
-        return _spread(self.round_total_us)
+        return _spread(self.kept_totals())
+
+    def kept_totals(self) -> list[float]:
+        """The total task time of each round the figures come from."""
+        if not self.kept_rounds:
+            return list(self.round_total_us)
+        return [self.round_total_us[i] for i in self.kept_rounds]
 
     def unsteady_tasks(self, limit: float, min_share: float = 0.01) -> list[tuple[str, float]]:
         """Tasks whose spread exceeds ``limit`` and whose figure is at least ``min_share``
@@ -114,7 +123,19 @@ def _spread(values: list[float]) -> float:
     return (max(values) - min(values)) / min(values)
 
 
-def measure_profile(sm: Observable, *inputs: Any, runs: int = 5, rounds: int = 3) -> ScheduleProfile:
+def _fastest(totals: list[float], count: int) -> list[int]:
+    """The indices of the ``count`` smallest totals, in measurement order."""
+    return sorted(sorted(range(len(totals)), key=lambda i: totals[i])[:count])
+
+
+def measure_profile(
+    sm: Observable,
+    *inputs: Any,
+    runs: int = 5,
+    rounds: int = 3,
+    steady: Optional[float] = None,
+    max_rounds: Optional[int] = None,
+) -> ScheduleProfile:
     """Measure each task of ``sm(*inputs)`` in ``rounds`` rounds of ``runs`` observed calls
     (after warming up).
 
@@ -122,13 +143,22 @@ def measure_profile(sm: Observable, *inputs: Any, runs: int = 5, rounds: int = 3
     the CPU). Per round, the median per task name; the profile keeps each task's fastest
     round median and the spread of its round medians (see :class:`ScheduleProfile`). Call
     it in the grad mode the profile is for (``torch.no_grad()`` for inference).
+
+    With ``steady`` (a spread, 0.5 = the slowest round 50% over the fastest), rounds go on,
+    up to ``max_rounds`` (default ``3 * rounds``), until the fastest ``rounds`` of them
+    spread no more than that: a round another process slowed is set aside (it stays in
+    ``round_total_us``; ``kept_rounds`` names the rounds the figures come from).
     """
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
-        raise ValueError(f"rounds must be an int >= 1, got {rounds!r}")
+    for name, value in (("rounds", rounds), ("max_rounds", rounds if max_rounds is None else max_rounds)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    limit = max(rounds, 3 * rounds if max_rounds is None else max_rounds) if steady is not None else rounds
     medians: dict[str, list[float]] = {}
     totals: list[float] = []
     schedule: Any = None
-    for r in range(rounds):
+    for r in range(limit):
+        if r >= rounds and steady is not None and _spread([totals[i] for i in _fastest(totals, rounds)]) <= steady:
+            break
         observed = record_runs(sm, *inputs, runs=runs, warmup=2 if r == 0 else 1)
         durations: dict[str, list[float]] = {}
         for call in observed:
@@ -144,7 +174,10 @@ def measure_profile(sm: Observable, *inputs: Any, runs: int = 5, rounds: int = 3
         for name, value in round_medians.items():
             medians.setdefault(name, []).append(value)
         totals.append(round(sum(round_medians.values()), 3))
+    kept = _fastest(totals, rounds)
     plan = schedule.plan
+    # One plan throughout: every task has a median in every round.
+    kept_medians = {name: [values[i] for i in kept] for name, values in medians.items()}
     return ScheduleProfile(
         model=plan.model,
         signature=plan.signature,
@@ -155,10 +188,11 @@ def measure_profile(sm: Observable, *inputs: Any, runs: int = 5, rounds: int = 3
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         executor=plan.schedule_executor,
         runs=runs,
-        rounds=rounds,
-        task_us={name: round(min(values), 3) for name, values in medians.items()},
-        task_spread={name: round(_spread(values), 4) for name, values in medians.items()},
+        rounds=len(totals),
+        task_us={name: round(min(values), 3) for name, values in kept_medians.items()},
+        task_spread={name: round(_spread(values), 4) for name, values in kept_medians.items()},
         round_total_us=totals,
+        kept_rounds=kept if len(kept) < len(totals) else [],
         plan=plan,
     )
 
