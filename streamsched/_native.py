@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 import torch
 
-from .errors import ExtensionError
+from .errors import ExtensionError, user_stacklevel
 
 __all__ = ["native", "runtime_info", "cuda_backend_missing", "build_hint"]
 
@@ -79,7 +79,7 @@ if _module is None:
             f"streamsched: using the pure-Python runtime ({_reason}); results are the same, "
             f"host overhead per task is higher. To build the extension, {build_hint()}.",
             RuntimeWarning,
-            stacklevel=2,
+            stacklevel=user_stacklevel(),
         )
 
 
@@ -95,7 +95,7 @@ if cuda_backend_missing():
         f"is a CUDA {torch.version.cuda} build: on CUDA the streams executor's bookkeeping runs in Python "
         f"(same results, more host time per task). To {build_hint(cuda=True)}.",
         RuntimeWarning,
-        stacklevel=2,
+        stacklevel=user_stacklevel(),
     )
 
 

@@ -30,12 +30,18 @@ def user_stacklevel() -> int:
     point at the first frame outside streamsched and PyTorch: the user's line that called
     the wrapped model (through ``nn.Module.__call__`` and any number of library frames),
     not a library line that depends on how the call path is built."""
-    frame = sys._getframe(1)  # the function about to call warnings.warn: stacklevel 1
-    level = 1
-    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+    # warnings.warn counts the caller as level 1, then only frames outside importlib's
+    # bootstrap (an import-time warning passes through those): count the same way.
+    level = 0
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not ("importlib" in filename and "_bootstrap" in filename):
+            level += 1
+            if not filename.startswith(_LIBRARY_DIRS):
+                return level
         frame = frame.f_back
-        level += 1
-    return level
+    return max(level, 1)
 
 
 class StreamSchedError(Exception):

@@ -41,6 +41,7 @@ with warnings.catch_warnings(record=True) as caught:
     from streamsched.envinfo import environment_report, format_report
 print(json.dumps({
     "warnings": [str(w.message) for w in caught if "streamsched" in str(w.message)],
+    "where": [w.filename for w in caught if "streamsched" in str(w.message)],
     "info": streamsched.runtime_info(),
     "report": format_report(environment_report()),
 }))
@@ -64,6 +65,7 @@ def test_cpu_only_extension_on_cuda_pytorch_warns_once_and_info_says_so():
     seen = _import_with(cuda_compiled=False)
     cuda_warnings = [w for w in seen["warnings"] if "CUDA backend" in w]
     assert len(cuda_warnings) == 1, seen["warnings"]
+    assert seen["where"] == ["<string>"]  # the user's `import streamsched` (the -c script), not _native.py
     assert "USE_CUDA=1 pip install" in cuda_warnings[0] and "make ext" not in cuda_warnings[0]
     info = seen["info"]
     assert info["native"] and not info["native_cuda"] and info["native_cuda_missing"]
