@@ -84,15 +84,36 @@ _handles = (
 )
 
 # A module hook registered on a tracked module changes what a call of it does (the trace
-# runs a hooked module as a call of its own): count registrations, so the wrapper
-# re-traces. Removing one (``handle.remove()``) needs nothing: the module keeps running
-# through its own __call__, which then fires no hook.
+# runs a hooked module as a call of its own, never fused): count registrations, so the
+# wrapper re-traces. Removing one (``handle.remove()``) counts too: the plan made for the
+# hooked module is correct but slower than the one without the hook, and re-tracing
+# restores it.
 _hook_registrations = 0
 
 
 def hook_registrations() -> int:
     """A counter of module hooks registered on tracked modules."""
     return _hook_registrations
+
+
+def _hook_changed() -> None:
+    global _hook_registrations
+    _hook_registrations += 1
+    _bump()
+
+
+def _count_removal(handle: Any) -> None:
+    """Make ``handle.remove()`` (and leaving ``with handle:``) count as a hook change."""
+    remove = handle.remove
+
+    def counted_remove() -> None:
+        remove()
+        _hook_changed()
+
+    try:
+        handle.remove = counted_remove
+    except AttributeError:  # a handle type with slots: removal goes unseen (correct, slower)
+        pass
 
 
 def _counting_registrations(register: Callable[..., Any]) -> Callable[..., Any]:
@@ -106,9 +127,8 @@ def _counting_registrations(register: Callable[..., Any]) -> Callable[..., Any]:
                 callback(self, f"{register.__name__}()")
         handle = register(self, *args, **kwargs)
         if tracked(self):
-            global _hook_registrations
-            _hook_registrations += 1
-            _bump()
+            _hook_changed()
+            _count_removal(handle)
         return handle
 
     wrapper._streamsched = True  # type: ignore[attr-defined]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import logging
 import threading
 import time
@@ -45,6 +46,7 @@ from .passes.fusion import FusionContext
 from .planning.choice import Trial
 from .planning.plan import Plan
 from .planning.planner import Schedule, device_of, make_schedule, signature_text
+from .planning.signatures import Decision, Structure, size_bucket, size_bucket_text
 from .runtime import eager as eager_dispatch
 from .runtime.chaos import Chaos
 from .runtime.graphs import GraphExecutor
@@ -62,17 +64,33 @@ _QUIET_CALLS = 3
 
 
 class _AsWritten:
-    """What ``sm.plan`` reports for an untraceable forward that runs as written."""
+    """What ``sm.plan`` reports for a call that ran the model as written: a plan, or how
+    to make one when asked (these calls are the cheap path: no pydantic model per call)."""
 
-    def __init__(self, plan: Plan):
-        self.plan = plan
+    __slots__ = ("_plan", "_make")
+
+    # Read by the call path like a compiled signature's: it runs the model as written.
+    eager = True
+    alias_pattern = None
+    trial = None
+
+    def __init__(self, plan: Optional[Plan] = None, make: Any = None):
+        self._plan = plan
+        self._make = make
+
+    @property
+    def plan(self) -> Plan:
+        if self._plan is None:
+            self._plan = self._make()
+            self._make = None
+        return self._plan
 
 
 class _Compiled:
     """One input signature as the wrapper runs it: the planner's schedule, the program
     the runtime compiled from it, and how calls with the signature run."""
 
-    __slots__ = ("schedule", "program", "plan", "trial", "eager", "rebuild", "alias_pattern")
+    __slots__ = ("schedule", "program", "plan", "trial", "eager", "rebuild", "alias_pattern", "structure", "sizes")
 
     def __init__(self, schedule: Schedule, program: Program, rebuild: Any):
         self.schedule = schedule
@@ -89,6 +107,10 @@ class _Compiled:
         # Where the graph writes in place: how the inputs shared storage on the planning
         # call (the effect edges hold for that aliasing only).
         self.alias_pattern: Optional[tuple] = None
+        # The call structure this signature belongs to, and its sizes: the trial's
+        # decision is kept there for the sizes' bucket.
+        self.structure: Optional[Structure] = None
+        self.sizes: tuple = ()
 
     @property
     def graph(self) -> Any:
@@ -112,7 +134,12 @@ class _State:
         # an _AsWritten once there were enough of them.
         self.quiet: LRU = LRU(config.plan_cache_size)
         self.plans: LRU = LRU(config.plan_cache_size)
+        # Per call structure (a signature without its sizes): which new sizes get a plan.
+        self.structures: LRU = LRU(max(16, config.plan_cache_size))
         self.last: Any = None  # what sm.plan reports: a _Compiled, or an eager-dispatch record
+        # Which way the most recent call ran (``streamsched.testing.last_path``): "recorded",
+        # "plan:<executor>", "graph", "as-written" or "eager-dispatch".
+        self.last_path = ""
         # (key, schedule) of the most recent traced call: the common case skips the LRU.
         self.hot: Optional[tuple] = None
         self.lock = threading.RLock()
@@ -140,6 +167,30 @@ class _State:
         if mode is None:
             mode = self.modes[flags] = len(self.modes)
         return mode
+
+
+class _AttachedForward:
+    """The ``forward`` an attached model gets (``StreamScheduledModule.attach``)."""
+
+    __slots__ = ("wrapper",)
+
+    def __init__(self, wrapper: StreamScheduledModule):
+        self.wrapper = wrapper
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.wrapper._entry(args, kwargs, True)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        # Libraries read forward's parameters (transformers filters generate's keyword
+        # arguments by them): the class's forward's, bound to the model.
+        model = self.wrapper.module
+        return inspect.signature(type(model).forward.__get__(model))
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            "a model attached to a StreamScheduledModule cannot be pickled or copied: call sm.detach() first"
+        )
 
 
 def _identity(value: Any) -> Any:
@@ -290,10 +341,57 @@ class StreamScheduledModule(nn.Module):
             ran(st.last)  # what the most recent call ran, before any observed call
         previous = st.observer
         st.observer = observer
+        st.hot = None  # observed calls run schedules: no as-written shortcut
         try:
             yield observer
         finally:
             st.observer = previous
+            st.hot = None
+
+    def attach(self) -> nn.Module:
+        """Route the model's own calls through the wrapper, and return the model.
+
+        After ``sm.attach()``, ``model(x)`` and every method of the model that calls
+        ``self(...)`` or ``self.forward(...)`` run their forwards through the wrapper:
+        the one line a Hugging Face user needs for ``generate``::
+
+            >>> sm = ss.StreamScheduledModule(model)        # doctest: +SKIP
+            >>> sm.attach().generate(ids, max_new_tokens=20)  # doctest: +SKIP
+
+        The model's own hooks fire around each call as in eager. The model gets an
+        instance attribute ``forward`` (its class is unchanged); :meth:`detach` removes
+        it, and :meth:`detached` removes it for a block. An attached model cannot be
+        pickled or deep-copied (detach it first): the copy would call this wrapper.
+        """
+        model = self.module
+        current = model.__dict__.get("forward")
+        if isinstance(current, _AttachedForward) and current.wrapper is not self:
+            raise ConfigError(f"{type(model).__name__} is attached to another StreamScheduledModule; detach it first")
+        if current is not None and not isinstance(current, _AttachedForward):
+            raise ConfigError(
+                f"{type(model).__name__} has an instance attribute 'forward' of its own; attach() would replace it"
+            )
+        model.__dict__["forward"] = _AttachedForward(self)
+        return model
+
+    def detach(self) -> nn.Module:
+        """Undo :meth:`attach`: the model's calls run its class's forward again."""
+        model = self.module
+        current = model.__dict__.get("forward")
+        if isinstance(current, _AttachedForward) and current.wrapper is self:
+            del model.__dict__["forward"]
+        return model
+
+    @contextlib.contextmanager
+    def detached(self) -> Iterator[nn.Module]:
+        """A block in which an attached model runs as written (for comparing with eager)."""
+        attached = isinstance(self.module.__dict__.get("forward"), _AttachedForward)
+        self.detach()
+        try:
+            yield self.module
+        finally:
+            if attached:
+                self.attach()
 
     def fused_parameters(self, param_groups: Any = None) -> list:
         """The model's parameters for an optimizer that steps each fused group as one
@@ -309,6 +407,7 @@ class StreamScheduledModule(nn.Module):
             st.traces.clear()
             st.quiet.clear()
             st.plans.clear()
+            st.structures.clear()
             st.last = None
             st.hot = None
             if st.fusion is not None:
@@ -321,11 +420,14 @@ class StreamScheduledModule(nn.Module):
     # compile the branches: a torch.compile'd submodule runs as one opaque task.
     @torch.compiler.disable
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._entry(args, kwargs, False)
+
+    def _entry(self, args: tuple, kwargs: dict, inside_model_call: bool) -> Any:
         st = self._ss
         with st.lock:
             if st.observer is None:
-                return self._call(args, kwargs)
-            out = self._call(args, kwargs)
+                return self._call(args, kwargs, inside_model_call)
+            out = self._call(args, kwargs, inside_model_call)
             # Observers that ask are told which schedule the call ran (timelines read its
             # program and task graph): the wrapper hands it over, nobody reaches in.
             ran = getattr(st.observer, "ran", None)
@@ -333,13 +435,19 @@ class StreamScheduledModule(nn.Module):
                 ran(st.last)
             return out
 
-    def _call(self, args: tuple, kwargs: dict) -> Any:
-        """One call, under the lock: bind, find or make the plan, run it."""
+    def _call(self, args: tuple, kwargs: dict, inside_model_call: bool = False) -> Any:
+        """One call, under the lock: bind, find or make the plan, run it.
+        ``inside_model_call``: made by the model's own ``__call__`` (see :meth:`attach`),
+        whose hooks have fired around it already."""
         st = self._ss
         if st.generation != _generation.current():
             self._revalidate()
         module = self.module
-        if has_hooks(module) or global_hooks():
+        if inside_model_call:
+            if global_hooks():
+                # Global hooks fire on every submodule call: the forward as written.
+                return self._forward_as_written(args, kwargs)
+        elif has_hooks(module) or global_hooks():
             return self._call_with_hooks(args, kwargs)
         try:
             leaves, spec = st.bind(args, kwargs)
@@ -366,7 +474,7 @@ class StreamScheduledModule(nn.Module):
                 schedule = None
         st.calls += 1
         if schedule is None:
-            return self._first_call(key, spec, tensors, args, kwargs)
+            return self._new_signature(key, spec, tensors, args, kwargs)
         st.last = schedule
         st.hot = (key, schedule)
         if st.observer is None:
@@ -427,6 +535,69 @@ class StreamScheduledModule(nn.Module):
             st.traces.put(trace_key, traced)
         return traced
 
+    def _new_signature(self, key: Any, spec: Any, tensors: list[torch.Tensor], args: tuple, kwargs: dict) -> Any:
+        """A call with no plan for its signature: plan it, or run the model as written where
+        a plan would not pay (``planning.signatures``)."""
+        st = self._ss
+        automatic = self.config.executor == "auto" and st.observer is None and self._may_run_as_written()
+        if spec.has_objects is not None and automatic:
+            # An object argument (a KV cache, a config) would be baked into a trace that a
+            # later call, passing another object, must not reuse; keyed by type, never kept.
+            kind = spec.has_objects
+            why = (
+                f"an argument is a {kind} object, which a trace would bake in (a later call passes "
+                "another one): calls passing one run the model as written"
+            )
+            st.last = _AsWritten(make=lambda: self._as_written_plan(why))
+            # The next call with this key (objects key by type) takes the hot path.
+            st.hot = (key, st.last)
+            return self._forward_as_written(args, kwargs)
+        sizes = key[1]
+        structure_key = (spec.key, tuple(m[1:] + (len(m[0]),) for m in sizes), *key[2:])
+        structure = st.structures.get_fresh(structure_key)
+        shapes = tuple(tuple(m[0]) for m in sizes)
+        if structure is not None and automatic:
+            why = structure.admit(shapes, size_bucket(shapes))
+            if why is not None:
+                like = structure.plan
+                st.last = _AsWritten(make=lambda: self._as_written_plan(why, like))
+                return self._forward_as_written(args, kwargs)
+        out = self._first_call(key, spec, tensors, args, kwargs)
+        compiled = st.plans.get(key)
+        if isinstance(compiled, _Compiled):
+            if structure is None:
+                structure = Structure(self.config.plan_cache_size)
+                structure.planned.put(shapes, True)
+                st.structures.put(structure_key, structure)
+            compiled.structure, compiled.sizes = structure, shapes
+            structure.plan = compiled.plan
+            bucket = size_bucket(shapes)
+            decision = structure.decision(bucket)
+            if decision is not None and compiled.trial is not None:
+                self._apply_decision(compiled, decision)
+            elif compiled.trial is not None:
+                structure.trying[bucket] = shapes
+        return out
+
+    def _apply_decision(self, compiled: _Compiled, decision: Decision) -> None:
+        """A new size of a bucket whose trial kept the schedule: no second trial."""
+        compiled.trial = None
+        plan = compiled.plan
+        why = f"size bucket decided at sizes {size_bucket_text(decision.sizes)}: {decision.why}"
+        if plan.executor != decision.executor:
+            plan = plan.model_copy(update={"executor": decision.executor, "reason": why})
+        else:
+            plan = plan.model_copy(update={"reason": f"{plan.reason}; {why}"})
+        compiled.plan = plan
+        if compiled.structure is not None:
+            compiled.structure.plan = plan
+
+    def _as_written_plan(self, why: str, like: Optional[Plan] = None) -> Plan:
+        """What ``sm.plan`` reports for a call that ran the model as written."""
+        if like is None:
+            return Plan.as_written(type(self.module).__name__, why)
+        return like.model_copy(update={"executor": "eager", "reason": why, "trial": None})
+
     def _first_call(self, key: Any, spec: Any, tensors: list[torch.Tensor], args: tuple, kwargs: dict) -> Any:
         st = self._ss
         # A trace bakes in the training flags of the modules it traced through, and is
@@ -474,6 +645,7 @@ class StreamScheduledModule(nn.Module):
                 schedule.trial = Trial(schedule.plan.executor, eager=eager)
         st.plans.put(key, schedule)
         st.last = schedule
+        st.last_path = "recorded"
         return rebuild(result)
 
     def _eager_dispatch(
@@ -487,6 +659,7 @@ class StreamScheduledModule(nn.Module):
             return self._forward_as_written(args, kwargs)
         done = eager_dispatch.run_eager_dispatch(st.dispatch.for_call(st.calls, st.observer), spec, tensors, reason)
         st.last = done.schedule
+        st.last_path = "eager-dispatch"
         if done.sync_log is not None:
             st.last_sync_log = done.sync_log
         out = done.result()  # the call's exception, if any, raised once the call is recorded
@@ -543,11 +716,13 @@ class StreamScheduledModule(nn.Module):
                 HooksWarning,
                 stacklevel=user_stacklevel(),
             )
+        st.last_path = "as-written"
         return self.module(*args, **kwargs)
 
     def _forward_as_written(self, args: tuple, kwargs: dict) -> Any:
         # The class's forward, as the trace calls it: hooks on the model itself run on no
         # path of the wrapper (the wrapper's own hooks run around every call).
+        self._ss.last_path = "as-written"
         module = self.module
         return type(module).forward(module, *args, **kwargs)
 
@@ -568,6 +743,7 @@ class StreamScheduledModule(nn.Module):
             if name == "eager":
                 out = self._forward_as_written(args, kwargs)
             else:
+                self._ss.last_path = f"plan:{name}"
                 for stack in schedule.program.stacks:
                     stack.check()
                 out = schedule.rebuild(executor.run(schedule.program, tensors))
@@ -583,6 +759,13 @@ class StreamScheduledModule(nn.Module):
         if trial.done():
             schedule.plan, schedule.eager = trial.decide(schedule.plan)
             schedule.trial = None
+            if schedule.structure is not None:
+                # Decided once for the sizes' bucket: its other sizes take this verdict.
+                schedule.structure.plan = schedule.plan
+                schedule.structure.decide(
+                    size_bucket(schedule.sizes),
+                    Decision(schedule.eager, schedule.plan.schedule_executor, schedule.plan.reason, schedule.sizes),
+                )
         return out
 
     def _measured_costs(self, tensors: list[torch.Tensor]) -> Optional[dict[str, float]]:
@@ -636,7 +819,9 @@ class StreamScheduledModule(nn.Module):
         graphs = self._graph_executor(schedule, tensors)
         try:
             if graphs is not None:
+                st.last_path = "graph"
                 return graphs.run(schedule.program, tensors, sync_log, chaos, st.observer)
+            st.last_path = "plan:" + schedule.plan.schedule_executor
             executor = st.executors.for_plan(schedule.plan)
             return executor.run(schedule.program, tensors, sync_log, chaos, st.observer or self._nvtx(schedule))
         except Exception as exc:

@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 import streamsched as ss
+from streamsched.testing import assert_path
 from benchmarks.zoo import ParallelFCN
 from streamsched.runtime.serial import SerialExecutor
 from streamsched.runtime.threads import ThreadExecutor
@@ -198,7 +199,10 @@ def test_a_new_signature_is_measured_again(monkeypatch):
     _slow_forward(monkeypatch, Heads, when=lambda x: x.shape[0] == 7)
     _calls_until_decided(sm, a)
     assert sm.plan.executor == "eager"
-    sm(b)  # new signature: traced and planned, then its own trial
+    sm(b)  # a new size runs as written once (planning.signatures)
+    assert_path(sm, "as-written")
+    sm(b)  # it came back: planned, then its own trial (another size bucket)
+    assert_path(sm, "recorded")
     assert sm.plan.signature == "float32[7, 16]" and sm.plan.trial is None and sm._ss.last.trial is not None
     _calls_until_decided(sm, b)
     assert sm.plan.executor == "serial" and sm.plan.trial is not None

@@ -7,11 +7,13 @@ common cases take a shortcut here.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
-from .trace import CallBinder
+from .trace import CallBinder, ObjectOf, is_plain
 
 __all__ = ["ShapeCachedBinder"]
 
@@ -58,6 +60,10 @@ class ShapeCachedBinder:
                 tags.append(1)
             elif type(v) in _LEAF_SCALARS:
                 tags.append((type(v), v))
+            elif _is_object_leaf(v):
+                # An object the call passes whole (a KV cache, a config): its type
+                # shapes the call, never its identity (nothing here keeps it alive).
+                tags.append(("object", type(v)))
             else:
                 return binder.bind(args, kwargs)
         shape = (len(args), tuple(kwargs), tuple(tags))
@@ -94,4 +100,16 @@ class ShapeCachedBinder:
         pool = values + tuple(consts)
         if len(picks) != len(leaves) or any(pool[i] is not leaf for i, leaf in zip(picks, leaves)):
             return False
+        if spec.has_objects is not None:
+            # The spec outlives this call: it must not hold the caller's objects.
+            static = tuple((i, v if is_plain(v) else ObjectOf(type(v))) for i, v in spec.static_leaves)
+            spec = dataclasses.replace(spec, static_leaves=static)
+            if spec.has_objects is None or spec.key is None:  # computed now, from the types alone
+                return False
         return spec, picks, tuple(consts)
+
+
+def _is_object_leaf(value: object) -> bool:
+    """A value pytree keeps whole (not a container it flattens) that is not plain."""
+    kind = type(value)
+    return not (kind in pytree.SUPPORTED_NODES or isinstance(value, (list, tuple, dict)) or is_plain(value))

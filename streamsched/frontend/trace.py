@@ -24,6 +24,7 @@ way out (``@streamsched.branch``, ``leaf_modules=`` or ``strict=False``).
 
 from __future__ import annotations
 
+import enum
 import functools
 import inspect
 import linecache
@@ -32,6 +33,7 @@ import os
 import sys
 import threading
 import traceback
+import types
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Optional, Sequence
@@ -65,7 +67,75 @@ class CallSpec:
 
     @functools.cached_property
     def key(self) -> Hashable:
-        return (str(self.treedef), self.tensor_positions, _hashable(self.static_leaves))
+        # Plain values key by value; any other object by its type only, so that no cache
+        # keyed by this holds a caller's object alive (such calls are never traced: see
+        # ``has_objects``).
+        static = tuple((i, v if is_plain(v) else ("object", _type_of(v))) for i, v in self.static_leaves)
+        return (str(self.treedef), self.tensor_positions, _hashable(static))
+
+    @functools.cached_property
+    def has_objects(self) -> Optional[str]:
+        """The type name of the first static argument that is not a plain value (None,
+        numbers, strings, enums, dtypes, devices, sizes, classes, functions, and tuples of
+        them), or None. A trace would bake such an object in (a cache it updates, a config
+        it reads), and a later call passes another one: these calls run as written."""
+        for _, v in self.static_leaves:
+            if not is_plain(v):
+                return _type_of(v).__qualname__
+        return None
+
+
+class ObjectOf:
+    """Stands for an object argument in a spec kept after the call: its type, not the
+    object (``frontend.binder`` keeps specs per call shape)."""
+
+    __slots__ = ("type",)
+
+    def __init__(self, kind: type):
+        self.type = kind
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ObjectOf) and other.type is self.type
+
+    def __hash__(self) -> int:
+        return hash(self.type)
+
+
+def _type_of(value: Any) -> type:
+    return value.type if isinstance(value, ObjectOf) else type(value)
+
+
+_PLAIN_TYPES = (
+    type(None),
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    enum.Enum,
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+    torch.Size,
+    type,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    type(Ellipsis),
+    range,
+)
+
+
+def is_plain(value: Any) -> bool:
+    """Whether ``value`` is a plain value a trace may specialise on (see ``CallSpec``)."""
+    if isinstance(value, _PLAIN_TYPES):
+        return True
+    if type(value) in (tuple, frozenset):
+        return all(is_plain(v) for v in value)
+    if type(value) is slice:
+        return is_plain(value.start) and is_plain(value.stop) and is_plain(value.step)
+    return False
 
 
 def _hashable(value: Any) -> Hashable:

@@ -99,7 +99,7 @@ class Plan(BaseModel):
     model: str
     signature: str
     device: str
-    mode: Literal["traced", "eager-dispatch"] = "traced"
+    mode: Literal["traced", "eager-dispatch", "as-written"] = "traced"
     executor: str
     """``serial``, ``streams``, ``threads``, or ``eager``: the model's own forward runs this
     signature because the first calls measured it faster than the schedule (``trial``
@@ -126,6 +126,27 @@ class Plan(BaseModel):
     """Candidate groups the fusion pass left alone, with the reason."""
     trial: Optional[ExecutorTrial] = None
     """With ``executor="auto"``, once the first calls have been timed: what they measured."""
+
+    @classmethod
+    def as_written(cls, model: str, reason: str, signature: str = "", device: str = "") -> Plan:
+        """The plan of a call that ran the model as written, with nothing planned."""
+        return cls(
+            model=model,
+            signature=signature,
+            device=device,
+            mode="as-written",
+            executor="eager",
+            reason=reason,
+            stream_bound=1,
+            num_streams=1,
+            order=[],
+            tasks=[],
+            critical_path=[],
+            critical_path_us=0.0,
+            est_serial_us=0.0,
+            est_parallel_us=0.0,
+            cross_stream_waits=0,
+        )
 
     @property
     def schedule_executor(self) -> str:

@@ -9,10 +9,11 @@ optimizer holding them stays valid). Each plan runs the pass through :meth:`Fusi
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import fx, nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ... import _generation
 from .fuse import FuseResult, fuse_graph
@@ -53,6 +54,23 @@ class FusionContext:
         # extra_repr and plain attributes of it and its submodules), by id.
         self._fused: dict[int, tuple[nn.Module, tuple]] = {}
         self._assignments = _generation.assignments()
+        # Stacks of plans dropped by invalidate(), by storage address: their members are
+        # still views into them, and a new plan may stack them again (else a swapped
+        # member would leave its group stacked per call for good).
+        # A weak reference tells the stack's storage from a new one at the same address.
+        self._released: dict[int, tuple[tuple, StorageWeakRef]] = {}
+
+    def _reclaimable(self, t: torch.Tensor) -> Optional[tuple]:
+        """The key of a released stack ``t`` is a view of, or None."""
+        if not self._released or t.grad_fn is not None or t.is_sparse or t.device.type == "meta":
+            return None
+        try:
+            entry = self._released.get(t.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):
+            return None
+        if entry is None or entry[1].expired():
+            return None
+        return entry[0]
 
     def stack_for(self, owners: Sequence[tuple[nn.Module, str]], concat: bool = False) -> StackedTensors:
         key = (tuple((id(m), n) for m, n in owners), concat)
@@ -62,7 +80,12 @@ class FusionContext:
         tensors = [getattr(m, n) for m, n in owners]
         unique = len({id(t) for t in tensors}) == len(tensors)
         claimed = any(id(t) in self._claimed for t in tensors)
-        alias = self.alias and unique and not claimed and all(_owns_storage(t) for t in tensors)
+        reclaimed = {t: self._reclaimable(t) for t in tensors} if self.alias and unique and not claimed else {}
+        alias = (
+            self.alias and unique and not claimed and all(_owns_storage(t) or reclaimed[t] is not None for t in tensors)
+        )
+        if alias:
+            self._retire_params({k for k in reclaimed.values() if k is not None} - {key})
         if not alias:
             reason = (
                 "tensors shared between members"
@@ -154,7 +177,25 @@ class FusionContext:
         for stack in self._stacks.values():
             stack.check(full)
 
+    def _retire_params(self, keys: set) -> None:
+        """Members of a released stack are stacked into another group: the stacked
+        parameter an optimizer may hold over the old group no longer reaches them."""
+        for old in keys:
+            param = self._params.pop(old, None)
+            if param is not None and param.active:
+                log.warning(
+                    "fusion: the fused group of %s... was re-planned with other members; optimizers built from "
+                    "fused_parameters() no longer update it (call fused_parameters() again)",
+                    param._ss.names[0],
+                )
+                param._deactivate()
+
     def invalidate(self) -> None:
+        self._released = {a: e for a, e in self._released.items() if not e[1].expired()}
+        for key, stack in self._stacks.items():
+            if stack.alias and stack.stack is not None:
+                storage = stack.stack.untyped_storage()
+                self._released[storage.data_ptr()] = (key, StorageWeakRef(storage))
         self._stacks.clear()
         self._claimed.clear()
         self._fused.clear()

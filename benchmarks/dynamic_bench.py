@@ -1,0 +1,386 @@
+"""Call patterns real code has, eager vs wrapped: shapes that change every batch, decoding
+that grows the input, objects passed on every call, a submodule swapped or a hook added
+while wrapped.
+
+    .venv/bin/python benchmarks/dynamic_bench.py [--rounds 5] [--only NAME] [--json FILE]
+
+(the ``hf_*`` cases need transformers: run them with ``.venv-cuda/bin/python`` and
+``STREAMSCHED_DISABLE_EXT=1 HF_HUB_OFFLINE=1``; they are skipped where it is missing).
+
+Each case is a *workload*: a fixed sequence of calls (and, for the mutation cases, a
+change made after a warm-up). The first pass of the wrapped model pays for tracing and
+planning and is reported on its own; then eager and wrapped passes alternate, ``rounds``
+of each, and the ratio eager/wrapped of their fastest passes is the case's figure (1.0 =
+as fast as the model as written, above 1 faster). Outputs are compared with eager on every
+call of one pass. One intra-op thread unless ``--threads`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+import streamsched as ss
+
+# ---------------------------------------------------------------------------- models
+
+
+class TinyLM(nn.Module):
+    """An embedding, two encoder layers and a head: a small language model."""
+
+    def __init__(self, vocab: int = 100, d: int = 32):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(d, 4, 64, dropout=0.0, batch_first=True) for _ in range(2)
+        )
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+class Heads(nn.Module):
+    """``n`` linear heads reading one tensor: one fused group."""
+
+    def __init__(self, n: int = 64, d: int = 16):
+        super().__init__()
+        self.heads = nn.ModuleList(nn.Linear(d, 4) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([h(x) for h in self.heads])
+
+
+class Towers(nn.Module):
+    """Four small MLP towers of different widths: branches the planner may run side by side."""
+
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.towers = nn.ModuleList(
+            nn.Sequential(nn.Linear(d, w), nn.GELU(), nn.Linear(w, d)) for w in (32, 48, 64, 96)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(t(x) for t in self.towers)
+
+
+class Cache:
+    """A stand-in for transformers' ``DynamicCache``: an object holding tensors."""
+
+    def __init__(self, size: int = 4):
+        self.keys = [torch.randn(2, 8) for _ in range(size)]
+
+
+class WithCache(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, past: Any = None) -> torch.Tensor:
+        return self.a(x) + self.b(x)
+
+
+# ------------------------------------------------------------------------------ cases
+
+
+@dataclass
+class Case:
+    name: str
+    what: str
+    make: Callable[[], nn.Module]
+    # calls(f) runs one pass of the workload through f (the model or the wrapper)
+    # and returns the outputs to compare.
+    calls: Callable[[Callable[..., Any]], list]
+    # prepare(model, sm): a change made after the warm-up pass (a swap, a hook).
+    prepare: Optional[Callable[[nn.Module, Any], None]] = None
+    options: Optional[dict] = None
+
+
+def _lengths_cycle() -> Case:
+    lengths = list(range(8, 8 + 24 * 2, 2))
+    ids = [torch.randint(0, 100, (4, n)) for n in lengths]
+    return Case(
+        "lm_24_lengths",
+        "TinyLM, 24 sequence lengths cycled (more than plan_cache_size)",
+        TinyLM,
+        lambda f: [f(i) for i in ids],
+    )
+
+
+def _greedy_decode() -> Case:
+    prompts = [torch.randint(0, 100, (1, 5)) for _ in range(3)]
+
+    def calls(f: Callable[..., Any]) -> list:
+        outs = []
+        for p in prompts:
+            ids = p
+            for _ in range(40):
+                logits = f(ids)
+                ids = torch.cat([ids, logits[:, -1:].argmax(-1)], dim=1)
+            outs.append(ids)
+        return outs
+
+    return Case("greedy_decode", "TinyLM greedy decoding, no cache (input grows), 3 prompts x 40 tokens", TinyLM, calls)
+
+
+def _fresh_object() -> Case:
+    xs = [torch.randn(2, 8) for _ in range(50)]
+    return Case(
+        "object_per_call",
+        "a fresh non-tensor object (a cache stand-in) on every call",
+        WithCache,
+        lambda f: [f(x, past=Cache()) for x in xs],
+    )
+
+
+def _swap_member() -> Case:
+    xs = [torch.randn(8, 16) for _ in range(200)]
+
+    def prepare(model: nn.Module, sm: Any) -> None:
+        model.heads[3] = nn.Linear(16, 4)
+
+    return Case(
+        "swap_member",
+        "64 fused heads, one replaced by a new Linear after warm-up",
+        Heads,
+        lambda f: [f(x) for x in xs],
+        prepare,
+    )
+
+
+def _hook_added_removed() -> Case:
+    xs = [torch.randn(8, 32) for _ in range(200)]
+
+    def prepare(model: nn.Module, sm: Any) -> None:
+        handle = model.towers[1].register_forward_hook(lambda m, i, o: None)
+        sm(xs[0])
+        handle.remove()
+
+    return Case(
+        "hook_removed",
+        "Towers, a forward hook registered, one call, removed",
+        Towers,
+        lambda f: [f(x) for x in xs],
+        prepare,
+    )
+
+
+def _new_shape() -> Case:
+    xs = [torch.randn(8, 32) for _ in range(5)] + [torch.randn(24, 32) for _ in range(60)]
+    return Case(
+        "new_shape", "Towers planned at batch 8, then 60 calls at batch 24", Towers, lambda f: [f(x) for x in xs]
+    )
+
+
+def _last_batch() -> Case:
+    xs = ([torch.randn(32, 32) for _ in range(9)] + [torch.randn(7, 32)]) * 5
+    return Case(
+        "last_batch_smaller",
+        "Towers, 9 batches of 32 and a last one of 7, 5 epochs",
+        Towers,
+        lambda f: [f(x) for x in xs],
+    )
+
+
+def _fused_varying_batch() -> Case:
+    sizes = [1 + (7 * i) % 40 for i in range(120)]
+    xs = [torch.randn(b, 16) for b in sizes]
+    return Case(
+        "heads_varying_batch",
+        "64 fused heads, batch size varying every call (40 sizes)",
+        Heads,
+        lambda f: [f(x) for x in xs],
+    )
+
+
+CASES = [
+    _lengths_cycle,
+    _greedy_decode,
+    _fresh_object,
+    _swap_member,
+    _hook_added_removed,
+    _new_shape,
+    _last_batch,
+    _fused_varying_batch,
+]
+
+
+def _hf_cases() -> list[Case]:
+    """transformers models from configs (random weights, nothing downloaded)."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return []
+    from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    def bert() -> nn.Module:
+        cfg = BertConfig(
+            vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
+        )
+        return BertModel(cfg).eval()
+
+    bert_ids = [torch.randint(0, 100, (2, n)) for n in range(6, 26, 2)]
+
+    def generate_case(name: str, make: Callable[[], nn.Module], use_cache: bool) -> Case:
+        prompt = torch.randint(0, 100, (1, 6))
+
+        def calls(f: Callable[..., Any]) -> list:
+            model = f.__self__ if hasattr(f, "__self__") else f
+            return [model.generate(prompt, max_new_tokens=12, do_sample=False, use_cache=use_cache, pad_token_id=0)]
+
+        return Case(name, f"{make.__name__} generate(), 12 new tokens, use_cache={use_cache}", make, calls)
+
+    def gpt2() -> nn.Module:
+        return GPT2LMHeadModel(GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=4)).eval()
+
+    def llama() -> nn.Module:
+        cfg = LlamaConfig(
+            vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4
+        )
+        return LlamaForCausalLM(cfg).eval()
+
+    return [
+        Case(
+            "hf_bert_10_lengths",
+            "BERT, 10 sequence lengths",
+            bert,
+            lambda f: [f(i).last_hidden_state for i in bert_ids],
+        ),
+        generate_case("hf_gpt2_generate_cache", gpt2, True),
+        generate_case("hf_gpt2_generate_nocache", gpt2, False),
+        generate_case("hf_llama_generate_cache", llama, True),
+        generate_case("hf_llama_generate_nocache", llama, False),
+    ]
+
+
+# ------------------------------------------------------------------------------ timing
+
+
+def _max_error(a: list, b: list) -> float:
+    err = 0.0
+    for x, y in zip(a, b):
+        if isinstance(x, torch.Tensor):
+            if x.dtype.is_floating_point:
+                err = max(err, (x - y).abs().max().item() if x.numel() else 0.0)
+            else:
+                err = max(err, float((x != y).sum().item()))
+    return err
+
+
+def run_case(case: Case, rounds: int) -> dict:
+    torch.manual_seed(0)
+    model = case.make().eval()
+    sm = ss.StreamScheduledModule(model, **(case.options or {}))
+    is_generate = case.name.endswith(("_cache", "_nocache"))
+    if is_generate:
+        # model.generate calls the model's own forward: attach routes it through sm.
+        sm.attach()
+        eager_fn: Callable[..., Any] = _Detached(model, sm)
+        wrapped_fn: Callable[..., Any] = model
+    else:
+        eager_fn, wrapped_fn = model, sm
+    with torch.no_grad():
+        start = time.perf_counter()
+        first = case.calls(wrapped_fn)
+        first_s = time.perf_counter() - start
+        if case.prepare is not None:
+            case.prepare(model, sm)
+        start = time.perf_counter()
+        eager_first = case.calls(eager_fn)
+        eager_first_s = time.perf_counter() - start
+        error = _max_error(first, eager_first) if case.prepare is None else 0.0
+        eager_s, wrapped_s = [], []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            ref = case.calls(eager_fn)
+            eager_s.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            out = case.calls(wrapped_fn)
+            wrapped_s.append(time.perf_counter() - start)
+            error = max(error, _max_error(out, ref))
+    plan = sm.plan
+    return {
+        "case": case.name,
+        "what": case.what,
+        "eager_over_wrapped": min(eager_s) / min(wrapped_s),
+        "eager_over_wrapped_median": statistics.median(eager_s) / statistics.median(wrapped_s),
+        "first_pass_s": first_s,
+        "eager_pass_s": min(eager_s),
+        "eager_first_pass_s": eager_first_s,
+        "wrapped_pass_s": min(wrapped_s),
+        "max_error": error,
+        "plans": len(sm.plans),
+        "last_plan": (plan.executor + ": " + plan.reason) if plan is not None else None,
+    }
+
+
+class _Detached:
+    """Calls the model's methods with its forward as written (the eager side of a
+    ``generate`` case, while the wrapper is attached to the same model)."""
+
+    def __init__(self, model: nn.Module, sm: Any):
+        self.model, self.sm = model, sm
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        with self.sm.detached():
+            return self.model.generate(*args, **kwargs)
+
+    @property
+    def __self__(self) -> Any:
+        return self
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--only", default=None, help="run the cases whose name contains this")
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args(argv)
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(args.threads)
+    cases = [make() for make in CASES] + _hf_cases()
+    if args.only:
+        cases = [c for c in cases if args.only in c.name]
+    results = []
+    print(
+        f"torch {torch.__version__}, {args.threads} thread(s), {args.rounds} interleaved rounds; "
+        "eager/wrapped of the fastest pass"
+    )
+    print(
+        f"{'case':28} {'eager/wrapped':>13} {'(median)':>9} {'first pass':>11} {'eager pass':>11} "
+        f"{'max err':>8} {'plans':>5}"
+    )
+    for case in cases:
+        r = run_case(case, args.rounds)
+        results.append(r)
+        print(
+            f"{r['case']:28} {r['eager_over_wrapped']:13.2f} {r['eager_over_wrapped_median']:9.2f} "
+            f"{r['first_pass_s'] * 1e3:9.1f}ms {r['eager_pass_s'] * 1e3:9.1f}ms {r['max_error']:8.1e} {r['plans']:5d}",
+            flush=True,
+        )
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(
+                {"torch": torch.__version__, "threads": args.threads, "rounds": args.rounds, "results": results},
+                fh,
+                indent=1,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

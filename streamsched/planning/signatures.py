@@ -1,0 +1,131 @@
+"""Which new input signatures get a plan, and what the others run.
+
+A plan is made per input *signature* (sizes included), and making one costs a recording
+call, fusion, planning, compiling and, under ``executor="auto"``, a trial of several
+calls. Real workloads call with sizes that change: sequence lengths that vary per batch,
+decoding that grows the input by a token per call, a smaller last batch. Planning every
+new size there costs far more than it can win back, so each *call structure* (the
+signature without the sizes: argument structure, dtypes, devices, ranks, modes) keeps a
+:class:`Structure` that decides, for a size it has no plan for:
+
+- **seen once:** the call runs the model as written (what eager costs, exactly eager's
+  result); only a size that comes back is planned (:data:`PLAN_AFTER`). A decoding loop,
+  whose input never has the same size twice, runs as written on every call.
+- **a size bucket being decided:** while the trial of one size of a bucket runs, other
+  sizes of that bucket run as written (one trial per bucket, not one per size).
+- **a size bucket already decided:** the ``auto`` trial decides once per *bucket* (each
+  dimension rounded up to a power of two, :func:`size_bucket`): where it found the model
+  as written faster, new sizes of that bucket run as written without a plan; where it
+  kept the schedule, a new size is planned with the decided executor and no trial.
+- **churn:** when sizes already planned once must be planned again (the plan cache is
+  smaller than the set of sizes the workload cycles through, :data:`CHURN_REPLANS`), or
+  more distinct sizes were planned than twice the cache holds (:data:`CHURN_SIZES`), the
+  structure stops planning new sizes: they run as written, the plans in the cache keep
+  running, and ``sm.plan`` says so. Raising ``plan_cache_size`` lifts it.
+
+Nothing here holds a reference to a caller's tensor or object: sizes are tuples of ints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from .._lru import LRU
+
+__all__ = ["Structure", "Decision", "size_bucket", "size_bucket_text", "PLAN_AFTER", "CHURN_REPLANS", "CHURN_SIZES"]
+
+# A size is planned on its second call: one call of a size never seen again (a decoding
+# step) runs as written.
+PLAN_AFTER = 2
+# Sizes planned, evicted and planned again before the structure stops planning new ones.
+CHURN_REPLANS = 3
+# Or distinct sizes planned, in multiples of the plan cache: far more sizes than the cache
+# holds come back (a thousand batch sizes), each plan evicting another.
+CHURN_SIZES = 2
+
+
+def _round_up(n: int) -> int:
+    return 1 << (n - 1).bit_length() if n > 1 else n
+
+
+def size_bucket(sizes: tuple) -> tuple:
+    """Each dimension of each input rounded up to a power of two (0 and 1 stay)."""
+    return tuple(tuple(_round_up(d) for d in shape) for shape in sizes)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The ``auto`` trial's verdict for one size bucket."""
+
+    eager: bool  # the model as written was faster
+    executor: str  # the schedule's executor the trial kept
+    why: str  # the trial's figures, as the plan states them
+    sizes: tuple  # the sizes the trial ran
+
+
+class Structure:
+    """What the wrapper knows about one call structure across sizes (module docstring)."""
+
+    __slots__ = ("seen", "planned", "replans", "churning", "decisions", "trying", "plan", "capacity")
+
+    def __init__(self, plan_cache_size: int):
+        self.capacity = plan_cache_size
+        # Sizes called but not planned yet: how often.
+        self.seen: LRU = LRU(max(64, 4 * plan_cache_size))
+        # Sizes planned before, to tell a re-plan (the plan was evicted) from a new size.
+        self.planned: LRU = LRU(max(128, 8 * plan_cache_size))
+        self.replans = 0
+        self.churning = False
+        self.decisions: LRU = LRU(64)
+        # Buckets whose trial is under way: the sizes it runs at.
+        self.trying: dict[tuple, tuple] = {}
+        # The structure's most recent plan: what ``sm.plan`` reports for its as-written calls.
+        self.plan = None
+
+    def decision(self, bucket: tuple) -> Optional[Decision]:
+        return self.decisions.get(bucket)
+
+    def decide(self, bucket: tuple, decision: Decision) -> None:
+        self.decisions.put(bucket, decision)
+        self.trying.pop(bucket, None)
+
+    def admit(self, sizes: tuple, bucket: tuple) -> Optional[str]:
+        """``None`` to plan ``sizes`` now, else why the call runs as written."""
+        decision = self.decisions.get(bucket)
+        if decision is not None and decision.eager:
+            return (
+                f"the size bucket {_show(bucket)} was decided for the model as written "
+                f"(at sizes {_show(decision.sizes)}: {decision.why})"
+            )
+        trying = self.trying.get(bucket)
+        if trying is not None and trying != sizes:
+            return (
+                f"the size bucket {_show(bucket)} is being decided by the trial at sizes {_show(trying)}: "
+                "until it is, other sizes of the bucket run as written"
+            )
+        if self.churning:
+            return (
+                f"sizes churn through the plan cache ({len(self.planned)} sizes planned, {self.replans} of them again "
+                "after eviction): new sizes of this call structure run as written; raise plan_cache_size to plan them"
+            )
+        count = (self.seen.get(sizes) or 0) + 1
+        if count < PLAN_AFTER:
+            self.seen.put(sizes, count)
+            return f"sizes {_show(sizes)} are new to this call structure: they are planned if they come back"
+        self.seen.pop(sizes, None)
+        if sizes in self.planned:
+            self.replans += 1
+        self.planned.put(sizes, True)
+        if self.replans >= CHURN_REPLANS or len(self.planned) > CHURN_SIZES * self.capacity:
+            self.churning = True
+        return None
+
+
+def size_bucket_text(sizes: tuple) -> str:
+    """``sizes`` as text: ``4x16, 8`` for two inputs."""
+    return _show(sizes)
+
+
+def _show(sizes: tuple) -> str:
+    return ", ".join("x".join(map(str, s)) or "scalar" for s in sizes)

@@ -1,0 +1,330 @@
+"""Call patterns real code has: sizes that change, decoding that grows the input, objects
+passed on every call, a member swapped or a hook removed while wrapped, and the model's
+own methods (``generate``) run through the wrapper. Every output is compared with eager,
+and every check says which path the compared call ran."""
+
+from __future__ import annotations
+
+import gc
+import time
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import streamsched as ss
+from streamsched.planning import signatures
+from streamsched.testing import assert_path, last_path
+
+from .helpers import assert_close
+
+
+class Towers(nn.Module):
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.towers = nn.ModuleList(nn.Sequential(nn.Linear(d, w), nn.Tanh(), nn.Linear(w, d)) for w in (8, 12, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(t(x) for t in self.towers)
+
+
+class Heads(nn.Module):
+    def __init__(self, n: int = 8, d: int = 16):
+        super().__init__()
+        self.heads = nn.ModuleList(nn.Linear(d, 4) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([h(x) for h in self.heads])
+
+
+class Cache:
+    """Holds tensors, like transformers' DynamicCache; not a pytree node."""
+
+    def __init__(self) -> None:
+        self.k = torch.randn(2, 16)
+
+
+class WithCache(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, past: object = None) -> torch.Tensor:
+        out = self.a(x) + self.b(x)
+        if past is not None:
+            out = out + past.k.sum()
+        return out
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Timed decisions on a shared 2-core machine: two OpenMP threads made tiny calls take
+    tens of milliseconds at random, which no trial can read."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# --- new sizes of a known structure --------------------------------------------------
+
+
+def test_a_new_size_runs_as_written_then_is_planned_when_it_comes_back():
+    model = Towers()
+    sm = ss.StreamScheduledModule(model)
+    x8 = torch.randn(8, 16)
+    assert_close(sm(x8), model(x8))
+    assert_path(sm, "recorded")
+    x3 = torch.randn(3, 16)
+    assert_close(sm(x3), model(x3))
+    assert_path(sm, "as-written")
+    assert sm.plan.executor == "eager" and "new to this call structure" in sm.plan.reason
+    assert len(sm.plans) == 1
+    x3 = torch.randn(3, 16)
+    assert_close(sm(x3), model(x3))
+    assert_path(sm, "recorded")
+    assert len(sm.plans) == 2
+
+
+def test_decoding_that_grows_the_input_never_records_again():
+    model = Towers()
+    sm = ss.StreamScheduledModule(model)
+    sm(torch.randn(1, 3, 16))
+    for n in range(4, 40):
+        x = torch.randn(1, n, 16)
+        assert_close(sm(x), model(x))
+        assert_path(sm, "as-written")
+    assert len(sm.plans) == 1
+
+
+def test_explicit_executors_still_plan_every_size():
+    model = Towers()
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    for n in (3, 4, 5):
+        x = torch.randn(n, 16)
+        assert_close(sm(x), model(x))
+        assert_path(sm, "recorded")
+        x = torch.randn(n, 16)
+        assert_close(sm(x), model(x))
+        assert_path(sm, "plan:serial")
+
+
+def test_churn_through_the_plan_cache_stops_planning_new_sizes():
+    model = Towers()
+    sm = ss.StreamScheduledModule(model, plan_cache_size=2)
+    recorded = 0
+    sizes = list(range(1, 7))
+    for _ in range(8):
+        for n in sizes:
+            x = torch.randn(n, 16)
+            assert_close(sm(x), model(x))
+            recorded += last_path(sm) == "recorded"
+    # Each of the 6 sizes planned once; re-plans stop after CHURN_REPLANS (or once more
+    # sizes than CHURN_SIZES x the cache were planned).
+    assert recorded <= len(sizes) + signatures.CHURN_REPLANS
+    x = torch.randn(11, 16)
+    sm(x)
+    sm(torch.randn(11, 16))
+    assert_path(sm, "as-written")
+    assert "churn" in sm.plan.reason and "plan_cache_size" in sm.plan.reason
+    assert len(sm.plans) <= 2
+
+
+def test_the_trial_decides_once_per_size_bucket(monkeypatch):
+    """A planted slow schedule: the first size's trial drops it after its first call; every
+    other size of the bucket takes the verdict (as written) without a trial of its own."""
+    from streamsched.runtime.serial import SerialExecutor
+    from streamsched.runtime.threads import ThreadExecutor
+
+    for executor in (SerialExecutor, ThreadExecutor):
+
+        def slow(self, *args, _run=executor.run, **kwargs):
+            time.sleep(0.02)
+            return _run(self, *args, **kwargs)
+
+        monkeypatch.setattr(executor, "run", slow)
+    model = Towers()
+    sm = ss.StreamScheduledModule(model)
+    slow_calls = 0
+    for rep in range(6):
+        for n in (17, 20, 24, 29, 32):  # one bucket: 32
+            x = torch.randn(n, 16)
+            assert_close(sm(x), model(x))
+            slow_calls += last_path(sm).startswith("plan")
+    # The bound: a candidate 4x slower than the leader runs once in the bucket's trial
+    # (the plan's executor, and serial where that is another).
+    assert 1 <= slow_calls <= 2
+    assert_path(sm, "as-written")
+    assert "size bucket 32x16 was decided for the model as written" in sm.plan.reason
+
+
+def test_a_bucket_decided_for_the_schedule_plans_new_sizes_without_a_trial():
+    model = Towers()
+    sm = ss.StreamScheduledModule(model)
+    structure_plans = []
+    for n in (17, 17, 17):
+        sm(torch.randn(n, 16))
+    compiled = sm._ss.plans[next(iter(sm._ss.plans))]
+    # Decide the bucket for the schedule, as a trial that kept it would.
+    compiled.structure.decide(
+        signatures.size_bucket(compiled.sizes),
+        signatures.Decision(False, "serial", "planted", compiled.sizes),
+    )
+    for _ in range(3):
+        x = torch.randn(20, 16)
+        assert_close(sm(x), model(x))
+        structure_plans.append(last_path(sm))
+    assert structure_plans == ["as-written", "recorded", "plan:serial"]
+    assert "size bucket decided" in sm.plan.reason and sm.plan.trial is None
+
+
+def test_rss_and_tables_stay_bounded_over_many_sizes():
+    model = Towers(8)
+    sm = ss.StreamScheduledModule(model)
+
+    def rss_mb() -> float:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * 4096 / 2**20
+
+    with torch.no_grad():
+        for i in range(1000):
+            sm(torch.randn(1 + i % 1000, 8))
+        gc.collect()
+        before = rss_mb()
+        for i in range(10_000):
+            sm(torch.randn(1 + (i * 7) % 1000, 8))
+        gc.collect()
+        after = rss_mb()
+    assert after - before < 40, (before, after)
+    st = sm._ss
+    assert len(st.plans) <= sm.config.plan_cache_size
+    assert all(len(s.seen) <= s.seen.maxsize and len(s.planned) <= s.planned.maxsize for s in st.structures.values())
+
+
+# --- objects passed on every call -----------------------------------------------------
+
+
+def test_object_arguments_run_as_written_and_are_not_kept_alive():
+    model = WithCache()
+    sm = ss.StreamScheduledModule(model)
+    refs = []
+    for i in range(20):
+        cache = Cache()
+        refs.append(weakref.ref(cache))
+        x = torch.randn(3, 16)
+        assert_close(sm(x, past=cache), model(x, past=cache))
+        assert_path(sm, "as-written")
+        del cache
+    gc.collect()
+    assert all(r() is None for r in refs)
+    assert "Cache object" in sm.plan.reason
+    assert len(sm._ss.traces) == 0
+    # A call without the object is traced and planned as before.
+    x = torch.randn(3, 16)
+    assert_close(sm(x), model(x))
+    assert_path(sm, "recorded")
+
+
+def test_plain_values_still_key_by_value():
+    from streamsched.frontend.trace import is_plain
+
+    for value in (None, True, 3, 2.5, "x", torch.float16, torch.device("cpu"), torch.Size([2, 3]), (1, "a"), len):
+        assert is_plain(value), value
+    assert not is_plain(Cache()) and not is_plain((1, Cache())) and not is_plain(nn.Linear(1, 1))
+
+
+# --- changes while wrapped ------------------------------------------------------------
+
+
+def test_a_swapped_fused_member_is_stacked_again_not_copied_per_call():
+    model = Heads()
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    x = torch.randn(4, 16)
+    sm(x)
+    sm(x)
+    assert sm.plan.fused_groups
+    model.heads[3] = nn.Linear(16, 4)
+    for _ in range(2):
+        x = torch.randn(4, 16)
+        assert_close(sm(x), model(x))
+    assert_path(sm, "plan:serial")
+    assert sm.plan.fused_groups
+    stacks = list(sm._ss.fusion._stacks.values())
+    assert stacks and all(s.alias for s in stacks), "a group fell back to stacking per call"
+    # The swapped member is a member of the stack: an in-place update reaches the kernel.
+    with torch.no_grad():
+        model.heads[3].weight.add_(1.0)
+    x = torch.randn(4, 16)
+    assert_close(sm(x), model(x))
+    assert_path(sm, "plan:serial")
+
+
+def test_removing_a_hook_restores_the_plan_without_it():
+    model = Heads()
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    x = torch.randn(4, 16)
+    sm(x), sm(x)
+    fused_before = [g.size for g in sm.plan.fused_groups]
+    calls = []
+    handle = model.heads[2].register_forward_hook(lambda m, i, o: calls.append(1))
+    sm(x), sm(x)
+    assert_path(sm, "plan:serial")
+    assert calls == [1, 1]
+    assert [g.size for g in sm.plan.fused_groups] != fused_before
+    handle.remove()
+    for _ in range(2):
+        x = torch.randn(4, 16)
+        assert_close(sm(x), model(x))
+    assert_path(sm, "plan:serial")
+    assert [g.size for g in sm.plan.fused_groups] == fused_before
+    assert calls == [1, 1]
+
+
+# --- the model's own methods ----------------------------------------------------------
+
+
+class Decoder(nn.Module):
+    """A tiny greedy decoder whose ``generate`` calls ``self(...)``, as Hugging Face's does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.branches = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+        self.head = nn.Linear(16, 50)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        return self.head(sum(b(h) for b in self.branches))
+
+    def generate(self, ids: torch.Tensor, steps: int) -> torch.Tensor:
+        for _ in range(steps):
+            ids = torch.cat([ids, self(ids)[:, -1:].argmax(-1)], dim=1)
+        return ids
+
+
+def test_attach_runs_the_models_own_methods_through_the_wrapper():
+    model = Decoder()
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    prompt = torch.randint(0, 50, (2, 4))
+    expected = model.generate(prompt, 6)
+    seen = []
+    hook = model.register_forward_hook(lambda m, i, o: seen.append(1))
+    assert sm.attach() is model
+    out = model.generate(prompt, 6)
+    assert torch.equal(out, expected)
+    assert seen == [1] * 6, "the model's own hooks fire once per call"
+    assert len(sm.plans) == 6 and last_path(sm) == "recorded"
+    out = model.generate(prompt, 6)
+    assert torch.equal(out, expected)
+    assert_path(sm, "plan:serial")
+    hook.remove()
+    with sm.detached():
+        assert "forward" not in model.__dict__
+    assert "forward" in model.__dict__
+    with pytest.raises(TypeError, match="detach"):
+        import copy
+
+        copy.deepcopy(model)
+    sm.detach()
+    assert "forward" not in model.__dict__
