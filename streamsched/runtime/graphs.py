@@ -46,6 +46,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import _generation
+from ..errors import user_stacklevel
 from .executor import PerProgram
 from .program import Program, failing_node
 from .streams import StreamExecutor
@@ -282,7 +283,7 @@ class GraphExecutor:
                 warnings.warn(
                     f"streamsched: CUDA graph capture failed, running this plan on plain streams: {reason}",
                     RuntimeWarning,
-                    stacklevel=3,
+                    stacklevel=user_stacklevel(),
                 )
                 return self.streams.run(program, inputs)
             self._graphs[key] = captured

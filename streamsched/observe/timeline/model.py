@@ -11,6 +11,7 @@ from typing import Any, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ...errors import user_stacklevel
 from .gantt import draw_gantt
 from .spans import IdleGap, TaskSpan, fmt_us
 
@@ -120,7 +121,7 @@ class Timeline(BaseModel):
                 f"timeline: wrote {json_path} but not {png_path}: the Gantt chart needs matplotlib "
                 f"({exc}); `pip install matplotlib` to get it",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=user_stacklevel(),
             )
         else:
             written.append(png_path)
