@@ -147,7 +147,7 @@ def test_the_trial_decides_once_per_size_bucket(monkeypatch):
     model = Towers()
     sm = ss.StreamScheduledModule(model)
     slow_calls = 0
-    for rep in range(6):
+    for _rep in range(6):
         for n in (17, 20, 24, 29, 32):  # one bucket: 32
             x = torch.randn(n, 16)
             assert_close(sm(x), model(x))
@@ -209,7 +209,7 @@ def test_object_arguments_run_as_written_and_are_not_kept_alive():
     model = WithCache()
     sm = ss.StreamScheduledModule(model)
     refs = []
-    for i in range(20):
+    for _ in range(20):
         cache = Cache()
         refs.append(weakref.ref(cache))
         x = torch.randn(3, 16)

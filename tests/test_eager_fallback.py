@@ -14,10 +14,10 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 import streamsched as ss
-from streamsched.testing import assert_path
 from benchmarks.zoo import ParallelFCN
 from streamsched.runtime.serial import SerialExecutor
 from streamsched.runtime.threads import ThreadExecutor
+from streamsched.testing import assert_path
 
 from .helpers import Towers, assert_close
 

@@ -93,7 +93,7 @@ def test_an_encoder_with_a_new_sequence_length_every_batch():
     sm = ss.StreamScheduledModule(model)
     paths = []
     with torch.no_grad():
-        for epoch in range(3):
+        for _epoch in range(3):
             for n in (7, 12, 9, 16, 5, 21):
                 ids = torch.randint(1, VOCAB, (3, n))
                 mask = torch.ones_like(ids)
