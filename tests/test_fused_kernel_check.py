@@ -39,6 +39,28 @@ class NormsAndConvs(nn.Module):
         return torch.stack(a), torch.cat(b, 1)
 
 
+@ss.branch
+class Gated(nn.Module):
+    """A branch class: no batched kernel of its own, fused by ``vmap``."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.sigmoid(self.a(x)) * self.b(x)
+
+
+class GatedSlices(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.members = nn.ModuleList(Gated() for _ in range(4))
+
+    def forward(self, x):
+        return torch.cat([m(x[:, 8 * i : 8 * (i + 1)]) for i, m in enumerate(self.members)], dim=1)
+
+
 CASES = {
     "parallel_fcn": (lambda: ParallelFCN(8), lambda: (torch.randn(4, 160),)),
     "critic_ensemble": (lambda: CriticEnsemble(4), lambda: (torch.randn(4, 23),)),
@@ -46,6 +68,7 @@ CASES = {
     "conv_towers": (ConvTowers, lambda: (torch.randn(2, 8, 6, 6),)),
     "nasnet_cells": (lambda: NASNetCells(8, 2, 10), lambda: (torch.randn(2, 3, 32, 32),)),
     "norms_and_convs": (NormsAndConvs, lambda: (torch.randn(4, 3, 16), torch.randn(2, 4, 5, 5))),
+    "vmap_members": (GatedSlices, lambda: (torch.randn(3, 32),)),
 }
 
 
