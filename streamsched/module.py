@@ -657,7 +657,9 @@ class StreamScheduledModule(nn.Module):
         if automatic and isinstance(quiet, _AsWritten):
             st.last = quiet
             return self._forward_as_written(args, kwargs)
-        done = eager_dispatch.run_eager_dispatch(st.dispatch.for_call(st.calls, st.observer), spec, tensors, reason)
+        done = eager_dispatch.run_eager_dispatch(
+            st.dispatch.for_call(st.calls, st.observer or self._nvtx()), spec, tensors, reason
+        )
         st.last = done.schedule
         st.last_path = "eager-dispatch"
         if done.sync_log is not None:
@@ -782,10 +784,10 @@ class StreamScheduledModule(nn.Module):
             raise ProfileMismatchError(f"{exc} (profile {self.config.profile})") from None
         return profile_costs(st.profile)
 
-    def _nvtx(self, schedule: _Compiled) -> Any:
+    def _nvtx(self, schedule: Optional[_Compiled] = None) -> Any:
         """The NVTX range observer, on every executor and device (NVTX tools profile
-        CPU-only runs too), while a tool is there to see the ranges (Nsight Systems
-        attached, or the torch profiler recording): free otherwise."""
+        CPU-only runs too) and under eager dispatch, while a tool is there to see the
+        ranges (Nsight Systems attached, or the torch profiler recording): free otherwise."""
         ranges = self._ss.nvtx
         if ranges is None:  # first call: the config is frozen, so this is decided once
             ranges = self._ss.nvtx = (NvtxRanges.create() if self.config.nvtx else None) or False

@@ -90,10 +90,31 @@ class Branches(nn.Module):
         return self.head(self.left(x) + self.middle(x) + self.right(x))
 
 
+class Routed(nn.Module):
+    # Untraceable (routed by the data): eager dispatch runs its forward and schedules the
+    # @ss.branch calls on CPU lanes.
+    def __init__(self):
+        super().__init__()
+        self.towers = nn.ModuleList(nn.Linear(64, 64) for _ in range(3))
+
+    @ss.branch
+    def tower(self, layer, x):
+        return torch.tanh(layer(x))
+
+    def forward(self, x):
+        if x.sum() > -1e9:
+            return sum(self.tower(t, x) for t in self.towers)
+        return x
+
+
 def run(executor, device):
     torch.manual_seed(0)
-    model = Branches().to(device)
-    sm = ss.StreamScheduledModule(model, executor=executor, num_streams=3, min_task_cost=0.0, fuse=False)
+    if executor == "eager-dispatch":
+        model = Routed()
+        sm = ss.StreamScheduledModule(model, executor="threads", strict=False)
+    else:
+        model = Branches().to(device)
+        sm = ss.StreamScheduledModule(model, executor=executor, num_streams=3, min_task_cost=0.0, fuse=False)
     sm(torch.randn(4, 64, device=device))  # records and plans: no ranges
     marks = nvtx.get_domain("test")
     marks.mark(message=f"begin {executor} {device}")
@@ -104,7 +125,7 @@ def run(executor, device):
     plan = sm.plan
     return {
         "tasks": [[t.name, t.stream] for t in plan.tasks],
-        "executor": plan.schedule_executor,
+        "executor": "eager-dispatch" if plan.mode == "eager-dispatch" else plan.schedule_executor,
         "caller": threading.get_native_id(),
     }
 
@@ -133,7 +154,12 @@ print(json.dumps(runs))
 """
 
 CALLS = 3
-RUNS = {"cpu-lanes": ("threads", "cpu"), "cpu-serial": ("serial", "cpu"), "emulated-cuda-streams": ("streams", "cuda")}
+RUNS = {
+    "cpu-lanes": ("threads", "cpu"),
+    "cpu-serial": ("serial", "cpu"),
+    "emulated-cuda-streams": ("streams", "cuda"),
+    "eager-dispatch": ("eager-dispatch", "cpu"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -200,16 +226,23 @@ def test_ranges_reach_an_nvtx_tool(recorded, run):
     window = _between_marks(events, f"{executor} {device}")
     per_thread = _ranges_per_thread(window, "streamsched")
     names = Counter(name for ranges in per_thread.values() for name in ranges)
-    # One range per task and call, named "<module path> [s<k>]" with the task's stream.
-    assert names == Counter([f"{name} [s{stream}]" for name, stream in tasks] * CALLS)
-    assert any(name.startswith(("left.", "middle.", "right.")) for name, _ in tasks), tasks
+    if executor == "eager-dispatch":
+        # Dispatch places each call's branches anew: one range per @branch call, by name.
+        assert sum(names.values()) == len(tasks) * CALLS and {n.split(" [s")[0] for n in names} == {"tower"}
+    else:
+        # One range per task and call, named "<module path> [s<k>]" with the task's stream.
+        assert names == Counter([f"{name} [s{stream}]" for name, stream in tasks] * CALLS)
+    if executor == "eager-dispatch":
+        assert {name for name, _ in tasks} == {"tower"}, tasks  # each @branch call, by name
+    else:
+        assert any(name.startswith(("left.", "middle.", "right.")) for name, _ in tasks), tasks
 
     caller = expected["caller"]
-    if executor == "threads":
+    if executor in ("threads", "eager-dispatch"):
         # Lanes run on pool threads: the side streams' ranges are never on the caller's
         # thread, and several threads opened ranges.
-        side = {f"{n} [s{s}]" for n, s in tasks if s > 0}
-        assert not side & set(per_thread.get(caller, []))
+        side = {name for name in names if not name.endswith(" [s0]")}
+        assert side and not side & set(per_thread.get(caller, []))
         assert len(per_thread) > 1
     else:
         # serial and streams issue every task from the caller's thread.
