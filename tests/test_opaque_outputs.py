@@ -246,3 +246,23 @@ def test_what_was_learned_holds_per_mode():
             x = torch.randn(3, 8)
             assert_close(sm(x), ref(x))
         assert_path(sm, "plan:serial")
+
+
+def test_a_branch_function_returning_none():
+    @ss.branch
+    def split(h):
+        return h * 2, None
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            h, extra = split(x)
+            if extra is not None:
+                h = h + self.lin(extra)
+            return self.lin(h)
+
+    sm = _check(Model(), lambda: torch.randn(3, 8))
+    assert len(_checks(sm)) == 1

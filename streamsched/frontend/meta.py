@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import fx
 
-from .opaque_outputs import misleads
+from .opaque_outputs import leaf_label, misleads
 
 __all__ = ["TensorMeta", "ValueMeta", "describe", "run_and_record", "tensor_metas"]
 
@@ -152,7 +152,7 @@ def run_and_record(
         finally:
             if effects is not None:
                 effects.end()
-        if traced is not None and node.op == "call_module" and misleads(node, value):
+        if traced is not None and leaf_label(node) is not None and misleads(node, value):
             retraces += 1
             if retraces > _MAX_RETRACES:
                 raise RuntimeError(f"{retraces} re-traces for what leaf calls return; giving up at '{node.target}'")
@@ -206,7 +206,8 @@ def _plan_frees(nodes: list[fx.Node], checked: bool, root: torch.nn.Module, star
     if checked:
         for k in range(len(nodes) - 1, start - 1, -1):
             node = nodes[k]
-            if node.op == "call_module" and may_mislead(root.get_submodule(node.target)):
+            module = root.get_submodule(node.target) if node.op == "call_module" else None
+            if leaf_label(node) is not None and (module is None or may_mislead(module)):
                 hold_until = k
                 break
     return frees, hold_until

@@ -34,12 +34,15 @@ from typing import Any, Hashable, Optional
 import torch
 from torch import fx
 
+from ..branch import BranchCall
+
 __all__ = [
     "Skeleton",
     "OutputCheck",
     "OpaqueOutputChanged",
     "skeleton_of",
     "misleads",
+    "leaf_label",
     "consistent",
     "learned",
     "learn",
@@ -175,6 +178,16 @@ class OutputCheck:
 
     def __repr__(self) -> str:
         return f"<check {self.label}: {self.skeleton.shape}>"
+
+
+def leaf_label(node: fx.Node) -> Optional[str]:
+    """What names a leaf call across traces (its module path, or its ``@streamsched.branch``
+    function), or ``None`` for a node that is not a leaf call."""
+    if node.op == "call_module":
+        return str(node.target)
+    if node.op == "call_function" and isinstance(node.target, BranchCall):
+        return f"branch {node.target.task_name}"
+    return None
 
 
 def misleads(node: fx.Node, value: Any) -> bool:

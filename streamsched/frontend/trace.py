@@ -43,11 +43,11 @@ import torch.utils._pytree as pytree
 from torch import fx
 
 from .. import _generation
-from ..branch import is_branch_module
+from ..branch import BranchCall, is_branch_module
 from ..errors import TraceError
 from .hooks import capture_hooks, has_hooks
 from .nodes import AUGMENTED_OPERATORS
-from .opaque_outputs import OutputCheck, Skeleton, learn, learned, skeleton_of
+from .opaque_outputs import OutputCheck, Skeleton, leaf_label, learn, learned, skeleton_of
 from .output_tree import OutputTree
 from .trace_guard import GradModeGuard, SideEffectDuringTrace, TraceSideEffectGuard, autocast_state
 
@@ -290,7 +290,7 @@ class _LeafTracer(fx.Tracer):
         try:
             out = super().call_module(m, forward, args, kwargs)
             if leaf and m is not self.model:
-                out = self._known_structure(m, out)
+                out = self._known_structure(self.path_of_module(m), out)
                 # A leaf's capture hooks hand its output to the enclosing forward: fire
                 # them here, on the proxy (frontend.hooks); at run time they are no-ops.
                 for hook in capture_hooks(m):
@@ -304,17 +304,17 @@ class _LeafTracer(fx.Tracer):
                     pass
             raise
 
-    def _known_structure(self, m: torch.nn.Module, out: Any) -> Any:
+    def _known_structure(self, label: str, out: Any) -> Any:
         """A leaf call's value as the traced code sees it: the proxy, or, where a real
         call showed what it returns (``None`` in a tuple, say), that structure, read
-        through an :class:`OutputCheck` node."""
-        path = self.path_of_module(m)
-        index = self.leaf_calls.get(path, 0)
-        self.leaf_calls[path] = index + 1
-        skeleton = self.known_outputs.get((path, index))
+        through an :class:`OutputCheck` node. ``label`` names the leaf
+        (``opaque_outputs.leaf_label``)."""
+        index = self.leaf_calls.get(label, 0)
+        self.leaf_calls[label] = index + 1
+        skeleton = self.known_outputs.get((label, index))
         if skeleton is None:
             return out
-        checked = self.create_proxy("call_function", OutputCheck(skeleton, path), (out,), {})
+        checked = self.create_proxy("call_function", OutputCheck(skeleton, label), (out,), {})
         return skeleton.rebuild(checked)
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
@@ -329,7 +329,13 @@ class _LeafTracer(fx.Tracer):
                 "enters torch.autocast or torch.inference_mode while running: a trace cannot record that, "
                 "and the traced ops would run without it"
             )
-        return super().create_proxy(kind, target, args, kwargs, *rest, **more)
+        proxy = super().create_proxy(kind, target, args, kwargs, *rest, **more)
+        if kind == "call_function" and isinstance(target, BranchCall) and threading.get_ident() == self.thread:
+            # A @streamsched.branch function is a leaf call too: what it returns may be learned.
+            label = leaf_label(proxy.node)
+            assert label is not None
+            return self._known_structure(label, proxy)
+        return proxy
 
     @staticmethod
     def _thread_state() -> tuple:
@@ -440,7 +446,8 @@ class Traced:
         place. Raises :class:`TraceError` where ``value`` has no structure a trace can
         stand in for."""
         skeleton = skeleton_of(value)
-        label = str(node.target)
+        label = leaf_label(node)
+        assert label is not None, node
         if skeleton is None:
             raise TraceError(
                 f"'{label}' (an opaque call) returned a {type(value).__name__} holding a None or a constant where the "
@@ -451,7 +458,7 @@ class Traced:
         for n in self.graph.nodes:
             if n is node:
                 break
-            index += n.op == "call_module" and n.target == node.target
+            index += leaf_label(n) == label
         learn(self.model, _learned_key(self.model, self.spec), label, index, skeleton)
         fresh = trace_model(self.model, self.root._streamsched_binder, self.spec, self.leaf_types)
         if self.same_program(fresh):
