@@ -266,3 +266,38 @@ def test_a_branch_function_returning_none():
 
     sm = _check(Model(), lambda: torch.randn(3, 8))
     assert len(_checks(sm)) == 1
+
+
+def test_numbers_beside_a_none_stay_values():
+    """A leaf returning ``(h, None, count)``: the None is learned, the count (which changes
+    from call to call) stays a value the graph computes with."""
+
+    class Counting(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            return x + 1, None, self.calls
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.counting = Counting()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            h, extra, n = self.counting(x)
+            if extra is not None:
+                h = h + self.lin(extra)
+            return self.lin(h) * n
+
+    model = Model()
+    ref = copy.deepcopy(model)
+    sm = ss.StreamScheduledModule(model, executor="serial", leaf_modules=[Counting])
+    for _ in range(3):
+        x = torch.randn(3, 8)
+        assert_close(sm(x), ref(x))
+    assert_path(sm, "plan:serial")
+    assert model.counting.calls == ref.counting.calls == 3

@@ -3,21 +3,21 @@
 A leaf call (a ``torch.nn`` built-in, a ``leaf_modules`` class, an opaque class, a
 ``@streamsched.branch`` module) is one node whose value the trace never sees: fx hands the
 traced code a proxy, and the code goes on as if it were a tensor. Where eager's value is
-``None`` or a constant, the traced code can take a branch eager never takes: XLNet's
+``None``, the traced code can take a branch eager never takes: XLNet's
 relative attention returns ``(h, None)``, and ``if output_g is not None:`` is true of a
 proxy, so the trace fed the ``None`` to a Linear.
 
 The recording call (:func:`~streamsched.frontend.meta.run_and_record`) runs every leaf
-call for real and asks :func:`misleads` of its value: a ``None`` or a constant anywhere
-in a tuple, list or plain dict (the trace may have decided ``is None`` on the proxy,
-even where nothing reads the value), or a ``None`` the graph reads other than as part
-of the model's output (:func:`consistent`; a ``ModelOutput`` field, say). Then the
-call's :class:`Skeleton` (its structure, tensors as holes, the rest as constants) is
-learned for that model, call structure, train/eval and autocast state, module path and
+call for real and asks :func:`misleads` of its value: a ``None`` anywhere in a tuple,
+list or plain dict, or alone (the trace may have decided ``is None`` on the proxy, even
+where nothing reads the value), or a ``None`` the graph reads other than as part of the
+model's output (:func:`consistent`; a ``ModelOutput`` field, say). Then the call's
+:class:`Skeleton` (its structure: ``None`` where it is ``None``, holes for tensors and
+numbers, which stay values) is learned for that model, call structure, train/eval and autocast state, module path and
 call index, and the model is traced again: the tracer hands the traced code the real
 structure (``(proxy, None)``), so it branches as eager does. The new graph reads the
 leaf's value through an :class:`OutputCheck` node that fails loudly on any later call
-whose value has another structure or other constants, rather than run a branch eager
+whose value has another structure (a ``None`` elsewhere), rather than run a branch eager
 would not take. A value with no skeleton (an object, a ``ModelOutput``) whose ``None``
 the graph reads is refused with a :class:`~streamsched.errors.TraceError`.
 
@@ -56,8 +56,10 @@ class OpaqueOutputChanged(RuntimeError):
 
 
 class Skeleton:
-    """The structure of a value: ``("tensor",)``, ``("const", v)``, ``("tuple", kids)``,
-    ``("list", kids)`` or ``("dict", ((key, kid), ...))``; hashable, compared by value."""
+    """The structure of a value: ``("tensor",)``, ``("none",)``, ``("value", type name)``
+    (a number, a bool or a string: read through a proxy, as before, so that one that
+    changes between calls stays a value), ``("tuple", kids)``, ``("list", kids)`` or
+    ``("dict", ((key, kid), ...))``; hashable, compared by value."""
 
     __slots__ = ("shape",)
 
@@ -73,16 +75,16 @@ class Skeleton:
     def __repr__(self) -> str:
         return f"Skeleton{self.shape!r}"
 
-    def has_constants(self) -> bool:
-        """Whether anything in it is not a tensor (``None``, a number, a string)."""
-        return _has_constants(self.shape)
+    def has_none(self) -> bool:
+        """Whether it holds a ``None`` (which an ``is None`` on a proxy gets wrong)."""
+        return _has_none(self.shape)
 
     def matches(self, value: Any) -> bool:
         return _matches(self.shape, value)
 
     def rebuild(self, proxy: Any) -> Any:
-        """The value the traced code sees: the structure, with a proxy per tensor (read
-        with ``getitem`` from ``proxy``) and the constants as they are."""
+        """The value the traced code sees: the structure, with ``None`` where it is
+        ``None`` and a proxy (read with ``getitem`` from ``proxy``) for everything else."""
         return _rebuild(self.shape, proxy)
 
 
@@ -96,8 +98,10 @@ def skeleton_of(value: Any) -> Optional[Skeleton]:
 def _shape(value: Any) -> Optional[tuple]:
     if isinstance(value, torch.Tensor):
         return ("tensor",)
+    if value is None:
+        return ("none",)
     if type(value) in _CONSTANTS:
-        return ("const", value)
+        return ("value", type(value).__name__)
     if type(value) in (tuple, list):
         kids = [_shape(v) for v in value]
         if any(k is None for k in kids):
@@ -111,22 +115,24 @@ def _shape(value: Any) -> Optional[tuple]:
     return None
 
 
-def _has_constants(shape: tuple) -> bool:
+def _has_none(shape: tuple) -> bool:
     kind = shape[0]
-    if kind == "tensor":
+    if kind in ("tensor", "value"):
         return False
-    if kind == "const":
+    if kind == "none":
         return True
     kids = shape[1] if kind != "dict" else [kid for _, kid in shape[1]]
-    return any(_has_constants(kid) for kid in kids)
+    return any(_has_none(kid) for kid in kids)
 
 
 def _matches(shape: tuple, value: Any) -> bool:
     kind = shape[0]
     if kind == "tensor":
         return isinstance(value, torch.Tensor)
-    if kind == "const":
-        return type(value) is type(shape[1]) and value == shape[1]
+    if kind == "none":
+        return value is None
+    if kind == "value":
+        return type(value).__name__ == shape[1]
     if kind in ("tuple", "list"):
         kids = shape[1]
         return type(value).__name__ == kind and len(value) == len(kids) and all(map(_matches, kids, value))
@@ -142,10 +148,10 @@ def _matches(shape: tuple, value: Any) -> bool:
 
 def _rebuild(shape: tuple, proxy: Any) -> Any:
     kind = shape[0]
-    if kind == "tensor":
+    if kind in ("tensor", "value"):
         return proxy
-    if kind == "const":
-        return shape[1]
+    if kind == "none":
+        return None
     if kind == "tuple":
         return tuple(_rebuild(kid, proxy[i]) for i, kid in enumerate(shape[1]))
     if kind == "list":
@@ -170,7 +176,7 @@ class OutputCheck:
             got = skeleton_of(value)
             raise OpaqueOutputChanged(
                 f"'{self.label}' returned {got.shape if got else type(value).__name__} where the trace was made "
-                f"for {self.skeleton.shape}: its output structure (None-ness, constants) changes between calls "
+                f"for {self.skeleton.shape}: its output structure (None-ness) changes between calls "
                 "of one signature, which a trace cannot follow. Make its caller a @streamsched.branch or list the "
                 "caller's class in leaf_modules=, so that the code reading it runs as written."
             )
@@ -192,17 +198,17 @@ def leaf_label(node: fx.Node) -> Optional[str]:
 
 def misleads(node: fx.Node, value: Any) -> bool:
     """Whether leaf call ``node``'s real ``value`` may have misled the trace, which saw a
-    proxy: a ``None`` or a constant anywhere in a structure the tracer can hand the traced
-    code instead (``if g is not None:`` may have been decided on the proxy, even where
-    nothing reads ``g``), or a value the graph reads other than as it is
-    (:func:`consistent`). Tensors never; values already read through an
-    :class:`OutputCheck` never (the check runs next)."""
+    proxy: a ``None`` anywhere in a structure the tracer can hand the traced code instead
+    (``if g is not None:`` may have been decided on the proxy, even where nothing reads
+    ``g``), or a value the graph reads other than as it is (:func:`consistent`). Tensors
+    never; values already read through an :class:`OutputCheck` never (the check runs
+    next)."""
     if isinstance(value, torch.Tensor):
         return False
     if any(u.op == "call_function" and isinstance(u.target, OutputCheck) for u in node.users):
         return False
     skeleton = skeleton_of(value)
-    if skeleton is not None and skeleton.has_constants():
+    if skeleton is not None and skeleton.has_none():
         return True
     return not consistent(node, value)
 
@@ -211,13 +217,15 @@ def consistent(node: fx.Node, value: Any) -> bool:
     """Whether the graph reads ``node``'s real ``value`` only in ways a proxy stood for
     correctly: a tensor any way; a container as it is (passed on, returned) or item by
     item through ``getitem`` / ``getattr`` with a constant key, each item consistent in
-    turn; ``None`` or a constant only as part of the model's output, as eager returns it
-    (any other reader used it as a tensor, or the code branched on it as one)."""
+    turn; a number as data; ``None`` only as part of the model's output, as eager returns
+    it (any other reader used it as a tensor, or the code branched on it as one)."""
     if isinstance(value, torch.Tensor):
         return True
     users = list(node.users)
-    if value is None or type(value) in _CONSTANTS:
+    if value is None:
         return all(u.op == "output" for u in users)
+    if type(value) in _CONSTANTS:
+        return True  # a number used as data: the graph computes with it as eager does
     for user in users:
         if user.op != "call_function" or user.target not in (operator.getitem, getattr):
             continue  # the container itself, passed on as eager passes it
