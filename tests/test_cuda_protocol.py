@@ -11,6 +11,8 @@ cost model's duration and streams overlap where nothing orders them. The figures
 simulated, not measured.
 """
 
+import gc
+
 import pytest
 import torch
 from torch import nn
@@ -97,7 +99,7 @@ def test_side_stream_outputs_are_recorded_on_the_caller_that_switches_streams(em
     model, sm = planned_heads(runtime)
     default = torch.cuda.current_stream()
     mine = torch.cuda.Stream()
-    inputs = []  # kept: freeing an input the side streams read is the caller's to order
+    inputs, results = [], []  # inputs kept: freeing one the side streams read is the caller's to order
     with torch.no_grad():
         for call in range(4):
             x = torch.randn(16, 64, device="cuda")
@@ -109,11 +111,14 @@ def test_side_stream_outputs_are_recorded_on_the_caller_that_switches_streams(em
                 outs = sm(x)
                 assert_ran(sm, runtime)
                 assert torch.cuda.current_stream() == caller
-                assert_close(outs, expected, atol=1e-5)  # used on the caller's stream
+                results.append(([o * 2 for o in outs], expected))  # used on the caller's stream
                 del outs  # freed there: the side stream's pool may hand the memory out again
-            # Nothing orders the next caller after this one: only record_stream(caller)
-            # keeps the next call's side streams off the memory this caller still reads.
+            # Nothing orders the next caller after this one (no host read either: that
+            # would synchronise): only record_stream(caller) keeps the next call's side
+            # streams off the memory this caller may still be reading.
     torch.cuda.synchronize()
+    for doubled, expected in results:
+        assert_close(doubled, [2 * e for e in expected], atol=1e-5)
     assert emulated_cuda.take_reports() == []
 
 
@@ -315,7 +320,7 @@ def test_eager_dispatch_outputs_are_recorded_on_a_caller_that_switches_streams(e
     sm = ss.StreamScheduledModule(model, strict=False, executor="streams", num_streams=3)
     default = torch.cuda.current_stream()
     mine = torch.cuda.Stream()
-    inputs = []
+    inputs, results = [], []
     with torch.no_grad():
         for call in range(4):
             x = torch.randn(16, 64, device="cuda")
@@ -326,9 +331,12 @@ def test_eager_dispatch_outputs_are_recorded_on_a_caller_that_switches_streams(e
             with torch.cuda.stream(caller):
                 outs = sm(x)
                 assert_path(sm, "eager-dispatch")
-                assert_close(outs, expected, atol=1e-5)
+                results.append(([o * 2 for o in outs], expected))
                 del outs
+                gc.collect()  # a call's launches and its results form a cycle: free them now
     torch.cuda.synchronize()
+    for doubled, expected in results:
+        assert_close(doubled, [2 * e for e in expected], atol=1e-5)
     assert emulated_cuda.take_reports() == []
 
 
