@@ -58,7 +58,8 @@ class ConfigValidationError(ConfigError, ValidationError):
     def __str__(self) -> str:
         return getattr(self, "_message", None) or "invalid streamsched configuration"
 
-    __repr__ = ValidationError.__repr__
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self)!r})"
 
     @classmethod
     def with_message(cls, message: str, errors: Optional[list] = None) -> ConfigValidationError:

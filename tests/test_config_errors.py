@@ -53,6 +53,7 @@ def test_bad_values_give_one_clause_per_option(options, expected):
     assert not _noise(message), message
     assert message.count(";") == 0  # one option, one clause
     assert info.value.errors()  # pydantic's structured list is still there
+    assert repr(info.value) == f"ConfigValidationError({message!r})"
 
 
 def test_frozen_config_refuses_assignment_with_a_config_error():
