@@ -247,11 +247,12 @@ def _run_plain(make, shape, make_input=None):
 
 
 def test_a_kernel_returning_another_dtype_than_its_members_raises():
-    """The check every kernel runs: a wrong dtype is an error, never a result."""
+    """The check every kernel runs on its first call (a plan's dtypes are fixed by its
+    input dtypes and autocast state): a wrong dtype is an error, never a result."""
     sm = _run_plain(lambda: Members(lambda: nn.Linear(8, 6)), _FLAT)
     (kernel,) = [n.target for n in sm._ss.last.graph.nodes if isinstance(n.target, FusedKernel)]
-    assert kernel.out_dtype == torch.float32
-    kernel.out_dtype = torch.bfloat16
+    assert kernel.out_dtype == torch.float32 and kernel.dtype_checked  # checked on its first call
+    kernel.out_dtype, kernel.dtype_checked = torch.bfloat16, False
     with pytest.raises(FusedDtypeError, match="returned torch.float32 where its members return torch.bfloat16"):
         sm(torch.randn(_FLAT))
 
