@@ -51,34 +51,74 @@ def storage_key(t: torch.Tensor) -> Optional[int]:
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
+    # Most arguments are one tensor or a scalar: no pytree walk for those (the recording
+    # call dispatches every op of the model through here).
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
+        return []
     return [v for v in pytree.tree_leaves(value) if isinstance(v, torch.Tensor)]
+
+
+@dataclass(frozen=True)
+class _OpFacts:
+    """What :func:`op_accesses` and :func:`fresh_outputs` read of an op's schema, read once
+    per op (an ``OpOverload``'s schema never changes)."""
+
+    positional_writes: tuple[bool, ...]
+    """Per positional argument: written in place (``Tensor(a!)``)."""
+    keyword_writes: dict[str, bool]
+    """Per argument name (every argument): written in place."""
+    lifts: bool
+    fresh_returns: tuple[bool, ...]
+    """Per return: owns new storage (no alias annotation)."""
+
+
+_OP_FACTS: dict[Any, _OpFacts] = {}
+
+
+def _op_facts(func: Any) -> _OpFacts:
+    facts = _OP_FACTS.get(func)
+    if facts is None:
+        schema = func._schema
+
+        def writes(arg: Any) -> bool:
+            return arg.alias_info is not None and arg.alias_info.is_write
+
+        facts = _OpFacts(
+            positional_writes=tuple(writes(a) for a in schema.arguments if not a.kwarg_only),
+            keyword_writes={a.name: writes(a) for a in schema.arguments},
+            lifts=schema.name in _LIFTS,
+            fresh_returns=tuple(r.alias_info is None for r in schema.returns),
+        )
+        _OP_FACTS[func] = facts
+    return facts
 
 
 def op_accesses(func: Any, args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(read, written) tensor arguments of one dispatched op, from its schema."""
-    schema = func._schema
+    facts = _op_facts(func)
     reads: list[torch.Tensor] = []
     writes: list[torch.Tensor] = []
-    positional = [a for a in schema.arguments if not a.kwarg_only]
-    pairs = list(zip(positional, args))
-    by_name = {a.name: a for a in schema.arguments}
-    pairs += [(by_name[k], v) for k, v in kwargs.items() if k in by_name]
-    for arg, value in pairs:
-        info = arg.alias_info
-        target = writes if info is not None and info.is_write else reads
-        target.extend(_tensors(value))
+    for written, value in zip(facts.positional_writes, args):
+        (writes if written else reads).extend(_tensors(value))
+    by_name = facts.keyword_writes
+    for name, value in kwargs.items():
+        if name in by_name:
+            (writes if by_name[name] else reads).extend(_tensors(value))
     return reads, writes
 
 
 def fresh_outputs(func: Any, out: Any) -> list[torch.Tensor]:
     """Outputs of one op that own new storage (not views or the written arguments)."""
-    if func._schema.name in _LIFTS:
+    facts = _op_facts(func)
+    if facts.lifts:
         return list(_tensors(out))
-    returns = func._schema.returns
+    returns = facts.fresh_returns
     outs = out if isinstance(out, (tuple, list)) and len(returns) > 1 else (out,)
     fresh: list[torch.Tensor] = []
-    for ret, value in zip(returns, outs):
-        if ret.alias_info is None:
+    for is_fresh, value in zip(returns, outs):
+        if is_fresh:
             fresh.extend(_tensors(value))
     return fresh
 

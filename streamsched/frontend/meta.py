@@ -113,7 +113,8 @@ def run_and_record(
     ref = root.__dict__.get("_streamsched_traced")
     traced = ref() if ref is not None else None
     nodes = list(graph.nodes)
-    frees, hold_until = _plan_frees(nodes, traced is not None, root, 0)
+    submodule = _submodules(root)
+    frees, hold_until = _plan_frees(nodes, traced is not None, submodule, 0)
     held: list[fx.Node] = []
     env: dict[fx.Node, Any] = {}
     it = iter(inputs)
@@ -134,7 +135,7 @@ def run_and_record(
             elif node.op == "get_attr":
                 value = fetch_attr(root, node.target)
             elif node.op == "call_module":
-                value = root.get_submodule(node.target)(*load(node.args), **load(node.kwargs))
+                value = submodule(node.target)(*load(node.args), **load(node.kwargs))
             elif node.op == "call_function":
                 value = node.target(*load(node.args), **load(node.kwargs))
             elif node.op == "call_method":
@@ -164,6 +165,7 @@ def run_and_record(
             old = nodes
             nodes = list(traced.graph.nodes)
             root = traced.root
+            submodule = _submodules(root)
             renamed = _same_prefix(old, nodes, i)
             env = {renamed[n]: v for n, v in env.items()}
             if record is not None:
@@ -171,7 +173,7 @@ def run_and_record(
                     if n in record:
                         record[renamed[n]] = record.pop(n)
             node = nodes[i]
-            frees, hold_until = _plan_frees(nodes, True, root, i + 1)
+            frees, hold_until = _plan_frees(nodes, True, submodule, i + 1)
             # Values the new graph reads no more after this point: dropped with the rest.
             position = {n: k for k, n in enumerate(nodes)}
             held = [n for n in env if max((position[u] for u in n.users), default=-1) <= i]
@@ -192,7 +194,23 @@ def run_and_record(
 _MAX_RETRACES = 256
 
 
-def _plan_frees(nodes: list[fx.Node], checked: bool, root: torch.nn.Module, start: int) -> tuple[dict, int]:
+def _submodules(root: torch.nn.Module) -> Callable[[str], torch.nn.Module]:
+    """``root.get_submodule``, each path resolved once per recording (a module's calls
+    recur in a graph, and each walk splits the path and looks up every component)."""
+    found: dict[str, torch.nn.Module] = {}
+
+    def submodule(target: str) -> torch.nn.Module:
+        module = found.get(target)
+        if module is None:
+            module = found[target] = root.get_submodule(target)
+        return module
+
+    return submodule
+
+
+def _plan_frees(
+    nodes: list[fx.Node], checked: bool, submodule: Callable[[str], torch.nn.Module], start: int
+) -> tuple[dict, int]:
     """Which values die after each node (their last use), and the index of the last leaf
     call that could still make the trace change (``-1`` when none can)."""
     last_use: dict[fx.Node, fx.Node] = {}
@@ -206,7 +224,7 @@ def _plan_frees(nodes: list[fx.Node], checked: bool, root: torch.nn.Module, star
     if checked:
         for k in range(len(nodes) - 1, start - 1, -1):
             node = nodes[k]
-            module = root.get_submodule(node.target) if node.op == "call_module" else None
+            module = submodule(node.target) if node.op == "call_module" else None
             if leaf_label(node) is not None and (module is None or may_mislead(module)):
                 hold_until = k
                 break

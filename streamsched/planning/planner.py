@@ -9,9 +9,11 @@ and stream assignment that plan describes. The runtime compiles it
 
 from __future__ import annotations
 
+import functools
+import gc
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
 from torch import fx
@@ -97,6 +99,32 @@ def signature_text(tensors: list[torch.Tensor]) -> str:
     return ", ".join(parts) or "no tensor inputs"
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _cyclic_gc_paused(fn: _F) -> _F:
+    """Run ``fn`` with Python's cyclic garbage collector paused.
+
+    Planning builds tens of thousands of small objects (fx nodes, groups, tasks) that all
+    survive it, and each generation-0 collection re-scans the young ones: on a 1,000-member
+    model that was a sixth of the first call. Nothing planning makes is garbage in a
+    cycle worth collecting early; the collector resumes (as it was) when planning ends.
+    """
+
+    @functools.wraps(fn)
+    def paused(*args: Any, **kwargs: Any) -> Any:
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if was_enabled:
+                gc.enable()
+
+    return paused  # type: ignore[return-value]
+
+
+@_cyclic_gc_paused
 def make_schedule(
     traced: Traced,
     metas: dict[fx.Node, ValueMeta],
