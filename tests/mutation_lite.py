@@ -209,7 +209,12 @@ MUTANTS = [
             "        if tensor.is_cuda:\n            tensor.record_stream(stream)\n",
             "        pass\n",
         ),
-        ["tests/test_emulated_cuda.py", "tests/test_cuda.py"],
+        # Streams plans whose values cross streams, on the emulated device (which reports
+        # an unsafe reuse of freed memory); the whole CUDA files take over 15 minutes.
+        [
+            "tests/test_cuda.py::test_streams_outputs_and_grads_equal_eager",
+            "tests/test_cuda.py::test_inception_streams_use_several_streams_and_match_eager",
+        ],
     ),
     Mutant(
         "float32-kernel-error",
