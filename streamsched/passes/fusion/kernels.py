@@ -137,15 +137,19 @@ class LinearKernel(FusedKernel):
     def run(self, x: torch.Tensor) -> torch.Tensor:
         n, fin, fout = self.n, self.in_features, self.out_features
         grad = _grad()
-        w = self.weight.value(grad)
-        b = self.bias.value(grad) if self.bias is not None else None
+        weight, bias = self.weight, self.bias
+        # view_of: the same views as before, kept between calls when no gradient is routed.
         if self.in_layout == SHARED:
-            return F.linear(x, w.reshape(n * fout, fin), b.reshape(n * fout) if b is not None else None)
+            w = weight.view_of(grad, torch.Tensor.reshape, n * fout, fin)
+            return F.linear(x, w, bias.view_of(grad, torch.Tensor.reshape, n * fout) if bias is not None else None)
         xs = to_stack(x, self.in_layout, n, self.in_shape)
         if xs.dim() != 3:  # members' inputs of other than 2 dims: one batch dim for bmm
             xs = xs.reshape(n, -1, fin)
-        wt = w.transpose(1, 2)
-        y = torch.bmm(xs, wt) if b is None else torch.baddbmm(b.unsqueeze(1), xs, wt)
+        wt = weight.view_of(grad, torch.Tensor.transpose, 1, 2)
+        if bias is None:
+            y = torch.bmm(xs, wt)
+        else:
+            y = torch.baddbmm(bias.view_of(grad, torch.Tensor.unsqueeze, 1), xs, wt)
         return y if len(self.out_shape) == 2 else y.view((n,) + self.out_shape)
 
 

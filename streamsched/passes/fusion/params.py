@@ -31,7 +31,7 @@ of) receives the stacked gradient, for optimizers that update the group at once.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -116,6 +116,9 @@ class StackedTensors:
         # streamsched.passes.fusion.stacked): a leaf whose .grad the members' .grad are views of.
         self.param: Any = None
         self.rebuilds = 0
+        # Views of the stack the kernels take on every call (a transpose, an unsqueeze),
+        # kept per (op, arguments) with the stack they were taken of: see view_of.
+        self._views: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         if self.alias:
             self._restack()
 
@@ -137,6 +140,7 @@ class StackedTensors:
                     view = stack[i]
                 t.data = view
         self.stack = stack
+        self._views.clear()  # views of the old stack would keep its storage alive
         self._ptrs = [t.data_ptr() for t in self.tensors]
         nat = native()
         self._guard = nat.StackGuard(self.tensors) if nat is not None else None
@@ -219,6 +223,33 @@ class StackedTensors:
                 return HandOffStacked.apply(stack, first if first.requires_grad else last, self._handoff)
             return GatherStacked.apply(stack, self.sizes, *self.tensors)
         return stack
+
+    def view_of(self, grad: bool, op: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+        """``op(self.value(grad), *args)``, where ``op`` makes a view (``Tensor.transpose``,
+        ``Tensor.unsqueeze``, ``Tensor.reshape`` of the contiguous stack).
+
+        When the value is the stack itself (no gradient to route: inference, ``no_grad``,
+        frozen members) the view is made once and kept while the stack is the same tensor
+        (a re-stack makes a new one): it shares the stack's storage, so in-place updates
+        (optimizer steps, ``load_state_dict``) show through it, and each call saves the
+        view ops' dispatch. A differentiable value (the gather, the stacked parameter) or
+        a copy is viewed anew every call, as its autograd history must be its own.
+        """
+        value = self.value(grad)
+        if value is not self.stack:
+            return op(value, *args)
+        key = (op, args)
+        kept = self._views.get(key)
+        if kept is not None and kept[0] is value:
+            return kept[1]
+        # Made outside inference mode (defensive): autograd tags a view taken under
+        # inference_mode, and later calls that record history (frozen members' weights,
+        # tests/test_stacked_views.py) read the same view.
+        with torch.inference_mode(False):
+            view = op(value, *args)
+        if view._base is value:  # a copy would go stale under in-place updates: never kept
+            self._views[key] = (value, view)
+        return view
 
     @property
     def grad_handoff(self) -> str:
