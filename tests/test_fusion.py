@@ -437,3 +437,26 @@ def test_changing_a_wide_conv_member_configuration_re_plans():
         for m in (model, sm.module):
             m.b.padding = (0, 0)
         assert_close(sm(x), model(x))
+
+
+@pytest.mark.parametrize("runtime", ["native", "python"])
+def test_data_assigned_to_a_middle_member_is_seen(runtime):
+    """``member.data = t`` gives one member storage of its own: the kernel reading the
+    stack must see it on the next call, with or without the native stack guard (the
+    Python check looked at the first and last member only)."""
+    torch.manual_seed(0)
+    model = ParallelFCN(8)
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    x = torch.randn(2, 160)
+    sm(x), sm(x)
+    assert sm.plan.fused_groups
+    stacks = [s for s in sm._ss.fusion._stacks.values() if s.alias]
+    assert stacks
+    if runtime == "python":
+        for stack in stacks:
+            stack._guard = None
+    members = stacks[0].tensors
+    middle = members[len(members) // 2]
+    middle.data = torch.randn_like(middle)
+    x = torch.randn(2, 160)
+    assert_close(called_on(sm, "plan:serial", x), model(x), atol=1e-5)

@@ -87,6 +87,9 @@ class HandOffStacked(torch.autograd.Function):
         return None, grad.new_zeros(()).expand(ctx.canary_shape), None
 
 
+_data_ptr = torch.Tensor.data_ptr
+
+
 class StackedTensors:
     """N member tensors (``getattr(module, name)`` for each owner) as one tensor.
 
@@ -183,10 +186,11 @@ class StackedTensors:
     def check(self, full: bool = False) -> None:
         """Re-stack if any member no longer aliases the stack.
 
-        Every call: with the native runtime, every member's storage (one C++ loop);
-        without it, the first and last member's, which catches ``.to()`` / ``.half()``
-        (they move every member). ``full=True`` (after a module anywhere re-registered a
-        parameter) also checks that each member is still the same object.
+        Every call, every member's storage: with the native runtime in one C++ loop,
+        without it in one ``map`` (``member.data = t`` on any one member gives it storage of
+        its own, which the kernel reading the stack would not see). ``full=True`` (after a
+        module anywhere re-registered a parameter) also checks that each member is still
+        the same object.
         """
         if not self.alias:
             return
@@ -194,7 +198,7 @@ class StackedTensors:
         if self._guard is not None:
             stale = not self._guard.valid()
         else:
-            stale = tensors[0].data_ptr() != self._ptrs[0] or tensors[-1].data_ptr() != self._ptrs[-1]
+            stale = list(map(_data_ptr, tensors)) != self._ptrs
         if not stale and full:
             stale = any(
                 getattr(m, n) is not t or t.data_ptr() != p for (m, n), t, p in zip(self.owners, tensors, self._ptrs)
