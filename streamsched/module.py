@@ -46,7 +46,7 @@ from .passes.fusion import FusionContext
 from .planning.choice import Trial
 from .planning.plan import Plan
 from .planning.planner import Schedule, device_of, make_schedule, signature_text
-from .planning.signatures import Decision, Structure, size_bucket, size_bucket_text
+from .planning.signatures import Decision, Structure, size_bucket, sizes_text
 from .runtime import eager as eager_dispatch
 from .runtime.chaos import Chaos
 from .runtime.graphs import GraphExecutor
@@ -539,7 +539,7 @@ class StreamScheduledModule(nn.Module):
         """A call with no plan for its signature: plan it, or run the model as written where
         a plan would not pay (``planning.signatures``)."""
         st = self._ss
-        automatic = self.config.executor == "auto" and st.observer is None and self._may_run_as_written()
+        automatic = self._automatic()
         if spec.has_objects is not None and automatic:
             # An object argument (a KV cache, a config) would be baked into a trace that a
             # later call, passing another object, must not reuse; keyed by type, never kept.
@@ -556,8 +556,9 @@ class StreamScheduledModule(nn.Module):
         structure_key = (spec.key, tuple(m[1:] + (len(m[0]),) for m in sizes), *key[2:])
         structure = st.structures.get_fresh(structure_key)
         shapes = tuple(tuple(m[0]) for m in sizes)
+        bucket = size_bucket(shapes)
         if structure is not None and automatic:
-            why = structure.admit(shapes, size_bucket(shapes))
+            why = structure.admit(shapes, bucket)
             if why is not None:
                 like = structure.plan
                 st.last = _AsWritten(make=lambda: self._as_written_plan(why, like))
@@ -571,7 +572,6 @@ class StreamScheduledModule(nn.Module):
                 st.structures.put(structure_key, structure)
             compiled.structure, compiled.sizes = structure, shapes
             structure.plan = compiled.plan
-            bucket = size_bucket(shapes)
             decision = structure.decision(bucket)
             if decision is not None and compiled.trial is not None:
                 self._apply_decision(compiled, decision)
@@ -583,7 +583,7 @@ class StreamScheduledModule(nn.Module):
         """A new size of a bucket whose trial kept the schedule: no second trial."""
         compiled.trial = None
         plan = compiled.plan
-        why = f"size bucket decided at sizes {size_bucket_text(decision.sizes)}: {decision.why}"
+        why = f"size bucket decided at sizes {sizes_text(decision.sizes)}: {decision.why}"
         if plan.executor != decision.executor:
             plan = plan.model_copy(update={"executor": decision.executor, "reason": why})
         else:
@@ -653,7 +653,7 @@ class StreamScheduledModule(nn.Module):
     ) -> Any:
         st = self._ss
         quiet = st.quiet.get_fresh(trace_key)
-        automatic = self.config.executor == "auto" and st.observer is None and self._may_run_as_written()
+        automatic = self._automatic()
         if automatic and isinstance(quiet, _AsWritten):
             st.last = quiet
             return self._forward_as_written(args, kwargs)
@@ -694,6 +694,11 @@ class StreamScheduledModule(nn.Module):
                 }
                 st.quiet.put(trace_key, _AsWritten(plan.model_copy(update=update)))
         return out
+
+    def _automatic(self) -> bool:
+        """Whether this call may run the model as written instead of a schedule (``auto``,
+        no observer, nothing asking for the schedule itself)."""
+        return self.config.executor == "auto" and self._ss.observer is None and self._may_run_as_written()
 
     def _may_run_as_written(self) -> bool:
         """Whether ``executor="auto"`` may pick the model's own forward: not where the

@@ -33,7 +33,7 @@ from typing import Optional
 
 from .._lru import LRU
 
-__all__ = ["Structure", "Decision", "size_bucket", "size_bucket_text", "PLAN_AFTER", "CHURN_REPLANS", "CHURN_SIZES"]
+__all__ = ["Structure", "Decision", "size_bucket", "sizes_text", "PLAN_AFTER", "CHURN_REPLANS", "CHURN_SIZES"]
 
 # A size is planned on its second call: one call of a size never seen again (a decoding
 # step) runs as written.
@@ -95,13 +95,13 @@ class Structure:
         decision = self.decisions.get(bucket)
         if decision is not None and decision.eager:
             return (
-                f"the size bucket {_show(bucket)} was decided for the model as written "
-                f"(at sizes {_show(decision.sizes)}: {decision.why})"
+                f"the size bucket {sizes_text(bucket)} was decided for the model as written "
+                f"(at sizes {sizes_text(decision.sizes)}: {decision.why})"
             )
         trying = self.trying.get(bucket)
         if trying is not None and trying != sizes:
             return (
-                f"the size bucket {_show(bucket)} is being decided by the trial at sizes {_show(trying)}: "
+                f"the size bucket {sizes_text(bucket)} is being decided by the trial at sizes {sizes_text(trying)}: "
                 "until it is, other sizes of the bucket run as written"
             )
         if self.churning:
@@ -112,7 +112,7 @@ class Structure:
         count = (self.seen.get(sizes) or 0) + 1
         if count < PLAN_AFTER:
             self.seen.put(sizes, count)
-            return f"sizes {_show(sizes)} are new to this call structure: they are planned if they come back"
+            return f"sizes {sizes_text(sizes)} are new to this call structure: they are planned if they come back"
         self.seen.pop(sizes, None)
         if sizes in self.planned:
             self.replans += 1
@@ -122,10 +122,6 @@ class Structure:
         return None
 
 
-def size_bucket_text(sizes: tuple) -> str:
+def sizes_text(sizes: tuple) -> str:
     """``sizes`` as text: ``4x16, 8`` for two inputs."""
-    return _show(sizes)
-
-
-def _show(sizes: tuple) -> str:
     return ", ".join("x".join(map(str, s)) or "scalar" for s in sizes)
