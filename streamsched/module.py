@@ -46,7 +46,7 @@ from .passes.fusion import FusionContext
 from .planning.choice import Trial
 from .planning.plan import Plan
 from .planning.planner import Schedule, device_of, make_schedule, signature_text
-from .planning.signatures import Decision, Structure, size_bucket, sizes_text
+from .planning.signatures import Decision, Structure, sizes_text
 from .runtime import eager as eager_dispatch
 from .runtime.chaos import Chaos
 from .runtime.graphs import GraphExecutor
@@ -134,6 +134,10 @@ class _State:
         # an _AsWritten once there were enough of them.
         self.quiet: LRU = LRU(config.plan_cache_size)
         self.plans: LRU = LRU(config.plan_cache_size)
+        # Signatures settled to run the model as written (a size bucket the trial decided
+        # for it, churn, an object argument): _AsWritten records, so that their calls
+        # skip the size policy. Small entries (sizes, no tensors), so many of them.
+        self.written: LRU = LRU(max(256, 16 * config.plan_cache_size))
         # Per call structure (a signature without its sizes): which new sizes get a plan.
         self.structures: LRU = LRU(max(16, config.plan_cache_size))
         self.last: Any = None  # what sm.plan reports: a _Compiled, or an eager-dispatch record
@@ -407,6 +411,7 @@ class StreamScheduledModule(nn.Module):
             st.traces.clear()
             st.quiet.clear()
             st.plans.clear()
+            st.written.clear()
             st.structures.clear()
             st.last = None
             st.hot = None
@@ -415,11 +420,18 @@ class StreamScheduledModule(nn.Module):
             st.executors.forget_graphs()
             st.generation = _generation.current()
 
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return self._entry_uncompiled(args, kwargs)
+        return self._entry(args, kwargs, False)
+
     # The schedule is plain Python over generated code; dynamo tracing it only finds graph
     # breaks (and replays the fused-parameter re-pointing as an in-place op). To compile,
-    # compile the branches: a torch.compile'd submodule runs as one opaque task.
+    # compile the branches: a torch.compile'd submodule runs as one opaque task. (Only
+    # this path is excluded from dynamo: the exclusion wrapper costs microseconds on every
+    # call, and ``forward`` reaches here only while dynamo traces it.)
     @torch.compiler.disable
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def _entry_uncompiled(self, args: tuple, kwargs: dict) -> Any:
         return self._entry(args, kwargs, False)
 
     def _entry(self, args: tuple, kwargs: dict, inside_model_call: bool) -> Any:
@@ -467,6 +479,9 @@ class StreamScheduledModule(nn.Module):
             schedule = hot[1]
         else:
             schedule = st.plans.get_fresh(key)
+            if schedule is None and st.observer is None:
+                # A signature settled to run as written (planning.signatures).
+                schedule = st.written.get(key)
         if schedule is not None and schedule.alias_pattern is not None:
             # The plan orders in-place effects for the way its inputs alias each
             # other on the call that made it; other aliasing needs another plan.
@@ -549,19 +564,22 @@ class StreamScheduledModule(nn.Module):
                 "another one): calls passing one run the model as written"
             )
             st.last = _AsWritten(make=lambda: self._as_written_plan(why))
-            # The next call with this key (objects key by type) takes the hot path.
+            # Later calls with this key (objects key by type) run as written at once.
+            st.written.put(key, st.last)
             st.hot = (key, st.last)
             return self._forward_as_written(args, kwargs)
         sizes = key[1]
         structure_key = (spec.key, tuple(m[1:] + (len(m[0]),) for m in sizes), *key[2:])
         structure = st.structures.get_fresh(structure_key)
         shapes = tuple(tuple(m[0]) for m in sizes)
-        bucket = size_bucket(shapes)
         if structure is not None and automatic:
-            why = structure.admit(shapes, bucket)
-            if why is not None:
-                like = structure.plan
-                st.last = _AsWritten(make=lambda: self._as_written_plan(why, like))
+            verdict = structure.admit(shapes, structure.bucket_of(shapes))
+            if verdict is not None:
+                like, why = structure.plan, verdict.why
+                st.last = _AsWritten(make=lambda: self._as_written_plan(why(), like))
+                if verdict.settled:
+                    # Later calls with this signature run as written without asking again.
+                    st.written.put(key, st.last)
                 return self._forward_as_written(args, kwargs)
         out = self._first_call(key, spec, tensors, args, kwargs)
         compiled = st.plans.get(key)
@@ -569,9 +587,14 @@ class StreamScheduledModule(nn.Module):
             if structure is None:
                 structure = Structure(self.config.plan_cache_size)
                 structure.planned.put(shapes, True)
+                # Nothing side by side, nothing batched: the trial's verdict holds for
+                # every size (planning.signatures).
+                plan = compiled.plan
+                structure.uniform = plan.num_streams <= 1 and not plan.fused_groups
                 st.structures.put(structure_key, structure)
             compiled.structure, compiled.sizes = structure, shapes
             structure.plan = compiled.plan
+            bucket = structure.bucket_of(shapes)
             decision = structure.decision(bucket)
             if decision is not None and compiled.trial is not None:
                 self._apply_decision(compiled, decision)
@@ -770,7 +793,7 @@ class StreamScheduledModule(nn.Module):
                 # Decided once for the sizes' bucket: its other sizes take this verdict.
                 schedule.structure.plan = schedule.plan
                 schedule.structure.decide(
-                    size_bucket(schedule.sizes),
+                    schedule.structure.bucket_of(schedule.sizes),
                     Decision(schedule.eager, schedule.plan.schedule_executor, schedule.plan.reason, schedule.sizes),
                 )
         return out

@@ -1,7 +1,7 @@
 """torch.compile and streamsched, both ways round.
 
 (a) ``torch.compile(StreamScheduledModule(model))``: the wrapper's forward is excluded
-    from dynamo (``torch.compiler.disable``): tracing the scheduler's own machinery only
+    from dynamo (``torch.compiler.disable`` on the path dynamo traces): tracing the scheduler's own machinery only
     found graph breaks and replayed the fused-parameter re-pointing as an in-place op.
     Compiling the wrapper is therefore harmless and cheap, and equal to eager from the
     first call, with or without fusion.

@@ -159,6 +159,74 @@ def test_the_trial_decides_once_per_size_bucket(monkeypatch):
     assert "size bucket 32x16 was decided for the model as written" in sm.plan.reason
 
 
+class Chain(nn.Module):
+    """Nothing to run side by side and nothing to batch: one stream, no fused group."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(d, 32), nn.Tanh(), nn.Linear(32, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def _slow_schedules(monkeypatch) -> None:
+    from streamsched.runtime.serial import SerialExecutor
+    from streamsched.runtime.threads import ThreadExecutor
+
+    for executor in (SerialExecutor, ThreadExecutor):
+
+        def slow(self, *args, _run=executor.run, **kwargs):
+            time.sleep(0.02)
+            return _run(self, *args, **kwargs)
+
+        monkeypatch.setattr(executor, "run", slow)
+
+
+def test_a_structure_with_nothing_to_schedule_is_decided_once_for_every_size(monkeypatch):
+    """Its schedule differs from the forward only by the forward's Python: one trial for
+    the structure, not one per size bucket; sizes never planned take the verdict."""
+    _slow_schedules(monkeypatch)
+    model = Chain()
+    sm = ss.StreamScheduledModule(model)
+    paths = []
+    for _rep in range(6):
+        for n in (3, 6, 12, 24, 48):  # five size buckets
+            x = torch.randn(n, 16)
+            assert_close(sm(x), model(x))
+            paths.append(last_path(sm))
+    assert paths.count("recorded") == 1, paths
+    assert sum(p.startswith("plan") for p in paths) == 1, paths  # the slow schedule: once in all
+    for n in (5, 100, 100):  # sizes no call had: no recording, no trial
+        x = torch.randn(n, 16)
+        assert_close(sm(x), model(x))
+        assert_path(sm, "as-written")
+    assert "every size of this call structure" in sm.plan.reason
+    assert "decided for the model as written" in sm.plan.reason
+
+
+def test_a_settled_signature_skips_the_size_policy(monkeypatch):
+    _slow_schedules(monkeypatch)
+    model = Chain()
+    sm = ss.StreamScheduledModule(model)
+    for _ in range(4):
+        sm(torch.randn(3, 16))  # recorded, then the trial drops the slow schedule
+    assert sm.plan.executor == "eager"
+    asked = []
+    admit = signatures.Structure.admit
+    monkeypatch.setattr(signatures.Structure, "admit", lambda self, *a: asked.append(a) or admit(self, *a))
+    for _ in range(3):
+        x = torch.randn(7, 16)
+        assert_close(sm(x), model(x))
+        assert_path(sm, "as-written")
+    assert len(asked) == 1  # the first call of the size; the answer stands for the next
+    assert "decided for the model as written" in sm.plan.reason
+    model.train()  # another mode is another call structure: traced and recorded anew
+    x = torch.randn(7, 16)
+    assert_close(sm(x), model(x))
+    assert_path(sm, "recorded")
+
+
 def test_a_bucket_decided_for_the_schedule_plans_new_sizes_without_a_trial():
     model = Towers()
     sm = ss.StreamScheduledModule(model)

@@ -17,6 +17,11 @@ signature without the sizes: argument structure, dtypes, devices, ranks, modes) 
   dimension rounded up to a power of two, :func:`size_bucket`): where it found the model
   as written faster, new sizes of that bucket run as written without a plan; where it
   kept the schedule, a new size is planned with the decided executor and no trial.
+- **nothing to schedule:** where the structure's first plan runs nothing side by side
+  and batches nothing (one stream, no fused group), the schedule can differ from the
+  model as written only by the cost of running the forward's Python; that does not
+  change sign with the sizes, so the trial decides once for the whole structure
+  (:data:`ANY_SIZE`) instead of once per bucket, and new sizes take its verdict.
 - **churn:** when sizes already planned once must be planned again (the plan cache is
   smaller than the set of sizes the workload cycles through, :data:`CHURN_REPLANS`), or
   more distinct sizes were planned than twice the cache holds (:data:`CHURN_SIZES`), the
@@ -29,11 +34,21 @@ Nothing here holds a reference to a caller's tensor or object: sizes are tuples 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
 from .._lru import LRU
 
-__all__ = ["Structure", "Decision", "size_bucket", "sizes_text", "PLAN_AFTER", "CHURN_REPLANS", "CHURN_SIZES"]
+__all__ = [
+    "Structure",
+    "Decision",
+    "AsWritten",
+    "size_bucket",
+    "sizes_text",
+    "PLAN_AFTER",
+    "CHURN_REPLANS",
+    "CHURN_SIZES",
+    "ANY_SIZE",
+]
 
 # A size is planned on its second call: one call of a size never seen again (a decoding
 # step) runs as written.
@@ -43,6 +58,8 @@ CHURN_REPLANS = 3
 # Or distinct sizes planned, in multiples of the plan cache: far more sizes than the cache
 # holds come back (a thousand batch sizes), each plan evicting another.
 CHURN_SIZES = 2
+# The one bucket of a structure whose plans have nothing to schedule: every size.
+ANY_SIZE: tuple = ("any size",)
 
 
 def _round_up(n: int) -> int:
@@ -67,7 +84,7 @@ class Decision:
 class Structure:
     """What the wrapper knows about one call structure across sizes (module docstring)."""
 
-    __slots__ = ("seen", "planned", "replans", "churning", "decisions", "trying", "plan", "capacity")
+    __slots__ = ("seen", "planned", "replans", "churning", "decisions", "trying", "plan", "capacity", "uniform")
 
     def __init__(self, plan_cache_size: int):
         self.capacity = plan_cache_size
@@ -82,6 +99,12 @@ class Structure:
         self.trying: dict[tuple, tuple] = {}
         # The structure's most recent plan: what ``sm.plan`` reports for its as-written calls.
         self.plan = None
+        # Its first plan had nothing to schedule: one bucket for every size (ANY_SIZE).
+        self.uniform = False
+
+    def bucket_of(self, sizes: tuple) -> tuple:
+        """The bucket whose trial decides for ``sizes``."""
+        return ANY_SIZE if self.uniform else size_bucket(sizes)
 
     def decision(self, bucket: tuple) -> Optional[Decision]:
         return self.decisions.get(bucket)
@@ -90,29 +113,42 @@ class Structure:
         self.decisions.put(bucket, decision)
         self.trying.pop(bucket, None)
 
-    def admit(self, sizes: tuple, bucket: tuple) -> Optional[str]:
+    def admit(self, sizes: tuple, bucket: tuple) -> Optional[AsWritten]:
         """``None`` to plan ``sizes`` now, else why the call runs as written."""
         decision = self.decisions.get(bucket)
         if decision is not None and decision.eager:
-            return (
-                f"the size bucket {sizes_text(bucket)} was decided for the model as written "
-                f"(at sizes {sizes_text(decision.sizes)}: {decision.why})"
+            return AsWritten(
+                True,
+                lambda: (
+                    f"{_bucket_text(bucket)} was decided for the model as written "
+                    f"(at sizes {sizes_text(decision.sizes)}: {decision.why})"
+                ),
             )
         trying = self.trying.get(bucket)
         if trying is not None and trying != sizes:
-            return (
-                f"the size bucket {sizes_text(bucket)} is being decided by the trial at sizes {sizes_text(trying)}: "
-                "until it is, other sizes of the bucket run as written"
+            return AsWritten(
+                False,
+                lambda: (
+                    f"{_bucket_text(bucket)} is being decided by the trial at sizes {sizes_text(trying)}: "
+                    "until it is, other sizes run as written"
+                ),
             )
         if self.churning:
-            return (
-                f"sizes churn through the plan cache ({len(self.planned)} sizes planned, {self.replans} of them again "
-                "after eviction): new sizes of this call structure run as written; raise plan_cache_size to plan them"
+            planned, replans = len(self.planned), self.replans
+            return AsWritten(
+                True,
+                lambda: (
+                    f"sizes churn through the plan cache ({planned} sizes planned, {replans} of them again after "
+                    "eviction): new sizes of this call structure run as written; raise plan_cache_size to plan them"
+                ),
             )
         count = (self.seen.get(sizes) or 0) + 1
         if count < PLAN_AFTER:
             self.seen.put(sizes, count)
-            return f"sizes {sizes_text(sizes)} are new to this call structure: they are planned if they come back"
+            return AsWritten(
+                False,
+                lambda: f"sizes {sizes_text(sizes)} are new to this call structure: they are planned if they come back",
+            )
         self.seen.pop(sizes, None)
         if sizes in self.planned:
             self.replans += 1
@@ -122,6 +158,26 @@ class Structure:
         return None
 
 
+class AsWritten(NamedTuple):
+    """Why a call of a size without a plan runs as written (:meth:`Structure.admit`)."""
+
+    # Whether the answer stands for every later call of these sizes (a bucket decided
+    # for the model as written, churn), so the wrapper may remember it per signature;
+    # "new size" and "trial under way" change with the next calls.
+    settled: bool
+    # The reason as text, made only when someone reads the plan: building it on every
+    # call would cost more than the as-written call saves.
+    why: Callable[[], str]
+
+
+def _bucket_text(bucket: tuple) -> str:
+    if bucket == ANY_SIZE:
+        return "every size of this call structure (its plan has nothing to run side by side or batch)"
+    return f"the size bucket {sizes_text(bucket)}"
+
+
 def sizes_text(sizes: tuple) -> str:
     """``sizes`` as text: ``4x16, 8`` for two inputs."""
+    if sizes == ANY_SIZE:
+        return "(every size)"
     return ", ".join("x".join(map(str, s)) or "scalar" for s in sizes)
