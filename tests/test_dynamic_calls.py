@@ -221,7 +221,7 @@ def test_a_settled_signature_skips_the_size_policy(monkeypatch):
         assert_path(sm, "as-written")
     assert len(asked) == 1  # the first call of the size; the answer stands for the next
     assert "decided for the model as written" in sm.plan.reason
-    model.train()  # another mode is another call structure: traced and recorded anew
+    model.eval()  # another mode is another call structure: traced and recorded anew
     x = torch.randn(7, 16)
     assert_close(sm(x), model(x))
     assert_path(sm, "recorded")

@@ -43,9 +43,14 @@ class ShapeCachedBinder:
 
     _MAX_SHAPES = 64
 
+    _MAX_KINDS = 256
+
     def __init__(self, binder: CallBinder):
         self.binder = binder
         self.shapes: dict[tuple, Any] = {}
+        # Each argument type's tag (_tag_of), for the types whose tag depends on the type
+        # alone: the tag loop is on every call's path.
+        self.kinds: dict[type, Any] = {}
 
     def bind(self, args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
         binder = self.binder
@@ -53,19 +58,19 @@ class ShapeCachedBinder:
             return binder.bind(args, kwargs)  # positional tensors only: its own fast path
         values = args + tuple(kwargs.values()) if kwargs else args
         tags: list[Any] = []
+        kinds = self.kinds
         for v in values:
-            if isinstance(v, torch.Tensor):
-                tags.append(0)
-            elif v is None:
-                tags.append(1)
-            elif type(v) in _LEAF_SCALARS:
-                tags.append((type(v), v))
-            elif _is_object_leaf(v):
-                # An object the call passes whole (a KV cache, a config): its type
-                # shapes the call, never its identity (nothing here keeps it alive).
-                tags.append(("object", type(v)))
-            else:
-                return binder.bind(args, kwargs)
+            kind = type(v)
+            tag = kinds.get(kind)
+            if tag is None:
+                tag = _tag_of(v)
+                if tag is _FULL:
+                    return binder.bind(args, kwargs)
+                if kind not in _BY_VALUE and len(kinds) < self._MAX_KINDS:
+                    kinds[kind] = tag
+            if tag is _SCALAR:
+                tag = (kind, v)
+            tags.append(tag)
         shape = (len(args), tuple(kwargs), tuple(tags))
         entry = self.shapes.get(shape)
         if entry is None:
@@ -107,6 +112,28 @@ class ShapeCachedBinder:
             if spec.has_objects is None or spec.key is None:  # computed now, from the types alone
                 return False
         return spec, picks, tuple(consts)
+
+
+# Tags: what a call shape records of each argument value.
+_SCALAR = "scalar"  # a bool, int, float or str: the value itself, (type, value)
+_FULL = "full"  # a container pytree flattens: no shortcut, the full bind
+# Types whose tag depends on the value (the contents of a frozenset or slice may or may
+# not be plain): never cached by type.
+_BY_VALUE = (frozenset, slice)
+
+
+def _tag_of(value: object) -> Any:
+    if isinstance(value, torch.Tensor):
+        return 0
+    if value is None:
+        return 1
+    if type(value) in _LEAF_SCALARS:
+        return _SCALAR
+    if _is_object_leaf(value):
+        # An object the call passes whole (a KV cache, a config): its type shapes the
+        # call, never its identity (nothing here keeps it alive).
+        return ("object", type(value))
+    return _FULL
 
 
 def _is_object_leaf(value: object) -> bool:
