@@ -176,10 +176,11 @@ class _State:
 class _AttachedForward:
     """The ``forward`` an attached model gets (``StreamScheduledModule.attach``)."""
 
-    __slots__ = ("wrapper",)
+    __slots__ = ("wrapper", "_signature")
 
     def __init__(self, wrapper: StreamScheduledModule):
         self.wrapper = wrapper
+        self._signature: Optional[inspect.Signature] = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.wrapper._entry(args, kwargs, True)
@@ -188,8 +189,11 @@ class _AttachedForward:
     def __signature__(self) -> inspect.Signature:
         # Libraries read forward's parameters (transformers filters generate's keyword
         # arguments by them): the class's forward's, bound to the model.
-        model = self.wrapper.module
-        return inspect.signature(type(model).forward.__get__(model))
+        # (``generate`` asks on every step: computed once, the class's forward is fixed.)
+        if self._signature is None:
+            model = self.wrapper.module
+            self._signature = inspect.signature(type(model).forward.__get__(model))
+        return self._signature
 
     def __reduce__(self) -> Any:
         raise TypeError(
