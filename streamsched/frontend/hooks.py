@@ -22,7 +22,7 @@ from typing import Any, Callable
 from torch import nn
 from torch.nn.modules import module as _module
 
-__all__ = ["has_hooks", "global_hooks", "capture_hooks", "is_capture_hook"]
+__all__ = ["has_hooks", "global_hooks", "capture_hooks", "is_capture_hook", "is_counting_hook", "COUNTING_HOOK"]
 
 # Modules whose forward hooks only hand outputs to the enclosing forward (see above).
 _CAPTURE_HOOK_MODULES = frozenset({"transformers.utils.output_capturing"})
@@ -38,14 +38,26 @@ def capture_hooks(m: nn.Module) -> list[Callable[..., Any]]:
     return [h for h in m._forward_hooks.values() if is_capture_hook(h)]
 
 
+def is_counting_hook(hook: Callable[..., Any]) -> bool:
+    """Whether ``hook`` is the leaf-call counter's (``frontend.leafcalls``): it sits on
+    leaf modules for the length of one recording call, and changes nothing a trace or a
+    plan made meanwhile (a nested wrapper's) may depend on."""
+    return getattr(hook, COUNTING_HOOK, False)
+
+
+# Set on the leaf-call counter's forward pre-hooks.
+COUNTING_HOOK = "_streamsched_counting_hook"
+
+
 def has_hooks(m: nn.Module) -> bool:
     """Whether ``m`` has a forward, forward-pre, backward or backward-pre hook that must
-    fire at run time (capture hooks do not count)."""
+    fire at run time (capture hooks and the leaf-call counter's do not count)."""
     # On every call of the wrapper: empty tables (the usual case) cost no generator.
     forward = m._forward_hooks
+    pre = m._forward_pre_hooks
     return bool(
         (forward and any(not is_capture_hook(h) for h in forward.values()))
-        or m._forward_pre_hooks
+        or (pre and any(not is_counting_hook(h) for h in pre.values()))
         or m._backward_hooks
         or getattr(m, "_backward_pre_hooks", None)
     )

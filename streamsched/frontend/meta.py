@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import fx
 
+from .leafcalls import recording_counter, store_counts
 from .opaque_outputs import leaf_label, misleads
 
 __all__ = ["TensorMeta", "ValueMeta", "describe", "run_and_record", "tensor_metas"]
@@ -109,9 +110,32 @@ def run_and_record(
     are the same: the traced code before the call did not depend on it). Until the last
     leaf call that could mislead it has run, no value is dropped, since the new graph may
     read it later than the old one did.
+
+    Where ``root`` is a trace's root, the leaf-module calls each node makes are counted
+    into ``node.meta`` (:mod:`~streamsched.frontend.leafcalls`: a forward pre-hook on
+    every leaf module for the length of this call), which ``Plan.coverage`` is made of.
     """
     ref = root.__dict__.get("_streamsched_traced")
     traced = ref() if ref is not None else None
+    if traced is None:
+        return _run(graph, root, inputs, on_error, record, effects, None, None)
+    counter = recording_counter(traced)
+    with counter:
+        result = _run(graph, root, inputs, on_error, record, effects, traced, counter)
+    store_counts(counter, list(traced.graph.nodes))
+    return result
+
+
+def _run(
+    graph: fx.Graph,
+    root: torch.nn.Module,
+    inputs: list[Any],
+    on_error: Callable[[BaseException, fx.Node], None],
+    record: Optional[dict[fx.Node, ValueMeta]],
+    effects: Any,
+    traced: Any,
+    counter: Any,
+) -> Any:
     nodes = list(graph.nodes)
     submodule = _submodules(root)
     frees, hold_until = _plan_frees(nodes, traced is not None, submodule, 0)
@@ -127,6 +151,8 @@ def run_and_record(
     i = 0
     while i < len(nodes):
         node = nodes[i]
+        if counter is not None:
+            counter.where = node.name
         if effects is not None:
             effects.begin(node.name)
         try:
@@ -158,7 +184,10 @@ def run_and_record(
             if retraces > _MAX_RETRACES:
                 raise RuntimeError(f"{retraces} re-traces for what leaf calls return; giving up at '{node.target}'")
             try:
-                traced.relearn(node, value)
+                # The re-trace must see the modules without the counting hooks (a hooked
+                # module is a leaf to the tracer).
+                with counter.paused():
+                    traced.relearn(node, value)
             except Exception as exc:
                 on_error(exc, node)
                 raise

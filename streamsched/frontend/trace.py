@@ -267,6 +267,7 @@ class _LeafTracer(fx.Tracer):
         # (frontend.opaque_outputs): (path, index among that path's calls) -> skeleton.
         self.known_outputs = known_outputs or {}
         self.leaf_calls: dict[str, int] = {}
+        self.inlined_leaf_calls = 0
         self.model = model
         self.thread = threading.get_ident()
         self.thread_state = self._thread_state()
@@ -287,6 +288,10 @@ class _LeafTracer(fx.Tracer):
         leaf = self.is_leaf_module(m, "")
         if not leaf:
             self.traced_through[id(m)] = m
+            if m is not self.model and next(m.children(), None) is None:
+                # A leaf-module call the trace goes through: its operations are the
+                # plan's (``frontend.leafcalls``).
+                self.inlined_leaf_calls += 1
         try:
             out = super().call_module(m, forward, args, kwargs)
             if leaf and m is not self.model:
@@ -438,6 +443,9 @@ class Traced:
     flags: tuple = ()
     leaf_types: tuple = ()
     """The ``leaf_types`` it was traced with (a re-trace uses them again)."""
+    inlined_leaf_calls: int = 0
+    """Calls of childless modules the trace went through (their operations are graph
+    nodes): leaf-module calls for ``Plan.coverage`` (``frontend.leafcalls``)."""
 
     def relearn(self, node: fx.Node, value: Any) -> None:
         """The recording call found leaf call ``node`` returning ``value``, which the
@@ -466,6 +474,7 @@ class Traced:
         self.graph, self.root, self.input_names = fresh.graph, fresh.root, fresh.input_names
         self.module_ids, self.structure, self.output_tree = fresh.module_ids, fresh.structure, fresh.output_tree
         self.opaque, self.flags = fresh.opaque, fresh.flags
+        self.inlined_leaf_calls = fresh.inlined_leaf_calls
         self.root.__dict__["_streamsched_traced"] = weakref.ref(self)
 
     def modules_unchanged(self) -> bool:
@@ -688,6 +697,7 @@ def _trace_once(
         output_tree=root.__dict__.get("_streamsched_output_tree"),
         opaque={_type_name(cls): reason for cls, reason in opaque.items()},
         flags=flags,
+        inlined_leaf_calls=tracer.inlined_leaf_calls,
     )
     # The recording call re-traces through this where a leaf call misled the trace.
     root.__dict__["_streamsched_traced"] = weakref.ref(traced)

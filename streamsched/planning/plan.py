@@ -126,6 +126,12 @@ class Plan(BaseModel):
     """Candidate groups the fusion pass left alone, with the reason."""
     trial: Optional[ExecutorTrial] = None
     """With ``executor="auto"``, once the first calls have been timed: what they measured."""
+    leaf_calls: int = 0
+    """The forward's leaf-module calls, as counted once when the plan was made (see
+    :attr:`coverage`); 0 where they were not counted (:meth:`as_written`)."""
+    leaf_calls_in_tasks: int = 0
+    """How many of :attr:`leaf_calls` are tasks of the schedule, or run inside a task the
+    user declared one (see :attr:`coverage`)."""
 
     @classmethod
     def as_written(cls, model: str, reason: str, signature: str = "", device: str = "") -> Plan:
@@ -147,6 +153,53 @@ class Plan(BaseModel):
             est_parallel_us=0.0,
             cross_stream_waits=0,
         )
+
+    @property
+    def coverage(self) -> float:
+        """The share of the forward's leaf-module calls that run as tasks of this plan
+        (0.0 to 1.0): how much of the model the scheduler sees.
+
+        A *leaf-module call* is a call of a module with no child modules (``nn.Linear``,
+        ``nn.ReLU``, a user module holding only parameters) or of a ``leaf_modules``
+        class; a module called twice counts twice, and the calls a leaf module makes
+        inside are part of its own. A module call that reaches no leaf module
+        (``nn.MultiheadAttention``) counts as one itself.
+
+        Scheduled are the calls that are tasks (fused group members included), the
+        calls whose operations the trace went through, and the calls made inside a task
+        the user declared one (a ``@streamsched.branch`` function or module, a
+        ``torch.compile``'d module). Not scheduled: the calls made inside a module call
+        that runs as one task without being declared one (a class that could not be
+        traced, listed in :attr:`opaque`; a module with hooks; a ``torch.nn`` container
+        such as ``nn.TransformerEncoderLayer``), and every call of a forward that runs as
+        written (``executor == "eager"``: 0.0). Under eager dispatch, the calls made
+        inside branch bodies are scheduled, the rest of the forward's are not, as
+        counted on the first call of each call structure.
+
+        A traced forward that makes no leaf-module call has nothing hidden: 1.0.
+        :attr:`coverage_calls` gives the counts.
+        """
+        scheduled, total = self.coverage_calls
+        if total == 0:
+            return 0.0 if self.executor == "eager" else 1.0
+        return scheduled / total
+
+    @property
+    def coverage_calls(self) -> tuple[int, int]:
+        """``(scheduled, total)`` leaf-module calls of the forward (see :attr:`coverage`)."""
+        if self.executor == "eager":
+            return 0, self.leaf_calls
+        return self.leaf_calls_in_tasks, self.leaf_calls
+
+    def coverage_text(self) -> str:
+        """One line: ``coverage 0.93 (52 of 56 leaf-module calls scheduled)``."""
+        scheduled, total = self.coverage_calls
+        if self.executor == "eager":
+            counted = f"; the forward makes {total}" if total else ""
+            return (
+                f"coverage {self.coverage:.2f} (the model runs as written: no leaf-module call is scheduled{counted})"
+            )
+        return f"coverage {self.coverage:.2f} ({scheduled} of {total} leaf-module calls scheduled)"
 
     @property
     def schedule_executor(self) -> str:
@@ -193,6 +246,7 @@ class Plan(BaseModel):
             f"{self.cross_stream_waits} cross-stream wait(s)",
             f"  estimated: serial {_us(self.est_serial_us)}, with this plan {_us(self.est_parallel_us)}, "
             f"critical path {_us(self.critical_path_us)} ({len(self.critical_path)} tasks)",
+            f"  {self.coverage_text()}",
         ]
         if self.fused_groups:
             total = sum(g.size for g in self.fused_groups)

@@ -20,6 +20,7 @@ from torch import fx
 
 from ..config import SchedulerConfig
 from ..frontend.effects import Effects
+from ..frontend.leafcalls import traced_coverage
 from ..frontend.meta import ValueMeta
 from ..frontend.trace import Traced
 from ..ir.cost import device_model_for
@@ -204,6 +205,8 @@ def make_schedule(
         else:
             notes.append(f"cuda_graph is ignored: the tensors are on {device}")
     critical = tg.critical_path()
+    # Counted by the recording call that preceded this planning (frontend.leafcalls).
+    in_tasks, leaf_calls = traced_coverage(traced)
     group_of_node = {g.node: g.id for g in groups}
     tasks = []
     for t in tg.tasks:
@@ -240,6 +243,8 @@ def make_schedule(
         opaque=[OpaqueModule(path=p, reason=r) for p, r in traced.opaque_paths().items()],
         effect_edges=sum(len(v) for v in effects.after.values()),
         unfused=unfused,
+        leaf_calls=leaf_calls,
+        leaf_calls_in_tasks=in_tasks,
     )
     log.debug(
         "planned %s: %d tasks, %d streams, executor %s (%s)", plan.model, len(tasks), plan.num_streams, executor, reason

@@ -10,6 +10,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from ...frontend.leafcalls import branch_scope
 from .calllog import _CallLog
 from .errors import EagerDispatchError
 from .launch import _Launch, _TaskInfo
@@ -57,7 +58,7 @@ class _BranchRunner:
         versions = [(t, _version(t)) for t in _tensors((args, kwargs))] if launched else []
         start = time.perf_counter_ns()
         try:
-            with self._observe(launch, launch.stream):
+            with self._observe(launch, launch.stream), branch_scope():
                 result = fn(*args, **kwargs)
         finally:
             launch.cost_us = (time.perf_counter_ns() - start) / 1e3

@@ -20,19 +20,24 @@ class DispatchContext:
     that call's number and observer (:meth:`for_call`). ``lane_histories`` is the state
     eager dispatch keeps between calls: per call structure (``CallSpec.key``), the
     :class:`~streamsched.planning.choice.LaneHistory` that ``executor="auto"`` decides by
-    on CPU, at most ``config.plan_cache_size`` of them.
+    on CPU, at most ``config.plan_cache_size`` of them; ``leaf_calls``, per call
+    structure, the ``(in branches, total)`` leaf-module calls counted on its first call
+    (``Plan.coverage``).
     """
 
     model: torch.nn.Module
     config: SchedulerConfig
     binder: CallBinder  # rebuilds forward's arguments from a call's leaves
     lane_histories: LRU
+    leaf_calls: LRU
     call_number: int = 0  # seeds chaos delays
     observer: Any = None  # push(task, stream) / pop(task, stream) around every branch, or None
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, config: SchedulerConfig, binder: CallBinder) -> DispatchContext:
-        return cls(model, config, binder, LRU(config.plan_cache_size))
+        return cls(model, config, binder, LRU(config.plan_cache_size), LRU(config.plan_cache_size))
 
     def for_call(self, call_number: int, observer: Any) -> DispatchContext:
-        return DispatchContext(self.model, self.config, self.binder, self.lane_histories, call_number, observer)
+        return DispatchContext(
+            self.model, self.config, self.binder, self.lane_histories, self.leaf_calls, call_number, observer
+        )

@@ -9,6 +9,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from ...branch import _eager_launcher
+from ...frontend.leafcalls import counting_dispatch
 from ...frontend.trace import CallSpec
 from ..synclog import SyncLog
 from .call import _EagerCall
@@ -65,6 +66,13 @@ def run_eager_dispatch(
     model = context.model
     output: Any = None
     error: Optional[BaseException] = None
+    # The first call of a call structure counts its leaf-module calls (Plan.coverage),
+    # through the join: a branch on a lane may still be running when forward returns.
+    leaf_calls = context.leaf_calls.get_fresh(spec.key)
+    counting = counter = None
+    if leaf_calls is None:
+        counting = counting_dispatch(model, context.config.leaf_modules)
+        counter = counting.__enter__()
     start = time.perf_counter_ns()
     token = _eager_launcher.set(call)
     try:
@@ -76,10 +84,15 @@ def run_eager_dispatch(
         _eager_launcher.reset(token)
         failure = call.join()
         call.open = False
+        if counting is not None:
+            counting.__exit__(None, None, None)
+            leaf_calls = (sum(counter.hits), len(counter.hits))
+            if error is None and failure is None:
+                context.leaf_calls.put(spec.key, leaf_calls)
         if mode.history is not None and error is None and failure is None:
             # The measuring; the rule that turns it into a choice is mode.history's.
             mode.history.record(mode.cpu, (time.perf_counter_ns() - start) / 1e3, call.launches)
-        schedule = EagerSchedule(call.record(tensors, reason, device))
+        schedule = EagerSchedule(call.record(tensors, reason, device), leaf_calls)
     # Eager execution would have stopped at the earliest failing branch, before anything
     # the forward did after it: that is the exception to raise (unless the caller was
     # interrupted).

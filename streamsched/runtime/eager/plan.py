@@ -72,14 +72,17 @@ class EagerSchedule:
     """What ``StreamScheduledModule.plan`` reports for a call run by eager dispatch.
 
     Every call makes one; its :class:`~streamsched.planning.plan.Plan` is built when first asked for.
+    ``leaf_calls`` is ``(in branches, total)`` leaf-module calls of the call structure, as
+    counted on its first call (``Plan.coverage``).
     """
 
-    def __init__(self, record: _CallRecord):
+    def __init__(self, record: _CallRecord, leaf_calls: tuple[int, int] = (0, 0)):
         self._record = record
+        self._leaf_calls = leaf_calls
 
     @functools.cached_property
     def plan(self) -> Plan:
-        return _build_plan(self._record)
+        return _build_plan(self._record, self._leaf_calls)
 
 
 def _critical_path(tasks: tuple[_TaskRecord, ...]) -> list[int]:
@@ -97,7 +100,7 @@ def _executor_name(tasks: tuple[_TaskRecord, ...], cpu_mode: str) -> str:
     return "+".join(sorted({names[t.kind] for t in tasks if t.kind in names})) or "serial"
 
 
-def _build_plan(record: _CallRecord) -> Plan:
+def _build_plan(record: _CallRecord, leaf_calls: tuple[int, int]) -> Plan:
     tasks = record.tasks
     critical = _critical_path(tasks)
     per_stream: dict[int, float] = {}
@@ -106,7 +109,7 @@ def _build_plan(record: _CallRecord) -> Plan:
     critical_us = sum(tasks[i].cost_us for i in critical)
     notes = [
         "eager dispatch plans describe the most recent call: another call may take another path through the "
-        "forward and launch other branches",
+        "forward and launch other branches (coverage counts the first call with these arguments)",
         *record.notes,
     ]
     if any(task.cuda for task in tasks):
@@ -139,4 +142,6 @@ def _build_plan(record: _CallRecord) -> Plan:
         est_parallel_us=round(max([critical_us, *per_stream.values()], default=0.0), 3),
         cross_stream_waits=sum(task.cross_waits for task in tasks),
         notes=notes,
+        leaf_calls_in_tasks=leaf_calls[0],
+        leaf_calls=leaf_calls[1],
     )

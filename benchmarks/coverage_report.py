@@ -1,0 +1,120 @@
+"""How much of each real model the scheduler sees: ``Plan.coverage`` per model of the suite.
+
+    STREAMSCHED_DISABLE_EXT=1 HF_HUB_OFFLINE=1 .venv-cuda/bin/python benchmarks/coverage_report.py \\
+        [--broad] [--models a,b] [--markdown]
+
+Builds each model of the real-model suite (``tests/models/zoo.py``; with ``--broad``, also
+``tests/models/broad.py``'s) with the suite's random weights and inputs, wraps it with
+default options and calls it once in ``eval()`` under ``torch.no_grad()``. That call
+traces, records and plans; its plan gives the row: how the model runs (``traced``,
+``eager-dispatch`` or ``as-written``), its tasks, the module calls run as opaque tasks
+(``plan.opaque``) and the coverage, the share of the forward's leaf-module calls that are
+tasks of the plan (``Plan.coverage``: what is counted is in its docstring).
+
+These libraries live in ``.venv-cuda``; the in-tree native extension is built for the
+main ``.venv``'s torch, hence ``STREAMSCHED_DISABLE_EXT=1`` (the pure-Python runtime;
+coverage does not depend on the runtime).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("STREAMSCHED_DISABLE_EXT", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+import streamsched as ss  # noqa: E402
+
+
+def _specs(broad: bool, names: list[str]) -> list:
+    from tests.models.zoo import SPECS
+
+    specs = list(SPECS)
+    if broad:
+        from tests.models.broad import SPECS as BROAD
+
+        seen = {s.name for s in specs}
+        specs += [s for s in BROAD if s.name not in seen]
+    if names:
+        by_name = {s.name: s for s in specs}
+        missing = [n for n in names if n not in by_name]
+        if missing:
+            raise SystemExit(f"unknown model(s): {', '.join(missing)}")
+        specs = [by_name[n] for n in names]
+    return specs
+
+
+def row(spec) -> dict:
+    """One model's row: built, wrapped, called once in eval under no_grad."""
+    from tests.models.zoo import build
+
+    start = time.perf_counter()
+    try:
+        model = build(spec).eval()
+        args, kwargs = spec.inputs(0)
+        sm = ss.StreamScheduledModule(model)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            sm(*args, **kwargs)
+        plan = sm.plan
+    except Exception as exc:  # noqa: BLE001 - a row says what failed
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return {"model": spec.name, "family": spec.family, "error": f"{type(exc).__name__}: {first[:120]}"}
+    scheduled, total = plan.coverage_calls
+    return {
+        "model": spec.name,
+        "family": spec.family,
+        "mode": plan.mode if plan.executor != "eager" else "as-written",
+        "tasks": len(plan.tasks),
+        "opaque": len(plan.opaque),
+        "coverage": plan.coverage,
+        "scheduled": scheduled,
+        "total": total,
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--broad", action="store_true", help="also the broad tier (tests/models/broad.py)")
+    parser.add_argument("--models", default="", help="comma-separated model names")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--markdown", action="store_true", help="a markdown table (docs/models.md)")
+    opts = parser.parse_args()
+    torch.set_num_threads(opts.threads)
+    names = [n for n in opts.models.split(",") if n]
+    if opts.markdown:
+        print("| model | family | runs | tasks | opaque calls | coverage | leaf-module calls scheduled |")
+        print("|---|---|---|---:|---:|---:|---:|")
+    for spec in _specs(opts.broad, names):
+        r = row(spec)
+        if "error" in r:
+            line = f"| {r['model']} | {r['family']} | error: {r['error']} | | | | |" if opts.markdown else r
+            print(line, flush=True)
+            continue
+        if opts.markdown:
+            print(
+                f"| {r['model']} | {r['family']} | {r['mode']} | {r['tasks']} | {r['opaque']} | "
+                f"{r['coverage']:.2f} | {r['scheduled']} of {r['total']} |",
+                flush=True,
+            )
+        else:
+            print(
+                f"{r['model']:<34} {r['family']:<13} {r['mode']:<15} tasks {r['tasks']:>5}  opaque {r['opaque']:>3}  "
+                f"coverage {r['coverage']:.2f} ({r['scheduled']} of {r['total']})  {r['seconds']:.1f} s",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

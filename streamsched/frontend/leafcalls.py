@@ -1,0 +1,253 @@
+"""Leaf-module calls: what a plan's coverage counts, and how the calls are counted.
+
+A *leaf-module call* is a call, through ``nn.Module.__call__``, of a module with no
+child modules (``nn.Linear``, ``nn.ReLU``, a user module holding only parameters) or of
+a module whose class is in ``leaf_modules`` (or registered as untraceable by a loaded
+library, as timm's notrace modules are); the calls such a module makes inside are not
+counted on their own. A module call that reaches no such module (``nn.MultiheadAttention``
+uses its ``out_proj``'s weights without calling it) counts as one leaf call itself.
+
+Coverage (``Plan.coverage``) is the share of a forward's leaf calls that run as tasks of
+the plan. They are counted where they happen, once per plan:
+
+- calls the trace went through (a childless module whose forward was traced into the
+  graph's operations) are counted while tracing (``Traced.inlined_leaf_calls``);
+- calls that are nodes of the graph, or are made *inside* a node (an opaque module's
+  body, a ``@streamsched.branch``'s), are counted by the recording call, which runs
+  every node once: a forward pre-hook sits on every leaf module of the model for the
+  length of that call only (:class:`LeafCallCounter`), and each firing is charged to the
+  node that was running (``node.meta["streamsched_leaf_calls"]``);
+- under eager dispatch, the first call of each call structure is counted the same way,
+  each firing charged to a branch body or to the forward around it.
+
+Nothing is installed on the calls that run a cached plan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import OrderedDict
+from typing import Any, Callable, Hashable, Iterable, Iterator, Optional
+
+import torch
+from torch import fx
+from torch.utils.hooks import RemovableHandle
+
+from ..branch import is_branch_module
+from .hooks import COUNTING_HOOK
+from .trace import Traced, _registered_leaf_types, is_compiled_module
+
+__all__ = [
+    "LEAF_CALLS_META",
+    "LeafCallCounter",
+    "branch_scope",
+    "counting_dispatch",
+    "in_branch",
+    "is_leaf_unit",
+    "leaf_module_types",
+    "leaf_units",
+    "recording_counter",
+    "store_counts",
+    "traced_coverage",
+]
+
+# node.meta key: leaf calls the recording call counted while the node ran.
+LEAF_CALLS_META = "streamsched_leaf_calls"
+
+
+def leaf_module_types(leaf_types: Iterable[Any]) -> tuple[type, ...]:
+    """The module classes among ``leaf_types`` (``config.leaf_modules`` also holds
+    functions), with the classes a loaded library registers as untraceable."""
+    return tuple(t for t in leaf_types if isinstance(t, type)) + _registered_leaf_types()
+
+
+def is_leaf_unit(module: torch.nn.Module, types: tuple[type, ...]) -> bool:
+    """Whether a call of ``module`` is a leaf call: it has no child module, or its class
+    is a leaf class."""
+    return (bool(types) and isinstance(module, types)) or next(module.children(), None) is None
+
+
+def _opaque_to_hooks(module: torch.nn.Module) -> bool:
+    """Modules a hook must not be put in: TorchScript modules (their hook tables are
+    fixed when scripted) and ``torch.compile``'d ones (dynamo guards on hooks: adding one
+    would recompile the user's module). Such a call counts as one leaf call."""
+    return isinstance(module, torch.jit.ScriptModule) or is_compiled_module(module)
+
+
+def leaf_units(model: torch.nn.Module, types: tuple[type, ...]) -> list[torch.nn.Module]:
+    """The model's leaf modules (its own submodules, not the model), each once: the
+    modules whose calls are counted. The walk stops at a leaf module (the calls inside
+    it are part of its call) and at modules a hook cannot go in."""
+    found: dict[int, torch.nn.Module] = {}
+    stack = [c for c in model.children()]
+    seen: set[int] = {id(model)}
+    while stack:
+        module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        if _opaque_to_hooks(module):
+            continue
+        if is_leaf_unit(module, types):
+            found[id(module)] = module
+        else:
+            stack.extend(module.children())
+    return list(found.values())
+
+
+class LeafCallCounter:
+    """A forward pre-hook on each of ``modules`` while the counter is entered: every call
+    of one appends ``tag(module)`` to :attr:`hits` (a ``None`` tag is not counted).
+
+    The hooks go straight into the modules' hook tables (as ``register_forward_pre_hook``
+    does, minus the wrapper's registration counting: they come and go within one call of
+    the wrapper and change nothing a plan depends on). :meth:`paused` lifts them for a
+    while (a re-trace must not see hooked modules).
+    """
+
+    def __init__(self, modules: list[torch.nn.Module], tag: Callable[[torch.nn.Module], Optional[Hashable]]):
+        self.modules = modules
+        self.tag = tag
+        self.hits: list[Hashable] = []
+        # What the caller is running, for a tag to read (the recording call: a node name).
+        self.where: Optional[Hashable] = None
+        # One key, unique among hook ids (the counter PyTorch's own handles draw from),
+        # for the hook in every table.
+        self._key = RemovableHandle(OrderedDict()).id
+        self._installed: list[torch.nn.Module] = []
+
+    def _install(self) -> None:
+        hits, tag_of = self.hits, self.tag
+
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            tag = tag_of(module)
+            if tag is not None:
+                hits.append(tag)  # list.append: safe from the lanes' threads too
+
+        # has_hooks() overlooks it: a trace or a plan made during the counted call (a
+        # nested wrapper's first call) sees the modules as they are.
+        setattr(hook, COUNTING_HOOK, True)
+        key = self._key
+        for module in self.modules:
+            module._forward_pre_hooks[key] = hook
+        self._installed = self.modules
+
+    def _remove(self) -> None:
+        key = self._key
+        for module in self._installed:
+            module._forward_pre_hooks.pop(key, None)
+        self._installed = []
+
+    def __enter__(self) -> LeafCallCounter:
+        self._install()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._remove()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        self._remove()
+        try:
+            yield
+        finally:
+            self._install()
+
+
+def traced_coverage(traced: Traced) -> tuple[int, int]:
+    """``(scheduled, total)`` leaf calls of the most recent recording call of ``traced``.
+
+    A leaf call is scheduled when it is a task of the plan itself (fusion makes members
+    of a group out of such tasks), or runs inside a task the user declared one (a
+    ``@streamsched.branch`` module or function, a ``leaf_modules`` function, a
+    ``torch.compile``'d module). It is not when it runs inside another module call that
+    runs as one task: a class that could not be traced (``Plan.opaque``), a module with
+    hooks, a ``torch.nn`` container such as ``nn.TransformerEncoderLayer``.
+    """
+    types = leaf_module_types(traced.leaf_types)
+    scheduled = total = traced.inlined_leaf_calls
+    for node in traced.graph.nodes:
+        inside = node.meta.get(LEAF_CALLS_META, 0)
+        if node.op == "call_module":
+            module = traced.root.get_submodule(node.target)
+            calls = max(inside, 1)
+            total += calls
+            # A leaf module's own call fires its hook once; a call that reaches no leaf
+            # module is a leaf call itself.
+            if inside == 0 or is_leaf_unit(module, types) or is_branch_module(module) or is_compiled_module(module):
+                scheduled += calls
+        elif inside:
+            total += inside
+            scheduled += inside
+    return scheduled, total
+
+
+def recording_counter(traced: Traced) -> LeafCallCounter:
+    """The counter for a recording call of ``traced``: each leaf call made on the
+    recording thread is charged to the node running (the caller sets ``where`` to its
+    name)."""
+    thread = threading.get_ident()
+
+    def tag(module: torch.nn.Module) -> Optional[Hashable]:
+        if threading.get_ident() != thread:
+            return None  # another thread calling the same modules meanwhile
+        return counter.where
+
+    counter = LeafCallCounter(leaf_units(traced.model, leaf_module_types(traced.leaf_types)), tag)
+    return counter
+
+
+def store_counts(counter: LeafCallCounter, nodes: list[fx.Node]) -> None:
+    """Write each node's count (hits are tagged by node name) into its ``meta``."""
+    counts: dict[Hashable, int] = {}
+    for name in counter.hits:
+        counts[name] = counts.get(name, 0) + 1
+    for node in nodes:
+        node.meta[LEAF_CALLS_META] = counts.get(node.name, 0)
+
+
+# --- eager dispatch --------------------------------------------------------------------
+
+_branch_depth = threading.local()
+# How many eager-dispatch counters are entered: branch bodies mark themselves only then.
+_counting = 0
+_counting_lock = threading.Lock()
+
+
+def in_branch() -> bool:
+    """Whether this thread is running a branch body (while an eager-dispatch count runs)."""
+    return getattr(_branch_depth, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def _marked() -> Iterator[None]:
+    _branch_depth.depth = getattr(_branch_depth, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _branch_depth.depth -= 1
+
+
+def branch_scope() -> Any:
+    """What a branch body runs in: marks the thread while an eager-dispatch call is
+    counted, nothing otherwise (the common case pays one global read)."""
+    return _marked() if _counting else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def counting_dispatch(model: torch.nn.Module, leaf_types: Iterable[Any]) -> Iterator[LeafCallCounter]:
+    """Count the leaf calls of one eager-dispatch call of ``model``: hits are ``True``
+    inside a branch body, ``False`` in the forward around them (a module class decorated
+    with ``@streamsched.branch`` is a task of traced plans only: eager dispatch launches
+    branch functions and methods, and runs such a module inline, unseen)."""
+    global _counting
+    counter = LeafCallCounter(leaf_units(model, leaf_module_types(leaf_types)), lambda module: in_branch())
+    with _counting_lock:
+        _counting += 1
+    try:
+        with counter:
+            yield counter
+    finally:
+        with _counting_lock:
+            _counting -= 1
