@@ -22,6 +22,8 @@ import torch
 from torch import fx
 
 from ..frontend.nodes import node_label
+from ..passes.fusion.kernels import FusedKernel
+from ..passes.fusion.layout import specialise_gather
 from ..planning.planner import Schedule
 
 __all__ = ["CompiledTask", "Program", "compile_program", "annotate_exception"]
@@ -61,6 +63,10 @@ class Program:
     run_serial: Callable[[list], None]
     root: torch.nn.Module
     load: Callable[[list], list]
+    call: Optional[Callable[[list], Any]] = None
+    """``call(inputs) -> output``: load, every task in issue order and the output in one
+    generated function over local variables (what the serial executor runs when nothing
+    observes the tasks); the same lines as ``load``, ``run_serial`` and ``output``."""
     slot_producer: dict[int, int] = field(default_factory=dict)
     lines: dict[tuple[str, int], str] = field(default_factory=dict)
     location_slots: tuple[int, ...] = ()
@@ -91,13 +97,42 @@ class Program:
         return sorted({t.stream for t in self.tasks})
 
 
+def _fresh_kernel_value(node: Any) -> bool:
+    """``node`` is a fused kernel's call whose result is a tensor of its own."""
+    return (
+        isinstance(node, fx.Node)
+        and node.op == "call_function"
+        and isinstance(node.target, FusedKernel)
+        and node.target.fresh_output
+    )
+
+
+def _private_inputs(node: fx.Node) -> bool:
+    """Whether every tensor input of ``node`` is a fresh fused-kernel result that ``node``
+    alone reads, once: no other node, no output and no later task sees it, so ``node``
+    may write it in place (see :meth:`FusedKernel.specialise`)."""
+    inputs = [a for a in node.args if isinstance(a, fx.Node)]
+    if not inputs or node.kwargs:
+        return False
+    for a in inputs:
+        if not _fresh_kernel_value(a) or len(a.users) != 1 or sum(1 for b in node.args if b is a) != 1:
+            return False
+    return True
+
+
 class _Emitter:
-    """Renders fx arguments as Python expressions over ``env``."""
+    """Renders fx arguments as Python expressions over ``env`` (or, with ``local``, over
+    local variables ``v<slot>``)."""
 
     def __init__(self, slot: dict[fx.Node, int]):
         self.slot = slot
         self.globals: dict[str, Any] = {"slice": slice, "inf": math.inf, "nan": math.nan}
         self._names: dict[int, str] = {}
+        self.local = False
+        self._gathers: dict[fx.Node, Optional[Callable]] = {}
+
+    def ref(self, slot: int) -> str:
+        return f"v{slot}" if self.local else f"env[{slot}]"
 
     def constant(self, value: Any, hint: str = "c") -> str:
         key = id(value)
@@ -110,7 +145,7 @@ class _Emitter:
 
     def render(self, arg: Any) -> str:
         if isinstance(arg, fx.Node):
-            return f"env[{self.slot[arg]}]"
+            return self.ref(self.slot[arg])
         if isinstance(arg, tuple) and not hasattr(arg, "_fields"):
             inner = ", ".join(self.render(a) for a in arg)
             return f"({inner},)" if len(arg) == 1 else f"({inner})"
@@ -136,12 +171,33 @@ class _Emitter:
         parts += [f"{k}={self.render(v)}" for k, v in kwargs.items()]
         return ", ".join(parts)
 
+    def gather(self, node: fx.Node) -> Optional[Callable]:
+        """The function specialised for a layout gather (``stack_members`` ...) whose
+        layout arguments are constants, made once per node."""
+        if node not in self._gathers:
+            fn = None
+            args = node.args
+            if args and not node.kwargs and not any(isinstance(a, fx.Node) for a in args[1:]):
+                src = args[0]
+                fresh = _fresh_kernel_value(src) and len(src.users) == 1
+                fn = specialise_gather(node.target, tuple(args[1:]), fresh)
+            self._gathers[node] = fn
+        return self._gathers[node]
+
     def statement(self, node: fx.Node, root: torch.nn.Module) -> str:
-        out = f"env[{self.slot[node]}]"
+        out = self.ref(self.slot[node])
         if node.op == "call_module":
             mod = self.constant(root.get_submodule(node.target), "m")
             return f"{out} = {mod}({self.call_args(node.args, node.kwargs)})"
         if node.op == "call_function":
+            target = node.target
+            if isinstance(target, FusedKernel):
+                # The kernel's specialised function, with its dtype check on the first call.
+                entry = "fast_private" if _private_inputs(node) else "fast"
+                return f"{out} = {self.constant(target, 'f')}.{entry}({self.call_args(node.args, node.kwargs)})"
+            gather = self.gather(node)
+            if gather is not None:
+                return f"{out} = {self.constant(gather, 'g')}({self.render(node.args[0])})"
             fn = self.constant(node.target, "f")
             return f"{out} = {fn}({self.call_args(node.args, node.kwargs)})"
         if node.op == "call_method":
@@ -168,17 +224,7 @@ def _compile_loader(
     ``_buffers`` dict on every call: a dict lookup, and always the current tensor (a
     re-assigned parameter replaces the dict entry; a replaced module re-traces).
     """
-    lines = [f"env = [None] * {n_slots}"]
-    lines += [f"env[{s}] = inputs[{i}]" for i, s in enumerate(input_slots)]
-    for s, target in attr_slots:
-        path, _, name = target.rpartition(".")
-        owner = root.get_submodule(path) if path else root
-        if name in owner._parameters:
-            lines.append(f"env[{s}] = {emitter.constant(owner._parameters, 'p')}[{name!r}]")
-        elif name in owner._buffers:
-            lines.append(f"env[{s}] = {emitter.constant(owner._buffers, 'b')}[{name!r}]")
-        else:
-            lines.append(f"env[{s}] = getattr({emitter.constant(owner, 'o')}, {name!r})")
+    lines = [f"env = [None] * {n_slots}"] + _load_lines(input_slots, attr_slots, root, emitter)
     lines.append("return env")
     source = "def load(inputs):\n" + "".join(f"    {line}\n" for line in lines)
     namespace = dict(emitter.globals)
@@ -187,8 +233,26 @@ def _compile_loader(
     return namespace["load"]
 
 
-def _compile_function(name: str, body: list[str], emitter: _Emitter, filename: str) -> Callable:
-    lines = [f"def {name}(env):"] + [f"    {line}" for line in body or ["pass"]]
+def _load_lines(
+    input_slots: list[int], attr_slots: list[tuple[int, str]], root: torch.nn.Module, emitter: _Emitter
+) -> list[str]:
+    """The statements that put the inputs and the attributes in their slots."""
+    ref = emitter.ref
+    lines = [f"{ref(s)} = inputs[{i}]" for i, s in enumerate(input_slots)]
+    for s, target in attr_slots:
+        path, _, name = target.rpartition(".")
+        owner = root.get_submodule(path) if path else root
+        if name in owner._parameters:
+            lines.append(f"{ref(s)} = {emitter.constant(owner._parameters, 'p')}[{name!r}]")
+        elif name in owner._buffers:
+            lines.append(f"{ref(s)} = {emitter.constant(owner._buffers, 'b')}[{name!r}]")
+        else:
+            lines.append(f"{ref(s)} = getattr({emitter.constant(owner, 'o')}, {name!r})")
+    return lines
+
+
+def _compile_function(name: str, body: list[str], emitter: _Emitter, filename: str, arg: str = "env") -> Callable:
+    lines = [f"def {name}({arg}):"] + [f"    {line}" for line in body or ["pass"]]
     source = "\n".join(lines) + "\n"
     code = compile(source, filename, "exec")
     namespace = dict(emitter.globals)
@@ -348,6 +412,20 @@ def _compile(
     out_expr = emitter.render(output_node.args[0])
     out_file = f"<streamsched-output-{uid}>"
     output = _compile_function("output", [f"return {out_expr}"], emitter, out_file)
+
+    # The whole call in one function over locals: the serial executor's path when no
+    # log, chaos or observer looks at the tasks (one frame instead of four, no env list).
+    call_file = f"<streamsched-call-{uid}>"
+    emitter.local = True
+    call_body = _load_lines(input_slots, attr_slots, root, emitter)
+    for t in order:
+        for node in task_nodes[t]:
+            lines[(call_file, len(call_body) + 2)] = node_label(node)
+            call_body.append(emitter.statement(node, root))
+        call_body += [f"v{s} = None" for s in sorted(frees_of.get(t, ()))]
+    call_body.append(f"return {emitter.render(output_node.args[0])}")
+    emitter.local = False
+    call = _compile_function("call", call_body, emitter, call_file, arg="inputs")
     program = Program(
         n_slots=len(slot),
         input_slots=tuple(input_slots),
@@ -359,6 +437,7 @@ def _compile(
         run_serial=run_serial,
         root=root,
         load=load,
+        call=call,
         slot_producer=slot_producer,
         lines=lines,
         location_slots=location_slots,
@@ -367,7 +446,7 @@ def _compile(
     )
     # The generated source stays readable in tracebacks for as long as the program
     # lives, and no longer: plans come and go (LRU), linecache must not grow with them.
-    filenames = {f for f, _ in lines} | {serial_file, out_file, load_file}
+    filenames = {f for f, _ in lines} | {serial_file, out_file, load_file, call_file}
     filenames |= {f"<streamsched-task-{uid}-{t}>" for t in order}
     weakref.finalize(program, _forget_sources, tuple(filenames))
     return program

@@ -12,7 +12,8 @@ __all__ = ["SerialExecutor"]
 
 
 class SerialExecutor:
-    """Runs a program's tasks one after another; with no log, one generated function."""
+    """Runs a program's tasks one after another; with no log, chaos or observer, the
+    program's one generated function for the whole call (``Program.call``)."""
 
     name = "serial"
 
@@ -24,10 +25,14 @@ class SerialExecutor:
         chaos: Optional[Chaos] = None,
         observer: Any = None,
     ) -> Any:
-        env = program.new_env(inputs)
         if log is None and chaos is None and observer is None:
+            call = program.call
+            if call is not None:
+                return call(inputs)
+            env = program.new_env(inputs)
             program.run_serial(env)
             return program.output(env)
+        env = program.new_env(inputs)
         for task in program.tasks:
             if chaos is not None:
                 chaos.delay(0)

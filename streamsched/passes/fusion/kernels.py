@@ -56,15 +56,24 @@ class FusedDtypeError(RuntimeError):
 class FusedKernel:
     """Base: naming for fx, the facts the plan shows, and the dtype check.
 
-    Subclasses implement :meth:`run`; calling the kernel runs it and checks that the
-    result has :attr:`out_dtype`, the dtype the members returned on the recording call
-    (under the autocast state and input dtypes the plan is keyed by)."""
+    Subclasses implement :meth:`run` (the general path) and may implement
+    :meth:`specialise`: the same work as one function built for this kernel's layouts,
+    shapes and parameter modes, with nothing decided per call that the build already
+    knows. A compiled program calls :attr:`fast` (or :attr:`fast_private`): the first call
+    runs the specialised function and checks that the result has :attr:`out_dtype`, the
+    dtype the members returned on the recording call (under the autocast state and input
+    dtypes the plan is keyed by); later calls are the specialised function alone (an
+    instance attribute replaces the checking method). Calling the kernel itself is
+    :attr:`fast`.
+    """
 
     kind = "fused"
     kernel = "fused"
     out_dtype: Optional[torch.dtype] = None
     """What each member returns; set by the pass from the recorded metas."""
-    dtype_checked = False
+    fresh_output = False
+    """Whether every call returns a tensor of its own (no view of an input, a parameter or
+    a kept tensor): a consumer that is its only reader may then write it in place."""
 
     def __init__(self, n: int, members: Sequence[str], out_layout: Layout, out_shape: tuple[int, ...]):
         self.n = n
@@ -78,6 +87,13 @@ class FusedKernel:
     def __repr__(self) -> str:
         return f"<{self.kernel} x{self.n}: {self.member_names[0]} ...>"
 
+    def __getstate__(self) -> dict:
+        # The specialised functions close over this kernel's stacks: a copy builds its own.
+        state = dict(self.__dict__)
+        for key in ("fast", "fast_private", "_specialised"):
+            state.pop(key, None)
+        return state
+
     @property
     def params(self) -> list[StackedTensors]:
         return []
@@ -85,11 +101,54 @@ class FusedKernel:
     def run(self, *xs: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def __call__(self, *xs: torch.Tensor) -> torch.Tensor:
-        out = self.run(*xs)
+    def specialise(self, private: bool = False) -> Callable[..., torch.Tensor]:
+        """The kernel's work as one function of its inputs, built once. ``private``: the
+        caller guarantees that each tensor input is a fresh value nothing else reads, so
+        the function may write it in place (where the result and every gradient stay the
+        same). The default is :meth:`run`."""
+        return self.run
+
+    def _built(self, private: bool) -> Callable[..., torch.Tensor]:
+        built = self.__dict__.setdefault("_specialised", {})
+        fn = built.get(private)
+        if fn is None:
+            fn = built[private] = self.specialise(private)
+        return fn
+
+    @property
+    def dtype_checked(self) -> bool:
+        """Whether the result's dtype was checked (on the first call). Setting it to
+        ``False`` checks again on the next call."""
+        return self.__dict__.get("_dtype_checked", False)
+
+    @dtype_checked.setter
+    def dtype_checked(self, value: bool) -> None:
+        self.__dict__["_dtype_checked"] = bool(value)
+        if not value:  # back to the checking methods of the class
+            self.__dict__.pop("fast", None)
+            self.__dict__.pop("fast_private", None)
+
+    def fast(self, *xs: torch.Tensor) -> torch.Tensor:
+        """The kernel on ``xs`` (what a compiled program calls; never writes its inputs)."""
+        fn = self._built(False)
+        out = fn(*xs)
         if not self.dtype_checked:
             self._check_dtype(out)
+        self.fast = fn  # type: ignore[method-assign] # checked: later calls skip this frame
         return out
+
+    def fast_private(self, *xs: torch.Tensor) -> torch.Tensor:
+        """As :meth:`fast`, for a program that proved each tensor input a fresh value
+        with no other reader (see :meth:`specialise`)."""
+        fn = self._built(True)
+        out = fn(*xs)
+        if not self.dtype_checked:
+            self._check_dtype(out)
+        self.fast_private = fn  # type: ignore[method-assign]
+        return out
+
+    def __call__(self, *xs: torch.Tensor) -> torch.Tensor:
+        return self.fast(*xs)
 
     def _check_dtype(self, out: torch.Tensor) -> None:
         if self.out_dtype is not None and out.dtype is not self.out_dtype:  # dtypes are singletons
@@ -105,6 +164,52 @@ class FusedKernel:
 
 def _grad() -> bool:
     return torch.is_grad_enabled()
+
+
+_NEVER = object()
+
+
+class _NoStack:
+    """Stands for an absent bias in the kept-views check (its ``stack`` is never replaced)."""
+
+    stack = None
+
+
+_NO_STACK = _NoStack()
+
+
+def _kept_views(
+    weight: StackedTensors,
+    wop: Callable[..., torch.Tensor],
+    wargs: tuple,
+    bias: Optional[StackedTensors],
+    bop: Callable[..., torch.Tensor],
+    bargs: tuple,
+) -> tuple[list, Callable[[bool], tuple[torch.Tensor, Optional[torch.Tensor]]]]:
+    """The weight and bias views a kernel reads, and where it keeps them between calls.
+
+    Returns ``(kept, views)``: ``views(grad)`` takes both views through
+    :meth:`StackedTensors.view_of` (the general path, any mode); when no gradient is
+    routed and both are views of their current stacks it also stores
+    ``[weight stack, bias stack, weight view, bias view]`` in ``kept``. A kernel reads
+    ``kept[2:]`` directly while grad mode is off and both stacks are still the tensors
+    in ``kept[:2]`` (a re-stack makes new ones): the views share the stacks' storage, so
+    in-place updates show through them. Copy-mode stacks (no alias) never match.
+    """
+    kept: list = [_NEVER, _NEVER, None, None]
+    cacheable = weight.alias and (bias is None or bias.alias)
+
+    def views(grad: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        w = weight.view_of(grad, wop, *wargs)
+        b = bias.view_of(grad, bop, *bargs) if bias is not None else None
+        if not grad and cacheable:
+            ws = weight.stack
+            bs = bias.stack if bias is not None else None
+            if w._base is ws and (b is None or b._base is bs):
+                kept[:] = [ws, bs, w, b]
+        return w, b
+
+    return kept, views
 
 
 class LinearKernel(FusedKernel):
@@ -129,6 +234,8 @@ class LinearKernel(FusedKernel):
         self.in_shape = tuple(in_shape)
         self.in_features = members[0].in_features
         self.out_features = members[0].out_features
+        # F.linear's and baddbmm's results are their own; a view of them is not.
+        self.fresh_output = shared or len(out_shape) == 2
 
     @property
     def params(self) -> list[StackedTensors]:
@@ -152,12 +259,81 @@ class LinearKernel(FusedKernel):
             y = torch.baddbmm(bias.view_of(grad, torch.Tensor.unsqueeze, 1), xs, wt)
         return y if len(self.out_shape) == 2 else y.view((n,) + self.out_shape)
 
+    def specialise(self, private: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``run`` for this kernel's input layout and shapes: the weight and bias views
+        kept between calls while grad mode is off (see :func:`_kept_views`), the layout
+        conversion and the op chosen at build time."""
+        n, fin, fout = self.n, self.in_features, self.out_features
+        weight, bias = self.weight, self.bias
+        bsrc: Any = bias if bias is not None else _NO_STACK
+        is_grad = torch.is_grad_enabled
+        if self.in_layout == SHARED:
+            kept, views = _kept_views(
+                weight, torch.Tensor.reshape, (n * fout, fin), bias, torch.Tensor.reshape, (n * fout,)
+            )
+            linear = F.linear
+
+            def wide_linear(x: torch.Tensor) -> torch.Tensor:
+                grad = is_grad()
+                if grad or weight.stack is not kept[0] or bsrc.stack is not kept[1]:
+                    w, b = views(grad)
+                    return linear(x, w, b)
+                return linear(x, kept[2], kept[3])
+
+            return wide_linear
+
+        kept, views = _kept_views(weight, torch.Tensor.transpose, (1, 2), bias, torch.Tensor.unsqueeze, (1,))
+        layout, in_shape = self.in_layout, self.in_shape
+        kind, d = layout
+        baddbmm, bmm = torch.baddbmm, torch.bmm
+        if bias is not None and len(in_shape) == 2 and len(self.out_shape) == 2 and kind in ("stack", "fold"):
+            if kind == "stack":
+
+                def stacked_baddbmm(x: torch.Tensor) -> torch.Tensor:
+                    grad = is_grad()
+                    if grad or weight.stack is not kept[0] or bsrc.stack is not kept[1]:
+                        wt, b = views(grad)
+                        return baddbmm(b, x, wt)
+                    return baddbmm(kept[3], x, kept[2])
+
+                return stacked_baddbmm
+
+            split = in_shape[:d] + (n, in_shape[d]) + in_shape[d + 1 :]
+
+            def folded_baddbmm(x: torch.Tensor) -> torch.Tensor:
+                xs = x.reshape(split).movedim(d, 0)  # to_stack of a fold: a view where memory allows
+                grad = is_grad()
+                if grad or weight.stack is not kept[0] or bsrc.stack is not kept[1]:
+                    wt, b = views(grad)
+                    return baddbmm(b, xs, wt)
+                return baddbmm(kept[3], xs, kept[2])
+
+            return folded_baddbmm
+
+        flat = len(in_shape) != 2  # members' inputs of other than 2 dims: one batch dim for bmm
+        out_view = None if len(self.out_shape) == 2 else (n,) + self.out_shape
+
+        def general(x: torch.Tensor) -> torch.Tensor:
+            grad = is_grad()
+            if grad or weight.stack is not kept[0] or bsrc.stack is not kept[1]:
+                wt, b = views(grad)
+            else:
+                wt, b = kept[2], kept[3]
+            xs = to_stack(x, layout, n, in_shape)
+            if flat:
+                xs = xs.reshape(n, -1, fin)
+            y = bmm(xs, wt) if b is None else baddbmm(b, xs, wt)
+            return y if out_view is None else y.view(out_view)
+
+        return general
+
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 
 class ConvKernel(FusedKernel):
     kind = "Conv"
+    fresh_output = True
 
     def __init__(
         self,
@@ -211,6 +387,7 @@ class ConvKernel(FusedKernel):
 class BatchNormKernel(FusedKernel):
     kind = "BatchNorm"
     kernel = "batch_norm over N*C channels"
+    fresh_output = True
 
     def __init__(
         self,
@@ -349,6 +526,68 @@ class ElementwiseKernel(FusedKernel):
             else:
                 args.append(aligned_stack(next(it), op[1], self.n, tuple(op[2]), self.ndim))
         return self.fn(*args, **self.kwargs)
+
+    def specialise(self, private: bool = False) -> Callable[..., torch.Tensor]:
+        """One tensor operand, nothing else, in its own layout (a fused activation): the
+        op itself, an activation module's functional where that is exactly its forward
+        (no module ``__call__``), and for ReLU on a ``private`` input (fresh, no other
+        reader) ``relu_``, as eager ``nn.ReLU(inplace=True)``: ReLU's backward reads its
+        result, never its input, so the result and the gradients are the same. Operands
+        with constants or of several layouts keep :meth:`run`."""
+        ops = self.operands
+        if not (self.direct and len(ops) == 1 and ops[0][0] == "t" and not self.kwargs):
+            return self.run
+        fn = self.fn
+        if private and _is_relu(fn):
+            return torch.relu_
+        return _functional(fn)
+
+
+_RELU_FUNCTIONS = (torch.relu, F.relu, torch.Tensor.relu, torch.relu_, torch.Tensor.relu_)
+
+
+def _plain_module(fn: Any, cls: type) -> bool:
+    """``fn`` is a module of exactly ``cls`` whose forward is the class's own and that
+    has no hooks of its own (so calling it is calling ``cls.forward``)."""
+    return (
+        type(fn) is cls
+        and "forward" not in fn.__dict__
+        and not (fn._forward_hooks or fn._forward_pre_hooks or fn._backward_hooks or fn._backward_pre_hooks)
+    )
+
+
+def _is_relu(fn: Any) -> bool:
+    """Whether ``fn(x)`` is ReLU of ``x`` (in place or not)."""
+    return any(fn is f for f in _RELU_FUNCTIONS) or _plain_module(fn, nn.ReLU)
+
+
+def _functional(fn: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``fn`` (an elementwise op or activation module) as the function its forward calls,
+    reading the module's options at call time as its forward does. Anything else (other
+    modules, a module with hooks: those fire through its ``__call__``) is ``fn`` itself.
+    Global module hooks never reach here: a model with one runs as written."""
+    if not isinstance(fn, nn.Module):
+        return fn
+    m = fn
+    if _plain_module(m, nn.ReLU):
+        relu, relu_ = torch.relu, torch.relu_
+
+        def relu_module(x: torch.Tensor) -> torch.Tensor:  # ReLU.forward: F.relu(x, inplace=self.inplace)
+            return relu_(x) if m.inplace else relu(x)
+
+        return relu_module
+    if _plain_module(m, nn.Tanh):
+        return torch.tanh
+    if _plain_module(m, nn.Sigmoid):
+        return torch.sigmoid
+    if _plain_module(m, nn.GELU):
+        gelu = F.gelu
+
+        def gelu_module(x: torch.Tensor) -> torch.Tensor:  # GELU.forward
+            return gelu(x, approximate=m.approximate)
+
+        return gelu_module
+    return m
 
 
 class VmapKernel(FusedKernel):

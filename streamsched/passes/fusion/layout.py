@@ -15,7 +15,7 @@ Conversions are views where the memory allows, copies otherwise.
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 
@@ -108,3 +108,54 @@ def _index_on(index: torch.Tensor, device: torch.device) -> torch.Tensor:
     if on_device is None:
         on_device = copies[device] = index.to(device)
     return on_device
+
+
+def _stack_gather(layout: Layout, n: int, shape: tuple[int, ...], dim: int, fresh: bool) -> Callable:
+    dim = dim % (len(shape) + 1)
+    if layout == STACK and dim == 0:
+        # A kernel's own result nobody else reads, already [N, *shape]: contiguous() is
+        # all stack_members does to it (the same tensor when contiguous, as a fresh
+        # torch.stack would be, a copy otherwise). Anything else keeps its view.
+        return torch.Tensor.contiguous if fresh else lambda x: x.movedim(0, 0).contiguous()
+
+    def stack(x: torch.Tensor) -> torch.Tensor:
+        return to_stack(x, layout, n, shape).movedim(0, dim).contiguous()
+
+    return stack
+
+
+def _cat_gather(layout: Layout, n: int, shape: tuple[int, ...], dim: int, fresh: bool) -> Callable:
+    dim = dim % len(shape)
+    if layout == ("fold", dim):
+        return torch.Tensor.contiguous  # to_fold is the tensor itself
+    if layout == STACK:
+        folded = shape[:dim] + (n * shape[dim],) + shape[dim + 1 :]
+
+        def cat_stacked(x: torch.Tensor) -> torch.Tensor:  # to_fold of a stack, then contiguous
+            return x.movedim(0, dim).reshape(folded).contiguous()
+
+        return cat_stacked
+
+    def cat(x: torch.Tensor) -> torch.Tensor:
+        return to_fold(x, layout, n, shape, dim).contiguous()
+
+    return cat
+
+
+_GATHERS: dict[Callable, Callable[..., Callable]] = {stack_members: _stack_gather, cat_members: _cat_gather}
+
+
+def specialise_gather(fn: Any, args: tuple, fresh: bool) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+    """``lambda x: fn(x, *args)`` for :func:`stack_members` / :func:`cat_members` with
+    constant layout arguments ``args``, the layout's branches taken once; ``None`` for any
+    other function. ``fresh``: ``x`` is a kernel's own result that nothing else reads."""
+    try:
+        build = _GATHERS.get(fn)
+    except TypeError:  # an unhashable target
+        return None
+    if build is None or len(args) != 4:
+        return None
+    layout, n, shape, dim = args
+    if not (isinstance(layout, tuple) and isinstance(n, int) and isinstance(shape, tuple) and isinstance(dim, int)):
+        return None
+    return build(layout, n, tuple(shape), dim, fresh)

@@ -1,0 +1,177 @@
+"""The fused kernels' specialised functions, as a compiled plan calls them: kept weight
+and bias views that follow every re-stack and in-place update, ReLU written in place
+only on a kernel's own result that nothing else reads, activation modules called
+through their functional, and the layout gathers at the end of a plan."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import streamsched as ss
+from benchmarks.zoo import CriticEnsemble
+from streamsched.passes.fusion.kernels import ElementwiseKernel, FusedKernel, LinearKernel
+
+from .helpers import assert_close
+
+
+class _Ops(TorchDispatchMode):
+    """Records the ATen ops a call runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _kernels(sm: ss.StreamScheduledModule) -> list[FusedKernel]:
+    return [n.target for n in sm._ss.last.graph.nodes if isinstance(n.target, FusedKernel)]
+
+
+def _train_step(sm: ss.StreamScheduledModule, ref: nn.Module, x: torch.Tensor) -> None:
+    """One forward and backward of both; outputs and every gradient equal."""
+    for m in (sm.module, ref):
+        m.zero_grad(set_to_none=True)
+    out, expected = sm(x), ref(x)
+    assert_close(out, expected)
+    out.pow(2).sum().backward()
+    expected.pow(2).sum().backward()
+    for (name, p), q in zip(sm.module.named_parameters(), ref.parameters()):
+        assert_close(p.grad, q.grad, what=f"grad {name}")
+
+
+def test_relu_after_a_fused_linear_runs_in_place_with_the_same_outputs_and_gradients():
+    """The critics' ReLUs read a fused Linear's own result and nothing else does: the
+    plan writes it in place (as ``nn.ReLU(inplace=True)`` would); values and gradients
+    are eager's."""
+    torch.manual_seed(0)
+    model = CriticEnsemble(6, obs=7, hidden=5)
+    ref = copy.deepcopy(model)
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    for _ in range(3):
+        _train_step(sm, ref, torch.randn(4, 7))
+    ss.testing.assert_path(sm, "plan:serial")
+    assert sum(isinstance(k, ElementwiseKernel) for k in _kernels(sm)) == 2
+    with _Ops() as ops:
+        out = sm(x := torch.randn(4, 7))
+    ss.testing.assert_path(sm, "plan:serial")
+    assert ops.ops.count("aten.relu_.default") == 2 and "aten.relu.default" not in ops.ops, ops.ops
+    assert_close(out, ref(x))
+
+
+class _ReadTwice(nn.Module):
+    """A member whose pre-activation has a second reader besides its ReLU."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(7, 5)
+        self.act = nn.ReLU()
+
+    def forward(self, x):
+        h = self.lin(x)
+        return self.act(h) - h
+
+
+class _ReadTwiceGroup(nn.Module):
+    def __init__(self, n: int = 5):
+        super().__init__()
+        self.members = nn.ModuleList(_ReadTwice() for _ in range(n))
+
+    def forward(self, x):
+        return torch.stack([m(x) for m in self.members])
+
+
+def test_relu_whose_input_is_read_elsewhere_is_not_written_in_place():
+    """``relu(h) - h``: the Linear's result has another reader, so the fused ReLU must
+    leave it alone (in place, the difference would be zero everywhere)."""
+    torch.manual_seed(0)
+    model = _ReadTwiceGroup()
+    ref = copy.deepcopy(model)
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    for _ in range(3):
+        _train_step(sm, ref, torch.randn(3, 7))
+    ss.testing.assert_path(sm, "plan:serial")
+    kinds = {type(k) for k in _kernels(sm)}
+    assert ElementwiseKernel in kinds and LinearKernel in kinds, "the ReLUs and Linears are fused"
+    x = torch.randn(3, 7)
+    with torch.no_grad():
+        sm(x)  # a new signature (grad mode off): recorded, then planned
+        with _Ops() as ops:
+            out = sm(x)
+    ss.testing.assert_path(sm, "plan:serial")
+    assert "aten.relu.default" in ops.ops and "aten.relu_.default" not in ops.ops, ops.ops
+    assert_close(out, ref(x))
+    assert bool((out != 0).any())
+
+
+def test_kept_views_follow_in_place_updates_and_re_stacks_of_weight_or_bias_alone():
+    """Under no_grad the Linear kernels read weight and bias views kept between calls.
+    An optimizer-like in-place update shows through them; giving one member's weight or
+    bias new storage re-stacks that tensor alone, and the kernel takes new views of it."""
+    torch.manual_seed(0)
+    model = CriticEnsemble(6, obs=7, hidden=5).eval()
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    x = torch.randn(4, 7)
+    with torch.no_grad():
+        for _ in range(3):
+            sm(x)
+        ss.testing.assert_path(sm, "plan:serial")
+        kernels = [k for k in _kernels(sm) if isinstance(k, LinearKernel)]
+        assert [k.kernel for k in kernels] == ["wide linear", "baddbmm", "baddbmm"]
+        for layer in (0, 2, 4):
+            model.critics[3].net[layer].weight.add_(0.5)  # in place: the same stacks
+            assert_close(sm(x), model(x), what=f"in-place update of layer {layer}")
+            bias = model.critics[2].net[layer].bias
+            bias.data = bias.data + 1.0  # new storage: the bias alone is re-stacked
+            assert_close(sm(x), model(x), what=f"re-stacked bias of layer {layer}")
+            weight = model.critics[4].net[layer].weight
+            weight.data = weight.data * 2.0
+            assert_close(sm(x), model(x), what=f"re-stacked weight of layer {layer}")
+        ss.testing.assert_path(sm, "plan:serial")
+
+
+class _Acts(nn.Module):
+    def __init__(self, act: type, n: int = 4):
+        super().__init__()
+        self.lins = nn.ModuleList(nn.Linear(6, 6) for _ in range(n))
+        self.acts = nn.ModuleList(act() for _ in range(n))
+
+    def forward(self, x):
+        return torch.cat([a(lin(x)) for lin, a in zip(self.lins, self.acts)], 1)
+
+
+def test_activation_modules_run_as_their_functional():
+    """GELU (both approximations), Tanh and Sigmoid kernels call the functional their
+    forward calls, with the module's options: outputs and gradients are eager's."""
+    torch.manual_seed(0)
+    for act in (nn.GELU, lambda: nn.GELU(approximate="tanh"), nn.Tanh, nn.Sigmoid):
+        model = _Acts(act)
+        ref = copy.deepcopy(model)
+        sm = ss.StreamScheduledModule(model, executor="serial")
+        for _ in range(3):
+            _train_step(sm, ref, torch.randn(3, 6))
+        ss.testing.assert_path(sm, "plan:serial")
+        assert any(isinstance(k, ElementwiseKernel) for k in _kernels(sm)), act
+        with torch.no_grad():
+            x = torch.randn(3, 6)
+            assert_close(sm(x), ref(x), atol=0, rtol=0)
+
+
+def test_the_stacked_output_is_the_last_kernels_own_result():
+    """``torch.stack`` of the members' outputs, as the last kernel's own result: no copy
+    and no view of it (as eager's stack, a tensor without a base)."""
+    torch.manual_seed(0)
+    model = CriticEnsemble(6, obs=7, hidden=5)
+    ref = copy.deepcopy(model)
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    _train_step(sm, ref, torch.randn(4, 7))
+    _train_step(sm, ref, torch.randn(4, 7))
+    out = sm(torch.randn(4, 7))
+    ss.testing.assert_path(sm, "plan:serial")
+    assert out._base is None and out.is_contiguous() and out.grad_fn is not None
