@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional, TypeVar
 import torch
 from torch import fx
 
-__all__ = ["branch", "is_branch_module", "BranchCall"]
+__all__ = ["branch", "is_branch_module", "runs_as_branch", "BranchCall"]
 
 F = TypeVar("F")
 
@@ -156,3 +156,9 @@ def branch(obj: F) -> F:
 def is_branch_module(module: torch.nn.Module) -> bool:
     """Whether ``module``'s class was decorated with ``@streamsched.branch``."""
     return bool(getattr(type(module), _BRANCH_ATTR, False))
+
+
+def runs_as_branch(module: torch.nn.Module) -> bool:
+    """Whether a call of ``module`` is a branch: its class, or its class's ``forward``,
+    was decorated with ``@streamsched.branch``."""
+    return is_branch_module(module) or bool(getattr(type(module).forward, _BRANCH_ATTR, False))

@@ -39,6 +39,7 @@ from .frontend.meta import run_and_record
 from .frontend.nodes import node_label
 from .frontend.trace import CallBinder, Traced, is_compiled_module, trace_model
 from .frontend.trace_guard import autocast_state
+from .nesting import NestedPlans
 from .observe.nvtx_ranges import NvtxRanges
 from .observe.profiles import check_profile, load_profile, profile_costs
 from .optim import fused_parameters
@@ -61,6 +62,11 @@ log = logging.getLogger(__name__)
 
 # Eager-dispatch calls in a row that launch no branch before a call structure runs as written.
 _QUIET_CALLS = 3
+
+# Calls of any wrapper that were not yet its settled way of running: first calls of a
+# signature (trace, record, plan) and trial calls. A trial call of a plan during which
+# another one ran (a nested child planning or trying itself) is no measure of the plan.
+_unsettled_calls = 0
 
 
 class _AsWritten:
@@ -90,7 +96,18 @@ class _Compiled:
     """One input signature as the wrapper runs it: the planner's schedule, the program
     the runtime compiled from it, and how calls with the signature run."""
 
-    __slots__ = ("schedule", "program", "plan", "trial", "eager", "rebuild", "alias_pattern", "structure", "sizes")
+    __slots__ = (
+        "schedule",
+        "program",
+        "plan",
+        "trial",
+        "eager",
+        "rebuild",
+        "alias_pattern",
+        "structure",
+        "sizes",
+        "nested_sites",
+    )
 
     def __init__(self, schedule: Schedule, program: Program, rebuild: Any):
         self.schedule = schedule
@@ -111,6 +128,9 @@ class _Compiled:
         # decision is kept there for the sizes' bucket.
         self.structure: Optional[Structure] = None
         self.sizes: tuple = ()
+        # The plan's opaque module calls that are nested (nesting.py): their forwards run
+        # as written inside their tasks, and their children get plans of their own.
+        self.nested_sites: list = []
 
     @property
     def graph(self) -> Any:
@@ -164,6 +184,8 @@ class _State:
         self.mode_id = self.mode_of(model)
         self.warned_untraceable = False
         self.warned_hooks = False
+        # An untraceable forward's children, scheduled by plans of their own (nesting.py).
+        self.nested: Optional[NestedPlans] = None
 
     def mode_of(self, model: nn.Module) -> int:
         flags = tuple(m.training for m in model.modules())
@@ -328,6 +350,19 @@ class StreamScheduledModule(nn.Module):
         return [s.plan for s in self._ss.plans.values()]
 
     @property
+    def nested_plans(self) -> dict[str, Plan]:
+        """Where the model's forward cannot be traced and runs as written, the plan of
+        each child module scheduled on its own (and of theirs), by module path: the most
+        recent call's. Empty for a traced model (its plan covers every submodule)::
+
+            >>> sm(x)                                   # doctest: +SKIP
+            >>> sm.plan.mode, list(sm.nested_plans)     # doctest: +SKIP
+            ('eager-dispatch', ['model.layers.0', 'model.layers.1'])
+        """
+        nested = self._ss.nested
+        return nested.plans() if nested is not None else {}
+
+    @property
     def last_sync_log(self) -> Optional[SyncLog]:
         """The synchronisation log of the last call (with ``sync_log=True``)."""
         return self._ss.last_sync_log
@@ -422,6 +457,8 @@ class StreamScheduledModule(nn.Module):
             if st.fusion is not None:
                 st.fusion.invalidate()
             st.executors.forget_graphs()
+            if st.nested is not None:
+                st.nested.invalidate()
             st.generation = _generation.current()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -513,6 +550,8 @@ class StreamScheduledModule(nn.Module):
         st = self._ss
         st.mode_id = st.mode_of(self.module)
         st.hot = None
+        if st.nested is not None:
+            st.nested.refresh()  # a child swapped: nest the new one
         # A module hook registered since: a hooked module runs as a call of its own.
         stale = st.hook_registrations != _generation.hook_registrations()
         st.hook_registrations = _generation.hook_registrations()
@@ -626,6 +665,8 @@ class StreamScheduledModule(nn.Module):
         return like.model_copy(update={"executor": "eager", "reason": why, "trial": None})
 
     def _first_call(self, key: Any, spec: Any, tensors: list[torch.Tensor], args: tuple, kwargs: dict) -> Any:
+        global _unsettled_calls
+        _unsettled_calls += 1
         st = self._ss
         # A trace bakes in the training flags of the modules it traced through, and is
         # made under one autocast state: a forward's own autocast block shows as a change
@@ -660,6 +701,7 @@ class StreamScheduledModule(nn.Module):
             traced, metas, self.config, tensors, fusion=st.fusion, measured=measured, effects=effects
         )
         schedule = _Compiled(planned, compile_program(planned), rebuild)
+        schedule.nested_sites = self._opaque_sites(schedule.plan)
         if effects.writes_inputs:
             schedule.alias_pattern = _alias_pattern(tensors)
         if measured:
@@ -681,12 +723,17 @@ class StreamScheduledModule(nn.Module):
         st = self._ss
         quiet = st.quiet.get_fresh(trace_key)
         automatic = self._automatic()
+        nested = st.nested
+        if nested is None:
+            nested = st.nested = self._nesting()
         if automatic and isinstance(quiet, _AsWritten):
             st.last = quiet
-            return self._forward_as_written(args, kwargs)
-        done = eager_dispatch.run_eager_dispatch(
-            st.dispatch.for_call(st.calls, st.observer or self._nvtx()), spec, tensors, reason
-        )
+            with nested.installed():
+                return self._forward_as_written(args, kwargs)
+        with nested.installed():
+            done = eager_dispatch.run_eager_dispatch(
+                st.dispatch.for_call(st.calls, st.observer or self._nvtx()), spec, tensors, reason
+            )
         st.last = done.schedule
         st.last_path = "eager-dispatch"
         if done.sync_log is not None:
@@ -721,6 +768,32 @@ class StreamScheduledModule(nn.Module):
                 }
                 st.quiet.put(trace_key, _AsWritten(plan.model_copy(update=update)))
         return out
+
+    def _opaque_sites(self, plan: Plan) -> list:
+        """The nested sites of a traced plan: its opaque module calls that are not fused
+        (a fused member's forward runs under vmap, not through a call)."""
+        if not plan.opaque:
+            return []
+        fused = {m for g in plan.fused_groups for m in g.members}
+        paths = [o.path for o in plan.opaque if o.path not in fused]
+        st = self._ss
+        if st.nested is None:
+            st.nested = self._nesting()
+        return st.nested.sites_at(paths)
+
+    def _nesting(self) -> NestedPlans:
+        return NestedPlans(
+            self.module, self._nested_wrapper, lambda m: isinstance(m, StreamScheduledModule), self._leaf_types()
+        )
+
+    def _nested_wrapper(self, child: nn.Module) -> StreamScheduledModule:
+        """The wrapper a child of this untraceable forward is called through (nesting.py):
+        this configuration, minus what belongs to the root (its profile of task costs,
+        ``strict``: the root already said that the forward runs as written)."""
+        return StreamScheduledModule(child, self.config.model_copy(update={"strict": False, "profile": None}))
+
+    def _leaf_types(self) -> tuple:
+        return tuple(t for t in self.config.leaf_modules if isinstance(t, type))
 
     def _automatic(self) -> bool:
         """Whether this call may run the model as written instead of a schedule (``auto``,
@@ -772,6 +845,9 @@ class StreamScheduledModule(nn.Module):
             torch.cuda.synchronize(device)
         # Each way timed as the calls after the trial would run it: the schedule with its
         # stacked-parameter checks and output rebuild, the model's forward as it is.
+        global _unsettled_calls
+        _unsettled_calls += 1
+        unsettled = _unsettled_calls
         start = time.perf_counter()
         try:
             if name == "eager":
@@ -780,7 +856,11 @@ class StreamScheduledModule(nn.Module):
                 self._ss.last_path = f"plan:{name}"
                 for stack in schedule.program.stacks:
                     stack.check()
-                out = schedule.rebuild(executor.run(schedule.program, tensors))
+                if schedule.nested_sites:
+                    with self._ss.nested.installed(schedule.nested_sites):
+                        out = schedule.rebuild(executor.run(schedule.program, tensors))
+                else:
+                    out = schedule.rebuild(executor.run(schedule.program, tensors))
         except Exception as exc:
             if name != "eager":
                 where = failing_node(schedule.program, exc)
@@ -789,6 +869,8 @@ class StreamScheduledModule(nn.Module):
             raise
         if cuda:
             torch.cuda.synchronize(device)
+        if unsettled != _unsettled_calls and trial.skip(name):
+            return out
         trial.add(name, time.perf_counter() - start)
         if trial.done():
             schedule.plan, schedule.eager = trial.decide(schedule.plan)
@@ -857,7 +939,11 @@ class StreamScheduledModule(nn.Module):
                 return graphs.run(schedule.program, tensors, sync_log, chaos, st.observer)
             st.last_path = "plan:" + schedule.plan.schedule_executor
             executor = st.executors.for_plan(schedule.plan)
-            return executor.run(schedule.program, tensors, sync_log, chaos, st.observer or self._nvtx(schedule))
+            observer = st.observer or self._nvtx(schedule)
+            if schedule.nested_sites:
+                with st.nested.installed(schedule.nested_sites):
+                    return executor.run(schedule.program, tensors, sync_log, chaos, observer)
+            return executor.run(schedule.program, tensors, sync_log, chaos, observer)
         except Exception as exc:
             where = failing_node(schedule.program, exc)
             if where is not None:

@@ -113,6 +113,10 @@ class Trial:
     # (which may be cold), and after two or more.
     _DROP_FIRST = 4.0
     _DROP = 2.0
+    # Calls whose time is not the candidate's own (a nested child's wrapper planning or in
+    # its own trial inside it) are left out, this many at most per trial: about as many
+    # as a child's trial takes.
+    _MAX_SKIPPED = 32
 
     def __init__(
         self,
@@ -132,11 +136,21 @@ class Trial:
         self.close = close
         self.samples: dict[str, list[float]] = {c: [] for c in self.candidates}
         self.turn = 0
+        self.skipped = 0
 
     def next(self) -> str:
         name = self.live[self.turn % len(self.live)]
         self.turn += 1
         return name
+
+    def skip(self, name: str) -> bool:
+        """Leave out the call just made with ``name`` (it paid for something else: a
+        nested plan's first call); ``False`` once the trial has left out enough."""
+        if self.skipped >= self._MAX_SKIPPED:
+            return False
+        self.skipped += 1
+        self.turn -= 1  # the same candidate runs again
+        return True
 
     def add(self, name: str, seconds: float) -> None:
         self.samples[name].append(seconds)

@@ -1,0 +1,243 @@
+"""Nested plans: the submodule calls of a forward that runs as written get plans of their own.
+
+One untraceable spot in a forward (control flow on a tensor's value, ``len`` of an
+argument, a library's mask builder) makes the whole forward run as written: eager
+dispatch, which schedules only ``@streamsched.branch`` calls. Its submodules are often
+traceable on their own: a decoder's layers, a detection model's backbone and heads. So,
+while such a forward runs, each of its child modules that has something to schedule
+(two or more leaf modules below it) is called through a wrapper of its own: a
+:class:`~streamsched.StreamScheduledModule` of the child, with the parent's
+configuration. The child's wrapper traces, plans and trials the child exactly as it
+would if the user had wrapped it, and where the child cannot be traced either, its own
+children are nested in turn, down to the leaves (``torch.compile``'s graph breaks, at
+module granularity).
+
+How a call reaches the child's wrapper: for the duration of the parent's forward, the
+child gets an instance attribute ``forward`` (as :meth:`StreamScheduledModule.attach`
+does for the root), so the child's own ``__call__`` (its hooks) runs as in eager and
+its forward runs through the wrapper. The attribute is removed when the forward
+returns or raises: outside the parent's calls the child is the user's module, unchanged.
+
+A child whose wrapper ran it as written for :data:`_QUIET_CALLS` calls in a row (a
+decoding step's new sizes, a KV cache object, a trial that found the child faster as
+written) stops being nested: the wrapper's own per-call cost is then all it adds. Every
+:data:`_RETRY_EVERY` calls of the parent the quiet children are tried again (the
+workload may have changed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Optional
+
+from torch import nn
+
+from .branch import runs_as_branch
+from .frontend.trace import is_compiled_module
+
+__all__ = ["NestedPlans"]
+
+# A nested child run as written this many calls in a row stops being nested.
+_QUIET_CALLS = 16
+# Parent calls after which the children that stopped are nested again.
+_RETRY_EVERY = 512
+# Paths whose call scheduled something (a plan, a CUDA graph, the recording call, eager
+# dispatch of @branch calls): ``streamsched.testing.last_path``.
+_SCHEDULED = ("plan:", "graph", "recorded", "eager-dispatch")
+
+
+def _leaf_count(module: nn.Module, limit: int) -> int:
+    """Leaf modules below ``module`` (itself if it has no children), counting to ``limit``."""
+    count = 0
+    for m in module.modules():
+        if not m._modules:
+            count += 1
+            if count >= limit:
+                break
+    return count
+
+
+def _is_container(module: nn.Module) -> bool:
+    """A module with no forward of its own (``ModuleList``, ``ModuleDict``): its children
+    are what the parent calls."""
+    return type(module).forward is nn.Module.forward
+
+
+class _Site:
+    """One child module of the parent's forward, nested while the parent runs."""
+
+    __slots__ = ("module", "path", "wrapper", "forward", "quiet", "active", "owner")
+
+    def __init__(self, module: nn.Module, path: str, owner: NestedPlans):
+        self.module = module
+        self.path = path
+        self.owner = owner
+        self.wrapper: Any = None  # made on the child's first call
+        self.forward = _NestedForward(self)
+        self.quiet = 0
+        self.active = True
+
+
+class _NestedForward:
+    """The ``forward`` a nested child has while its parent's forward runs."""
+
+    __slots__ = ("site",)
+
+    def __init__(self, site: _Site):
+        self.site = site
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        site = self.site
+        wrapper = site.wrapper
+        if wrapper is None:
+            wrapper = site.wrapper = site.owner.make(site.module)
+        st = wrapper._ss
+        inner_calls = st.nested.calls if st.nested is not None else 0
+        out = wrapper._entry(args, kwargs, True)
+        # Something scheduled: the child's own plan, or (its forward ran as written) one
+        # of its nested children during this very call.
+        inner = st.nested
+        below = inner is not None and inner.calls != inner_calls and inner.scheduled
+        if st.last_path.startswith(_SCHEDULED) or below:
+            site.quiet = 0
+            site.owner.scheduled = True
+        else:
+            site.quiet += 1
+            if site.quiet >= _QUIET_CALLS:
+                site.active = False
+        return out
+
+    def __reduce__(self) -> Any:
+        raise TypeError("a module nested in a StreamScheduledModule's call cannot be pickled while the call runs")
+
+
+class NestedPlans:
+    """The nested children of one wrapped model (module docstring).
+
+    ``make(child)`` returns the wrapper a child's calls go through; ``is_wrapper(module)``
+    tells a module that is a wrapper already (never nested again).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        make: Callable[[nn.Module], Any],
+        is_wrapper: Callable[[nn.Module], bool],
+        leaf_types: tuple = (),
+    ):
+        self.model = model
+        self.make = make
+        self.is_wrapper = is_wrapper
+        self.leaf_types = leaf_types
+        self._sites: Optional[list[_Site]] = None
+        # Every site made, by module identity: children found again keep their wrappers.
+        self._known: dict[int, _Site] = {}
+        self.calls = 0
+        # Whether a nested child scheduled something during the current call.
+        self.scheduled = False
+
+    def sites(self) -> list[_Site]:
+        """The children nested while the model's forward runs (found once per structure)."""
+        if self._sites is None:
+            self._sites = self._find_sites()
+        return self._sites
+
+    def sites_at(self, paths: list[str]) -> list[_Site]:
+        """The sites of the modules at ``paths`` that have something to schedule: the opaque
+        calls of a traced plan (a module whose forward fx could not go through runs as
+        written inside its task)."""
+        sites = []
+        for path in paths:
+            try:
+                module = self.model.get_submodule(path)
+            except AttributeError:
+                continue
+            if self._worth_nesting(module):
+                sites.append(self._site(module, path))
+        return sites
+
+    def _worth_nesting(self, module: nn.Module) -> bool:
+        return not (
+            self.is_wrapper(module)
+            or runs_as_branch(module)  # eager dispatch launches its calls itself
+            or is_compiled_module(module)
+            or (self.leaf_types and isinstance(module, self.leaf_types))
+            or _leaf_count(module, 2) < 2
+        )
+
+    def _site(self, module: nn.Module, path: str) -> _Site:
+        site = self._known.get(id(module))
+        if site is None or site.module is not module:
+            site = self._known[id(module)] = _Site(module, path, self)
+        return site
+
+    def _find_sites(self) -> list[_Site]:
+        sites: list[_Site] = []
+        stack = [(name, child) for name, child in self.model.named_children()]
+        stack.reverse()
+        while stack:
+            path, child = stack.pop()
+            if _is_container(child):
+                inner = [(f"{path}.{name}", grandchild) for name, grandchild in child.named_children()]
+                stack.extend(reversed(inner))
+                continue
+            if self._worth_nesting(child):
+                sites.append(self._site(child, path))
+        return sites
+
+    def refresh(self) -> None:
+        """The model was re-wired: find the children again (wrappers of children still in
+        place are kept, and re-check their own plans)."""
+        live = {id(m) for m in self.model.modules()}
+        self._known = {k: s for k, s in self._known.items() if k in live}
+        if self._sites is not None:
+            self._sites = self._find_sites()
+
+    def invalidate(self) -> None:
+        """Drop every nested child's plans (the parent's were dropped)."""
+        for site in self._known.values():
+            if site.wrapper is not None:
+                site.wrapper.invalidate()
+            site.quiet, site.active = 0, True
+        self._sites = None
+
+    def plans(self) -> dict[str, Any]:
+        """The most recent plan of each nested child (and of theirs), by module path."""
+        out: dict[str, Any] = {}
+        for site in self._known.values():
+            wrapper = site.wrapper
+            if wrapper is None or wrapper.plan is None:
+                continue
+            out[site.path] = wrapper.plan
+            inner = wrapper._ss.nested
+            if inner is not None:
+                out.update({f"{site.path}.{path}": plan for path, plan in inner.plans().items()})
+        return out
+
+    @contextlib.contextmanager
+    def installed(self, sites: Optional[list[_Site]] = None) -> Iterator[None]:
+        """The block in which the model's forward (``sites``: a plan) runs: the calls of the
+        nested modules (the forward's children by default) go through their wrappers."""
+        self.calls += 1
+        self.scheduled = False
+        if sites is None:
+            sites = self.sites()
+        if self.calls % _RETRY_EVERY == 0:
+            for site in sites:
+                site.quiet, site.active = 0, True
+        placed: list[_Site] = []
+        try:
+            for site in sites:
+                if not site.active:
+                    continue
+                attrs = site.module.__dict__
+                if "forward" in attrs:
+                    continue  # the user's own (or an attached wrapper's), or placed by an outer call
+                attrs["forward"] = site.forward
+                placed.append(site)
+            yield
+        finally:
+            for site in placed:
+                attrs = site.module.__dict__
+                if attrs.get("forward") is site.forward:
+                    del attrs["forward"]
