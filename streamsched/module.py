@@ -148,7 +148,7 @@ class _State:
         self.binder = CallBinder(model)
         self.bind = ShapeCachedBinder(self.binder).bind
         # What eager dispatch reads of the model, and keeps between its calls.
-        self.dispatch = eager_dispatch.DispatchContext.for_model(model, config, self.binder)
+        self.dispatch = eager_dispatch.DispatchContext.for_model(model, config, self.binder, self._nested_site)
         self.traces: LRU = LRU(config.plan_cache_size)
         # Eager dispatch, per call structure: calls in a row that launched no branch, or
         # an _AsWritten once there were enough of them.
@@ -186,6 +186,9 @@ class _State:
         self.warned_hooks = False
         # An untraceable forward's children, scheduled by plans of their own (nesting.py).
         self.nested: Optional[NestedPlans] = None
+
+    def _nested_site(self) -> Optional[str]:
+        return self.nested.current_path() if self.nested is not None else None
 
     def mode_of(self, model: nn.Module) -> int:
         flags = tuple(m.training for m in model.modules())
@@ -341,8 +344,16 @@ class StreamScheduledModule(nn.Module):
     @property
     def plan(self) -> Optional[Plan]:
         """The plan of the most recent call (``None`` before the first call)."""
-        last = self._ss.last
-        return last.plan if last is not None else None
+        st = self._ss
+        last = st.last
+        if last is None:
+            return None
+        plan = last.plan
+        if plan.nested_leaf_calls and st.nested is not None and (plan.mode != "traced" or plan.executor != "eager"):
+            # Nested children ran (their calls were counted as the parent's own, as
+            # written): the share their plans schedule.
+            plan = plan.model_copy(update={"nested_in_tasks": st.nested.scheduled_calls(plan.nested_leaf_calls)})
+        return plan
 
     @property
     def plans(self) -> list[Plan]:

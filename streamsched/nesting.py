@@ -28,6 +28,7 @@ workload may have changed).
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, Callable, Iterator, Optional
 
 from torch import nn
@@ -44,6 +45,18 @@ _RETRY_EVERY = 512
 # Paths whose call scheduled something (a plan, a CUDA graph, the recording call, eager
 # dispatch of @branch calls): ``streamsched.testing.last_path``.
 _SCHEDULED = ("plan:", "graph", "recorded", "eager-dispatch")
+
+
+# The nested calls under way on this thread, outermost first: what the leaf-call count
+# of a parent's call charges each call to (streamsched.frontend.leafcalls).
+_calling = threading.local()
+
+
+def _calls_under_way() -> list:
+    stack = getattr(_calling, "sites", None)
+    if stack is None:
+        stack = _calling.sites = []
+    return stack
 
 
 def _leaf_count(module: nn.Module, limit: int) -> int:
@@ -93,7 +106,12 @@ class _NestedForward:
             wrapper = site.wrapper = site.owner.make(site.module)
         st = wrapper._ss
         inner_calls = st.nested.calls if st.nested is not None else 0
-        out = wrapper._entry(args, kwargs, True)
+        under_way = _calls_under_way()
+        under_way.append(site)
+        try:
+            out = wrapper._entry(args, kwargs, True)
+        finally:
+            under_way.pop()
         # Something scheduled: the child's own plan, or (its forward ran as written) one
         # of its nested children during this very call.
         inner = st.nested
@@ -200,6 +218,27 @@ class NestedPlans:
                 site.wrapper.invalidate()
             site.quiet, site.active = 0, True
         self._sites = None
+
+    def current_path(self) -> Optional[str]:
+        """The path of this model's nested child being called on this thread, if any."""
+        for site in _calls_under_way():
+            if site.owner is self:
+                return site.path
+        return None
+
+    def scheduled_calls(self, calls: dict[str, int]) -> int:
+        """Of ``calls`` (leaf calls made inside each nested child, by path), how many ran
+        as tasks of the children's most recent plans (theirs nested in turn included)."""
+        total = 0.0
+        sites = {s.path: s for s in self._known.values()}
+        for path, n in calls.items():
+            site = sites.get(path)
+            if site is None or site.wrapper is None or not site.active:
+                continue  # not nested (yet, or any more): the child runs as written
+            plan = site.wrapper.plan
+            if plan is not None:
+                total += n * plan.coverage
+        return round(total)
 
     def plans(self) -> dict[str, Any]:
         """The most recent plan of each nested child (and of theirs), by module path."""

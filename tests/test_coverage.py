@@ -193,13 +193,19 @@ def test_eager_dispatch_counts_branch_bodies(executor):
     if executor == "threads":  # the bodies ran on worker lanes, not the calling thread
         assert plan.executor == "threads" and {t.stream for t in plan.tasks} - {0}
     # Inside the two branch bodies (on worker lanes under "threads"): a and b; around
-    # them, in the forward: post's Linear and ReLU.
-    assert plan.coverage_calls == (2, 4)
-    assert plan.coverage == 0.5
+    # them, in the forward: post's Linear and ReLU, called through post's nested plan
+    # (streamsched.nesting), which schedules both.
+    assert plan.nested_leaf_calls == {"post": 2}
+    assert plan.coverage_calls == (4, 4)
+    assert plan.nested_in_tasks == 2 and "2 of them by nested plans" in plan.summary()
     assert _hooks_left(sm.module) == []
     # Counted once per call structure; later calls report the same figure.
     plan = _run(sm, model, x, "eager-dispatch")
-    assert plan.coverage_calls == (2, 4)
+    assert plan.coverage_calls == (4, 4)
+    # Without the nested plan (post runs as written), only the branch bodies count.
+    sm._ss.nested.sites()[0].active = False
+    plan = _run(sm, model, x, "eager-dispatch")
+    assert plan.coverage_calls == (2, 4) and plan.coverage == 0.5
 
 
 @ss.branch

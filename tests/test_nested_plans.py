@@ -242,3 +242,21 @@ def test_a_trial_leaves_out_calls_in_which_a_nested_child_planned():
     # plan): left out, it does not drop the schedule from the trial after one call.
     # (A noisy machine may still make the model's own forward look slow on its one call.)
     assert root_trial.calls["serial"] >= root_trial.rounds or root_trial.chosen == "serial", root_trial
+
+
+def test_coverage_counts_what_nested_plans_schedule():
+    torch.manual_seed(0)
+    model = OpaqueInside().eval()
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    x = torch.randn(8, 16)
+    sm(x)
+    first = sm.plan  # the recording call: mid ran as written, nothing nested yet
+    assert first.nested_leaf_calls == {"mid": 9}  # two blocks of four heads, and out
+    assert first.coverage_calls == (2, 11)
+    for _ in range(3):
+        x = torch.randn(8, 16)
+        assert_close(sm(x), model(x))
+    # mid's forward runs as written; its blocks' plans schedule 8 of its 9 leaf calls.
+    assert sm.plan.nested_in_tasks == 8
+    assert sm.plan.coverage_calls == (10, 11)
+    assert sm.nested_plans["mid"].coverage_calls == (8, 9)

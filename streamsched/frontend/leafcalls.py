@@ -47,6 +47,7 @@ __all__ = [
     "is_leaf_unit",
     "leaf_module_types",
     "leaf_units",
+    "opaque_leaf_calls",
     "recording_counter",
     "store_counts",
     "traced_coverage",
@@ -183,6 +184,18 @@ def traced_coverage(traced: Traced) -> tuple[int, int]:
     return scheduled, total
 
 
+def opaque_leaf_calls(traced: Traced) -> dict[str, int]:
+    """The leaf calls made inside each opaque module call of the most recent recording
+    call of ``traced``, by module path (the calls a nested plan of it may schedule)."""
+    opaque = traced.opaque_paths()
+    out: dict[str, int] = {}
+    for node in traced.graph.nodes:
+        if node.op == "call_module" and str(node.target) in opaque:
+            path = str(node.target)
+            out[path] = out.get(path, 0) + node.meta.get(LEAF_CALLS_META, 0)
+    return out
+
+
 def recording_counter(traced: Traced) -> LeafCallCounter:
     """The counter for a recording call of ``traced``: each leaf call made on the
     recording thread is charged to the node running (the caller sets ``where`` to its
@@ -236,13 +249,21 @@ def branch_scope() -> Any:
 
 
 @contextlib.contextmanager
-def counting_dispatch(model: torch.nn.Module, leaf_types: Iterable[Any]) -> Iterator[LeafCallCounter]:
+def counting_dispatch(
+    model: torch.nn.Module, leaf_types: Iterable[Any], nested_site: Optional[Callable[[], Optional[str]]] = None
+) -> Iterator[LeafCallCounter]:
     """Count the leaf calls of one eager-dispatch call of ``model``: hits are ``True``
-    inside a branch body, ``False`` in the forward around them (a module class decorated
-    with ``@streamsched.branch`` is a task of traced plans only: eager dispatch launches
+    inside a branch body, the module path of the nested child being called where
+    ``nested_site()`` names one (its calls may be scheduled by the child's own plan),
+    ``False`` in the forward around them (a module class decorated with
+    ``@streamsched.branch`` is a task of traced plans only: eager dispatch launches
     branch functions and methods, and runs such a module inline, unseen)."""
     global _counting
-    counter = LeafCallCounter(leaf_units(model, leaf_module_types(leaf_types)), lambda module: in_branch())
+
+    def tag(module: torch.nn.Module) -> Hashable:
+        return in_branch() or (nested_site() if nested_site is not None else None) or False
+
+    counter = LeafCallCounter(leaf_units(model, leaf_module_types(leaf_types)), tag)
     with _counting_lock:
         _counting += 1
     try:

@@ -132,6 +132,13 @@ class Plan(BaseModel):
     leaf_calls_in_tasks: int = 0
     """How many of :attr:`leaf_calls` are tasks of the schedule, or run inside a task the
     user declared one (see :attr:`coverage`)."""
+    nested_leaf_calls: dict[str, int] = Field(default_factory=dict)
+    """Of :attr:`leaf_calls`, those made inside each module call that may get a nested
+    plan (an opaque call of a traced plan, a child of a forward run as written), by
+    module path."""
+    nested_in_tasks: int = 0
+    """How many of :attr:`nested_leaf_calls` ran as tasks of the nested plans, as the
+    wrapper reported the plan (``sm.plan``; see ``StreamScheduledModule.nested_plans``)."""
 
     @classmethod
     def as_written(cls, model: str, reason: str, signature: str = "", device: str = "") -> Plan:
@@ -187,19 +194,24 @@ class Plan(BaseModel):
     @property
     def coverage_calls(self) -> tuple[int, int]:
         """``(scheduled, total)`` leaf-module calls of the forward (see :attr:`coverage`)."""
-        if self.executor == "eager":
-            return 0, self.leaf_calls
-        return self.leaf_calls_in_tasks, self.leaf_calls
+        own = 0 if self.executor == "eager" else self.leaf_calls_in_tasks
+        return own + self.nested_in_tasks, self.leaf_calls
 
     def coverage_text(self) -> str:
         """One line: ``coverage 0.93 (52 of 56 leaf-module calls scheduled)``."""
         scheduled, total = self.coverage_calls
+        nested = f", {self.nested_in_tasks} of them by nested plans" if self.nested_in_tasks else ""
+        if self.executor == "eager" and self.nested_in_tasks:
+            return (
+                f"coverage {self.coverage:.2f} (the forward runs as written; {scheduled} of {total} leaf-module "
+                "calls scheduled by nested plans)"
+            )
         if self.executor == "eager":
             counted = f"; the forward makes {total}" if total else ""
             return (
                 f"coverage {self.coverage:.2f} (the model runs as written: no leaf-module call is scheduled{counted})"
             )
-        return f"coverage {self.coverage:.2f} ({scheduled} of {total} leaf-module calls scheduled)"
+        return f"coverage {self.coverage:.2f} ({scheduled} of {total} leaf-module calls scheduled{nested})"
 
     @property
     def schedule_executor(self) -> str:

@@ -20,7 +20,7 @@ from torch import fx
 
 from ..config import SchedulerConfig
 from ..frontend.effects import Effects
-from ..frontend.leafcalls import traced_coverage
+from ..frontend.leafcalls import opaque_leaf_calls, traced_coverage
 from ..frontend.meta import ValueMeta
 from ..frontend.trace import Traced
 from ..ir.cost import device_model_for
@@ -207,6 +207,7 @@ def make_schedule(
     critical = tg.critical_path()
     # Counted by the recording call that preceded this planning (frontend.leafcalls).
     in_tasks, leaf_calls = traced_coverage(traced)
+    nested_leaf_calls = opaque_leaf_calls(traced)
     group_of_node = {g.node: g.id for g in groups}
     tasks = []
     for t in tg.tasks:
@@ -245,6 +246,7 @@ def make_schedule(
         unfused=unfused,
         leaf_calls=leaf_calls,
         leaf_calls_in_tasks=in_tasks,
+        nested_leaf_calls=nested_leaf_calls,
     )
     log.debug(
         "planned %s: %d tasks, %d streams, executor %s (%s)", plan.model, len(tasks), plan.num_streams, executor, reason

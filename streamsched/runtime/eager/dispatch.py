@@ -71,7 +71,7 @@ def run_eager_dispatch(
     leaf_calls = context.leaf_calls.get_fresh(spec.key)
     counting = counter = None
     if leaf_calls is None:
-        counting = counting_dispatch(model, context.config.leaf_modules)
+        counting = counting_dispatch(model, context.config.leaf_modules, context.nested_site)
         counter = counting.__enter__()
     start = time.perf_counter_ns()
     token = _eager_launcher.set(call)
@@ -86,7 +86,11 @@ def run_eager_dispatch(
         call.open = False
         if counting is not None:
             counting.__exit__(None, None, None)
-            leaf_calls = (sum(counter.hits), len(counter.hits))
+            nested: dict[str, int] = {}
+            for hit in counter.hits:
+                if type(hit) is str:
+                    nested[hit] = nested.get(hit, 0) + 1
+            leaf_calls = (counter.hits.count(True), len(counter.hits), nested)
             if error is None and failure is None:
                 context.leaf_calls.put(spec.key, leaf_calls)
         if mode.history is not None and error is None and failure is None:

@@ -72,11 +72,11 @@ class EagerSchedule:
     """What ``StreamScheduledModule.plan`` reports for a call run by eager dispatch.
 
     Every call makes one; its :class:`~streamsched.planning.plan.Plan` is built when first asked for.
-    ``leaf_calls`` is ``(in branches, total)`` leaf-module calls of the call structure, as
-    counted on its first call (``Plan.coverage``).
+    ``leaf_calls`` is ``(in branches, total, {nested child path: calls})`` leaf-module
+    calls of the call structure, as counted on its first call (``Plan.coverage``).
     """
 
-    def __init__(self, record: _CallRecord, leaf_calls: tuple[int, int] = (0, 0)):
+    def __init__(self, record: _CallRecord, leaf_calls: tuple = (0, 0, {})):
         self._record = record
         self._leaf_calls = leaf_calls
 
@@ -100,7 +100,7 @@ def _executor_name(tasks: tuple[_TaskRecord, ...], cpu_mode: str) -> str:
     return "+".join(sorted({names[t.kind] for t in tasks if t.kind in names})) or "serial"
 
 
-def _build_plan(record: _CallRecord, leaf_calls: tuple[int, int]) -> Plan:
+def _build_plan(record: _CallRecord, leaf_calls: tuple) -> Plan:
     tasks = record.tasks
     critical = _critical_path(tasks)
     per_stream: dict[int, float] = {}
@@ -144,4 +144,5 @@ def _build_plan(record: _CallRecord, leaf_calls: tuple[int, int]) -> Plan:
         notes=notes,
         leaf_calls_in_tasks=leaf_calls[0],
         leaf_calls=leaf_calls[1],
+        nested_leaf_calls=dict(leaf_calls[2]) if len(leaf_calls) > 2 else {},
     )
