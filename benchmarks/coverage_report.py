@@ -5,8 +5,9 @@
 
 Builds each model of the real-model suite (``tests/models/zoo.py``; with ``--broad``, also
 ``tests/models/broad.py``'s) with the suite's random weights and inputs, wraps it with
-default options and calls it once in ``eval()`` under ``torch.no_grad()``. That call
-traces, records and plans; its plan gives the row: how the model runs (``traced``,
+default options and calls it three times in ``eval()`` under ``torch.no_grad()``. The
+first call traces, records and plans, the next ones make the nested plans of what runs
+as written (``streamsched.nesting``); the last call's plan gives the row: how the model runs (``traced``,
 ``eager-dispatch`` or ``as-written``), its tasks, the module calls run as opaque tasks
 (``plan.opaque``) and the coverage, the share of the forward's leaf-module calls that are
 tasks of the plan (``Plan.coverage``: what is counted is in its docstring).
@@ -54,8 +55,13 @@ def _specs(broad: bool, names: list[str]) -> list:
     return specs
 
 
+CALLS = 3
+
+
 def row(spec) -> dict:
-    """One model's row: built, wrapped, called once in eval under no_grad."""
+    """One model's row: built, wrapped, called ``CALLS`` times in eval under no_grad (the
+    first call plans the model; nested plans, where a forward runs as written, are made
+    on the calls after it)."""
     from tests.models.zoo import build
 
     start = time.perf_counter()
@@ -65,7 +71,8 @@ def row(spec) -> dict:
         sm = ss.StreamScheduledModule(model)
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            sm(*args, **kwargs)
+            for _ in range(CALLS):
+                sm(*args, **kwargs)
         plan = sm.plan
     except Exception as exc:  # noqa: BLE001 - a row says what failed
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
@@ -76,6 +83,7 @@ def row(spec) -> dict:
         "family": spec.family,
         "mode": plan.mode if plan.executor != "eager" else "as-written",
         "tasks": len(plan.tasks),
+        "nested": len(sm.nested_plans),
         "opaque": len(plan.opaque),
         "coverage": plan.coverage,
         "scheduled": scheduled,
@@ -94,23 +102,26 @@ def main() -> None:
     torch.set_num_threads(opts.threads)
     names = [n for n in opts.models.split(",") if n]
     if opts.markdown:
-        print("| model | family | runs | tasks | opaque calls | coverage | leaf-module calls scheduled |")
-        print("|---|---|---|---:|---:|---:|---:|")
+        print(
+            "| model | family | runs | tasks | opaque calls | nested plans | coverage | leaf-module calls scheduled |"
+        )
+        print("|---|---|---|---:|---:|---:|---:|---:|")
     for spec in _specs(opts.broad, names):
         r = row(spec)
         if "error" in r:
-            line = f"| {r['model']} | {r['family']} | error: {r['error']} | | | | |" if opts.markdown else r
+            line = f"| {r['model']} | {r['family']} | error: {r['error']} | | | | | |" if opts.markdown else r
             print(line, flush=True)
             continue
         if opts.markdown:
             print(
-                f"| {r['model']} | {r['family']} | {r['mode']} | {r['tasks']} | {r['opaque']} | "
+                f"| {r['model']} | {r['family']} | {r['mode']} | {r['tasks']} | {r['opaque']} | {r['nested']} | "
                 f"{r['coverage']:.2f} | {r['scheduled']} of {r['total']} |",
                 flush=True,
             )
         else:
             print(
                 f"{r['model']:<34} {r['family']:<13} {r['mode']:<15} tasks {r['tasks']:>5}  opaque {r['opaque']:>3}  "
+                f"nested {r['nested']:>3}  "
                 f"coverage {r['coverage']:.2f} ({r['scheduled']} of {r['total']})  {r['seconds']:.1f} s",
                 flush=True,
             )
