@@ -32,6 +32,10 @@ Inside ``with EmulatedCuda(devices=2):``, ``torch.cuda`` says CUDA is available 
   captured dependencies (stream order and event waits), on the replaying stream as one
   launch for the checker; memory from outside the graph is read by address, and a replay
   after that memory was freed is reported instead of read.
+- **Backward** runs as autograd's engine runs it on CUDA (``_autograd``): each backward
+  node on the stream its forward op ran on, the engine's waits where a gradient crosses
+  streams, the caller's streams ordered after the leaf streams when ``backward()``
+  returns. :attr:`EmulatedCuda.backward_kernels` counts backward kernels per stream.
 
 **Simulated time** (:meth:`EmulatedCuda.timeline`): kernels take the cost model's
 duration on their stream's clock, waits and synchronisations move clocks, and streams
@@ -39,8 +43,8 @@ overlap where nothing orders them; the timeline gives the makespan, the streams 
 how many ran at once. These figures are simulated, never measurements.
 
 What it cannot show: measured time (speed, real asynchrony of the host),
-autograd's own stream handling in backward (backward kernels run on the stream current
-when ``backward()`` is called), the CUDA calls of ``streamsched._C``'s CUDA backend (its
+the parts of autograd's stream handling ``_autograd`` lists as not modelled,
+the CUDA calls of ``streamsched._C``'s CUDA backend (its
 runtime's logic runs here, through ``NativeStreamOps``), peak memory
 of the real allocator, kernels PyTorch does not dispatch (custom CUDA extensions).
 
@@ -62,6 +66,7 @@ import contextlib
 from typing import Any, Iterator, Optional
 
 from . import _api
+from ._autograd import BackwardStreams
 from ._core import CudaError, Emulator, Report, UnsynchronizedAccess
 from ._modes import KernelMode, PlacementMode
 from ._timing import KernelSpan, Timeline
@@ -92,6 +97,7 @@ class EmulatedCuda:
 
     def __init__(self, devices: int = 2, seed: int = 0, raise_on_race: bool = True):
         self.emulator = Emulator(devices, seed=seed, raise_on_race=raise_on_race)
+        self.emulator.backward = BackwardStreams(self.emulator)
         self._patches: Any = None
         self._modes: list[Any] = []
 
@@ -160,6 +166,13 @@ class EmulatedCuda:
             yield recorded
         finally:
             clocks.recording.remove(recorded)
+
+    @property
+    def backward_kernels(self) -> dict[str, int]:
+        """How many kernels autograd's backward ran on each stream (by stream name), since
+        the device was entered: backward nodes run on the streams of their forward ops."""
+        names = {s.skey: s.name for s in self.emulator._streams.values()}
+        return {names[k]: n for k, n in self.emulator.backward.backward_kernels.items()}
 
     def is_capturing(self) -> bool:
         return any(not c.ended for c in self.emulator._captures)

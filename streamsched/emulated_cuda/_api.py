@@ -414,6 +414,27 @@ def _autocast_methods() -> dict[str, Any]:
     return {"__enter__": enter, "__exit__": exit_}
 
 
+def _autograd_functions(backward: Any) -> list[tuple[Any, str, Any]]:
+    """Where autograd meets the emulated streams (``_autograd``): the node a custom
+    ``autograd.Function`` makes (no mode sees it made) is tagged with the stream current
+    when ``apply`` returns; the engine's entry point notes the caller's streams."""
+    function = torch.autograd.function.Function
+    apply = function.__dict__["apply"]
+
+    def tagged_apply(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        out = apply.__get__(None, cls)(*args, **kwargs)
+        if torch.is_grad_enabled():
+            backward.tag(out)
+        return out
+
+    run = torch.autograd._engine_run_backward
+
+    def run_backward(*args: Any, **kwargs: Any) -> Any:
+        return backward.run_backward(run, *args, **kwargs)
+
+    return [(function, "apply", classmethod(tagged_apply)), (torch.autograd, "_engine_run_backward", run_backward)]
+
+
 # --- installing and removing ---------------------------------------------------------------------
 
 _MISSING = object()
@@ -474,6 +495,9 @@ def install(emu: Emulator) -> Patches:
         p.set(torch.Tensor, name, fn)
     for name, fn in _autocast_methods().items():
         p.set(torch.amp.autocast_mode.autocast, name, fn)
+    if emu.backward is not None:
+        for owner, name, fn in _autograd_functions(emu.backward):
+            p.set(owner, name, fn)
     _ACTIVE = emu
     return p
 

@@ -263,6 +263,8 @@ class Emulator:
         self._allocated = [0] * devices
         self._peak = [0] * devices
         self.clocks = Clocks()  # simulated time (_timing)
+        # Autograd's stream handling in backward (_autograd.BackwardStreams), set by EmulatedCuda.
+        self.backward: Any = None
         for d in range(devices):
             self._new_stream(d, 0)
 

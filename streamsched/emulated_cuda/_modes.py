@@ -26,6 +26,9 @@ from ._timing import kernel_us
 aten = torch.ops.aten
 
 _CPU = torch.device("cpu")
+_ACCUMULATE = (aten.add.Tensor, aten.add_.Tensor)
+_GRAPH_TASK = torch._C._current_graph_task_id
+_GRAD_ENABLED = torch.is_grad_enabled
 
 # --- operator facts, cached per overload --------------------------------------------------
 
@@ -206,6 +209,15 @@ def _generic(emu: Emulator, func: Any, args: tuple, kwargs: dict) -> Any:
     if info.view_only:
         return func(*args, **kwargs)
     stream = emu.current_stream(dev)
+    if func in _ACCUMULATE and emu.backward is not None:
+        # The engine adding a second gradient into a node's input slot runs the add on the
+        # slot's accumulation stream, after InputBuffer::add's waits (_autograd).
+        found = emu.backward.accumulation(args)
+        if found is not None:
+            slot, stream = found
+            out = kernel(emu, stream, func, args, kwargs, reads, writes, dev)
+            emu.backward.accumulated(slot)
+            return out
     return kernel(emu, stream, func, args, kwargs, reads, writes, dev, alloc_only=info.alloc_only, sync=info.sync)
 
 
@@ -239,6 +251,8 @@ def kernel(
     duration = 0.0
     if not alloc_only and (cap is not None or emu.clocks.timing):
         duration = kernel_us(func, args, reads, writes, tensors_in(out))
+    if _GRAPH_TASK() >= 0 and emu.backward is not None:
+        emu.backward.counted(stream)
     with emu.lock:
         new = emu.adopt(out, out_device, alloc_stream or stream) if out_device is not None else []
         if not alloc_only:
@@ -495,20 +509,25 @@ class PlacementMode(TorchFunctionMode):
         for t in types:
             if not issubclass(t, torch.Tensor):
                 return func(*args, **kwargs)  # fx proxies and the like: leave their calls alone
+        emu = self.emu
         handler = _FN.get(func)
         if handler is not None:
-            return handler(self.emu, func, args, kwargs)
-        if kwargs.get("device") is not None:
-            return _placed(self.emu, func, args, kwargs)
-        # Tensors C++ makes for this call "with the options of" an argument say CPU at the
-        # kernel level; the call's first emulated-CUDA argument says which device they mean.
-        emu = self.emu
-        dev = _first_device(emu, args, kwargs)
-        emu.push_target(_CPU if dev is None else _CUDA[dev])
-        try:
-            return func(*args, **kwargs)
-        finally:
-            emu.pop_target()
+            out = handler(emu, func, args, kwargs)
+        elif kwargs.get("device") is not None:
+            out = _placed(emu, func, args, kwargs)
+        else:
+            # Tensors C++ makes for this call "with the options of" an argument say CPU at the
+            # kernel level; the call's first emulated-CUDA argument says which device they mean.
+            dev = _first_device(emu, args, kwargs)
+            emu.push_target(_CPU if dev is None else _CUDA[dev])
+            try:
+                out = func(*args, **kwargs)
+            finally:
+                emu.pop_target()
+        if _GRAD_ENABLED() and emu.backward is not None:
+            # The autograd nodes this call made run their backward on the stream current now.
+            emu.backward.tag(out)
+        return out
 
 
 _CUDA = [torch.device("cuda", i) for i in range(64)]
