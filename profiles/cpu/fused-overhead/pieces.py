@@ -59,6 +59,8 @@ with torch.no_grad():
         h = torch.baddbmm(b1, h.view(16, 32, 64).movedim(1, 0), w1).relu_()
         return torch.baddbmm(b2, h, w2).contiguous()
 
+    # load + run_serial + output: the program's pieces as the executors with a log or
+    # observer run them; p.call is the one function the serial executor runs otherwise.
     def program_only():
         env = p.load([x])
         p.run_serial(env)
@@ -79,6 +81,7 @@ with torch.no_grad():
             ("sm(x)", lambda: sm(x)),
             ("_run", run_path),
             ("program", program_only),
+            ("call", lambda: p.call([x])),
             ("rawops", lambda: rawops(x)),
             ("rawops_inplace", lambda: rawops_inplace(x)),
             ("hand", lambda: hand(x)),
