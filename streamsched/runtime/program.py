@@ -313,6 +313,7 @@ def _compile(
         elif node.op == "get_attr":
             attr_slots.append((slot[node], str(node.target)))
     output_node = next(n for n in graph.nodes if n.op == "output")
+    inputs = set(input_slots)
     n_values = len(slot)
     loc_reads = effects.reads if effects else {}
     loc_writes = effects.writes if effects else {}
@@ -388,7 +389,16 @@ def _compile(
                     elif writer in writer_node:  # a writer fused away wrote only its own storage
                         expected_writers[(t, slot_id)] = node_task[writer_node[writer]]
                 written_here.update(n_values + loc for loc in loc_writes.get(node.name, ()))
-        cross = tuple(r for r in reads if r in slot_producer and stream[slot_producer[r]] != stream[t])
+        # Values this task reads that were made on another stream: the task's stream is
+        # recorded on them (record_stream), so their memory is not reused before its work
+        # is done. The module's inputs are made on the caller's stream (stream 0) and no
+        # task's output, and a side stream's backward reads one it saved after the call
+        # returns, when the caller may have dropped it.
+        cross = tuple(
+            r
+            for r in reads
+            if (r in slot_producer and stream[slot_producer[r]] != stream[t]) or (r in inputs and stream[t] != 0)
+        )
         seq_counter[stream[t]] += 1
         tasks.append(
             CompiledTask(
