@@ -33,7 +33,9 @@ from typing import Any, Callable, Iterator, Optional
 
 from torch import nn
 
+from . import _generation
 from .branch import runs_as_branch
+from .frontend.hooks import has_hooks
 from .frontend.trace import is_compiled_module
 
 __all__ = ["NestedPlans"]
@@ -70,6 +72,14 @@ def _leaf_count(module: nn.Module, limit: int) -> int:
     return count
 
 
+def _hooked(module: nn.Module) -> bool:
+    """Whether a module in ``module``'s subtree has a hook: forward hooks of any kind
+    (transformers' output-capture hooks, which a wrapper traces into the values it
+    returns, would collect into the parent's call as eager does only if they run), and
+    the other hooks ``has_hooks`` counts. Such a child runs as written, as before."""
+    return any(m._forward_hooks or has_hooks(m) for m in module.modules())
+
+
 def _is_container(module: nn.Module) -> bool:
     """A module with no forward of its own (``ModuleList``, ``ModuleDict``): its children
     are what the parent calls."""
@@ -79,7 +89,7 @@ def _is_container(module: nn.Module) -> bool:
 class _Site:
     """One child module of the parent's forward, nested while the parent runs."""
 
-    __slots__ = ("module", "path", "wrapper", "forward", "quiet", "active", "owner")
+    __slots__ = ("module", "path", "wrapper", "forward", "quiet", "active", "owner", "hooked", "hooks_seen")
 
     def __init__(self, module: nn.Module, path: str, owner: NestedPlans):
         self.module = module
@@ -89,6 +99,9 @@ class _Site:
         self.forward = _NestedForward(self)
         self.quiet = 0
         self.active = True
+        # Whether its subtree has hooks (_hooked), as of hook registration count hooks_seen.
+        self.hooked = False
+        self.hooks_seen = -1
 
 
 class _NestedForward:
@@ -101,6 +114,12 @@ class _NestedForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         site = self.site
+        if _generation.hook_registrations() != site.owner.hooks_at_entry:
+            # The parent's forward registered (or removed) module hooks while it runs
+            # (transformers' output capturing does, around the call): what they see of
+            # the children must be eager's, so for the rest of this call they run as
+            # written. Not a quiet call: the next call may nest them again.
+            return type(site.module).forward(site.module, *args, **kwargs)
         wrapper = site.wrapper
         if wrapper is None:
             wrapper = site.wrapper = site.owner.make(site.module)
@@ -151,6 +170,8 @@ class NestedPlans:
         # Every site made, by module identity: children found again keep their wrappers.
         self._known: dict[int, _Site] = {}
         self.calls = 0
+        # Module hook registrations when the current call began (_generation).
+        self.hooks_at_entry = -1
         # Whether a nested child scheduled something during the current call.
         self.scheduled = False
 
@@ -259,6 +280,7 @@ class NestedPlans:
         nested modules (the forward's children by default) go through their wrappers."""
         self.calls += 1
         self.scheduled = False
+        self.hooks_at_entry = _generation.hook_registrations()
         if sites is None:
             sites = self.sites()
         if self.calls % _RETRY_EVERY == 0:
@@ -266,8 +288,13 @@ class NestedPlans:
                 site.quiet, site.active = 0, True
         placed: list[_Site] = []
         try:
+            registrations = self.hooks_at_entry
             for site in sites:
                 if not site.active:
+                    continue
+                if site.hooks_seen != registrations:
+                    site.hooked, site.hooks_seen = _hooked(site.module), registrations
+                if site.hooked:
                     continue
                 attrs = site.module.__dict__
                 if "forward" in attrs:

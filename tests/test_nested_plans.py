@@ -148,7 +148,9 @@ def test_hooks_on_a_nested_child_fire_once_per_call_as_in_eager():
         assert_close(y, model(x))
         assert len(seen) == n + 1  # the eager call's own firing
         assert_close(seen[n - 1], seen[n])  # the wrapped call fired with eager's value
-    assert_path(_site(sm, "blocks.1").wrapper, "plan:serial")
+    # A hooked subtree runs as written (its hooks see eager's calls); the rest is nested.
+    assert _site(sm, "blocks.1").wrapper is None
+    assert_path(_site(sm, "blocks.0").wrapper, "plan:serial")
 
 
 def test_a_swapped_child_is_nested_in_its_place():
@@ -260,3 +262,31 @@ def test_coverage_counts_what_nested_plans_schedule():
     assert sm.plan.nested_in_tasks == 8
     assert sm.plan.coverage_calls == (10, 11)
     assert sm.nested_plans["mid"].coverage_calls == (8, 9)
+
+
+class Capturing(Untraceable):
+    """Registers hooks on its blocks while its forward runs and returns what they saw, as
+    transformers' output capturing does (``output_hidden_states=True``)."""
+
+    def forward(self, x: torch.Tensor) -> tuple:
+        seen: list = []
+        # On modules inside the nested children, as transformers hooks each layer.
+        handles = [b.heads[0].register_forward_hook(lambda m, a, out: seen.append(out)) for b in self.blocks]
+        try:
+            y = super().forward(x)
+        finally:
+            for h in handles:
+                h.remove()
+        return y, tuple(seen)
+
+
+def test_hooks_the_parent_registers_while_it_runs_see_eager_calls():
+    torch.manual_seed(0)
+    model = Capturing().eval()
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    for _ in range(4):
+        x = torch.randn(8, 16)
+        out, ref = sm(x), model(x)
+        assert len(out[1]) == len(ref[1]) == 2
+        assert_close(out, ref)
+    assert all("forward" not in b.__dict__ for b in model.blocks)
