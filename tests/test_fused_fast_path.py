@@ -175,3 +175,41 @@ def test_the_stacked_output_is_the_last_kernels_own_result():
     out = sm(torch.randn(4, 7))
     ss.testing.assert_path(sm, "plan:serial")
     assert out._base is None and out.is_contiguous() and out.grad_fn is not None
+
+
+class _ConvTowers(nn.Module):
+    """Small conv towers reading one image: a wide conv, a ReLU (in place on the conv's
+    own result), then a grouped conv (reflect padding) on each tower's own channels."""
+
+    def __init__(self, n: int = 4):
+        super().__init__()
+        self.first = nn.ModuleList(nn.Conv2d(3, 4, 3, padding=1) for _ in range(n))
+        self.acts = nn.ModuleList(nn.ReLU() for _ in range(n))
+        self.second = nn.ModuleList(nn.Conv2d(4, 2, 3, padding=1, padding_mode="reflect") for _ in range(n))
+
+    def forward(self, x):
+        return torch.cat([b(r(a(x))) for a, r, b in zip(self.first, self.acts, self.second)], 1)
+
+
+def test_conv_kernels_keep_their_reshaped_weights_and_follow_re_stacks():
+    torch.manual_seed(0)
+    model = _ConvTowers()
+    ref = copy.deepcopy(model)
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    for _ in range(3):
+        _train_step(sm, ref, torch.randn(2, 3, 6, 6))
+    ss.testing.assert_path(sm, "plan:serial")
+    kinds = sorted(k.kernel for k in _kernels(sm))
+    assert kinds == ["ReLU once", "grouped conv2d", "wide conv2d"], kinds
+    x = torch.randn(2, 3, 6, 6)
+    with torch.no_grad():
+        sm(x)
+        for layer in ("first", "second"):
+            convs = getattr(model, layer)
+            convs[1].weight.mul_(0.5)
+            assert_close(sm(x), model(x), what=f"in-place update of {layer}")
+            convs[2].bias.data = convs[2].bias.data - 1.0
+            assert_close(sm(x), model(x), what=f"re-stacked bias of {layer}")
+            convs[3].weight.data = convs[3].weight.data * 3.0
+            assert_close(sm(x), model(x), what=f"re-stacked weight of {layer}")
+        ss.testing.assert_path(sm, "plan:serial")

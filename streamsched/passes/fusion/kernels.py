@@ -361,6 +361,7 @@ class ConvKernel(FusedKernel):
         self.padding_mode = m.padding_mode
         self.pad = getattr(m, "_reversed_padding_repeated_twice", None)
         self.fn = _CONV[self.nd]
+        self.weight_shape = (-1,) + tuple(m.weight.shape[1:])  # the stack with N*out filters
 
     @property
     def params(self) -> list[StackedTensors]:
@@ -382,6 +383,34 @@ class ConvKernel(FusedKernel):
             xf = F.pad(xf, self.pad, mode=self.padding_mode)
             padding = 0
         return self.fn(xf, w, b, self.stride, padding, self.dilation, groups)
+
+    def specialise(self, private: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``run`` with the weight and bias reshapes kept between calls while grad mode is
+        off (see :func:`_kept_views`), and the input conversion, padding and groups
+        chosen at build time."""
+        weight, bias = self.weight, self.bias
+        bsrc: Any = bias if bias is not None else _NO_STACK
+        reshape = torch.Tensor.reshape
+        kept, views = _kept_views(weight, reshape, self.weight_shape, bias, reshape, (-1,))
+        is_grad = torch.is_grad_enabled
+        fn, stride, dilation = self.fn, self.stride, self.dilation
+        wide, layout, n, in_shape, cdim = self.wide, self.in_layout, self.n, self.in_shape, self.cdim
+        groups = 1 if wide else self.n * self.groups
+        pad, mode = (self.pad, self.padding_mode) if self.padding_mode != "zeros" else (None, "zeros")
+        padding = 0 if pad is not None else self.padding
+
+        def conv(x: torch.Tensor) -> torch.Tensor:
+            grad = is_grad()
+            if grad or weight.stack is not kept[0] or bsrc.stack is not kept[1]:
+                w, b = views(grad)
+            else:
+                w, b = kept[2], kept[3]
+            xf = x if wide else to_fold(x, layout, n, in_shape, cdim)
+            if pad is not None:
+                xf = F.pad(xf, pad, mode=mode)
+            return fn(xf, w, b, stride, padding, dilation, groups)
+
+        return conv
 
 
 class BatchNormKernel(FusedKernel):
