@@ -63,6 +63,10 @@ log = logging.getLogger(__name__)
 # Eager-dispatch calls in a row that launch no branch before a call structure runs as written.
 _QUIET_CALLS = 3
 
+# How much faster than the model as written a plan with nothing to run side by side or
+# batch must be to be kept (planning.signatures: decided once for every size).
+_UNIFORM_SCHEDULE_MARGIN = 0.05
+
 # Calls of any wrapper that were not yet its settled way of running: first calls of a
 # signature (trace, record, plan) and trial calls. A trial call of a plan during which
 # another one ran (a nested child planning or trying itself) is no measure of the plan.
@@ -654,6 +658,11 @@ class StreamScheduledModule(nn.Module):
                 self._apply_decision(compiled, decision)
             elif compiled.trial is not None:
                 structure.trying[bucket] = shapes
+                if structure.uniform:
+                    # Its verdict holds for every size: a schedule that wins only the
+                    # forward's Python must win clearly, or each new size pays a plan
+                    # for nothing.
+                    compiled.trial.schedule_margin = _UNIFORM_SCHEDULE_MARGIN
         return out
 
     def _apply_decision(self, compiled: _Compiled, decision: Decision) -> None:

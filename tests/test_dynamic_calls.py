@@ -396,3 +396,30 @@ def test_attach_runs_the_models_own_methods_through_the_wrapper():
         copy.deepcopy(model)
     sm.detach()
     assert "forward" not in model.__dict__
+
+
+def test_a_schedule_with_nothing_to_schedule_must_win_clearly(monkeypatch):
+    """Both ways within a few percent: a plan that runs nothing side by side and batches
+    nothing is not kept (its verdict holds for every size, each of which would pay a plan)."""
+    from streamsched.runtime.serial import SerialExecutor
+
+    def slow(self, *args, _run=SerialExecutor.run, **kwargs):
+        time.sleep(0.01)
+        return _run(self, *args, **kwargs)
+
+    def slow_forward(self, x, _forward=Chain.forward):
+        time.sleep(0.0102)
+        return _forward(self, x)
+
+    monkeypatch.setattr(SerialExecutor, "run", slow)
+    monkeypatch.setattr(Chain, "forward", slow_forward)
+    model = Chain()
+    sm = ss.StreamScheduledModule(model)
+    for _ in range(40):
+        x = torch.randn(3, 16)
+        assert_close(sm(x), model(x))
+        if sm.plan.trial is not None:
+            break
+    trial = sm.plan.trial
+    assert trial is not None and trial.chosen == "eager", sm.plan.reason
+    assert trial.best_us["serial"] < trial.best_us["eager"]  # the schedule was (a little) faster

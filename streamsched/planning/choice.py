@@ -137,6 +137,10 @@ class Trial:
         self.samples: dict[str, list[float]] = {c: [] for c in self.candidates}
         self.turn = 0
         self.skipped = 0
+        # How much faster than the model's own forward the schedule must be to be kept
+        # (0: any faster). A plan with nothing to run side by side or batch can win only
+        # the forward's Python, and keeping it means planning each new size again.
+        self.schedule_margin = 0.0
 
     def next(self) -> str:
         name = self.live[self.turn % len(self.live)]
@@ -186,7 +190,11 @@ class Trial:
             keep = executor if best[executor] < best["serial"] else "serial"
         else:
             keep = scheduled[0]
-        eager = "eager" in self.live and (not scheduled or best["eager"] < (1.0 - self.margin) * best[keep])
+        eager = "eager" in self.live and (
+            not scheduled
+            or best["eager"] < (1.0 - self.margin) * best[keep]
+            or (self.schedule_margin > 0 and best[keep] > (1.0 - self.schedule_margin) * best["eager"])
+        )
         chosen = "eager" if eager else keep
         trial = ExecutorTrial(
             best_us=best,
