@@ -290,3 +290,32 @@ def test_hooks_the_parent_registers_while_it_runs_see_eager_calls():
         assert len(out[1]) == len(ref[1]) == 2
         assert_close(out, ref)
     assert all("forward" not in b.__dict__ for b in model.blocks)
+
+
+def test_nested_plans_inside_a_threads_plan_run_without_deadlock():
+    """The root's threads executor runs its opaque task on the calling thread (lane 0),
+    holding the lane pool; the nested plans called from there run serially, as plans
+    called from a lane thread do."""
+    import threading
+
+    torch.manual_seed(0)
+    model = OpaqueInside().eval()
+    sm = ss.StreamScheduledModule(model, executor="threads")
+    pairs = []
+
+    def calls() -> None:
+        for _ in range(4):
+            x = torch.randn(8, 16)
+            pairs.append((sm(x), model(x)))
+
+    # A deadlock fails the test instead of hanging the suite.
+    worker = threading.Thread(target=calls, daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert not worker.is_alive(), "the nested plan's threads executor waited for the pool its caller holds"
+    assert len(pairs) == 4
+    for out, ref in pairs:
+        assert_close(out, ref)
+    assert_path(sm, "plan:threads")
+    mid = _site(sm, "mid").wrapper
+    assert_path(_site(mid, "blocks.0").wrapper, "plan:threads")

@@ -93,6 +93,10 @@ def _lane_frees(program: Program) -> dict[int, tuple[int, ...]]:
 # from inside a lane (a wrapped module called by a branch of another) runs its tasks in
 # order on that lane instead of waiting for the pool.
 _POOL = LanePool("streamsched-lane")
+# Set on the thread that runs a plan's lane 0 while it holds the pool: a plan run from
+# inside one of its tasks (a wrapped module called by an opaque task, a nested plan) runs
+# serially there, as one run from a lane thread does; the pool's lock is not re-entrant.
+_caller = threading.local()
 
 
 class ThreadExecutor:
@@ -117,10 +121,14 @@ class ThreadExecutor:
     ) -> Any:
         """Run one call; ``observer.push(task, lane)``/``pop`` bracket each task in its lane
         thread (so an observer must be thread-safe)."""
-        if _POOL.in_lane() or _POOL.forked_child:
+        if _POOL.in_lane() or _POOL.forked_child or getattr(_caller, "running", False):
             return self._serial.run(program, inputs, log, chaos, observer)
         with _POOL.lock:
-            return self._run(program, inputs, log, chaos, observer)
+            _caller.running = True
+            try:
+                return self._run(program, inputs, log, chaos, observer)
+            finally:
+                _caller.running = False
 
     def _run(
         self, program: Program, inputs: list[Any], log: Optional[SyncLog], chaos: Optional[Chaos], observer: Any
