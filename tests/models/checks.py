@@ -293,6 +293,12 @@ def _plan_fused(sm: ss.StreamScheduledModule) -> bool:
     return bool(plan is not None and getattr(plan, "fused_groups", None))
 
 
+def _nested_fused(sm: ss.StreamScheduledModule) -> bool:
+    """Whether a nested plan (streamsched.nesting: a child of what runs as written) with
+    fused kernels runs its schedule: its kernels round as the root's would."""
+    return any(p.fused_groups and p.executor != "eager" for p in sm.nested_plans.values())
+
+
 def ran_plan(path: str) -> bool:
     """Whether a call on ``path`` ran the compiled schedule (any executor, or its CUDA graph)."""
     return path.startswith("plan:") or path == "graph"
@@ -396,7 +402,7 @@ class Lockstep:
                             loss_of(out).backward()
                 memo["out"] = out
                 memo["grads"] = {n: p.grad for n, p in m64.named_parameters() if p.grad is not None}
-                memo["fused"] = _plan_fused(sm64) and ran_plan(last_path(sm64))
+                memo["fused"] = (_plan_fused(sm64) and ran_plan(last_path(sm64))) or _nested_fused(sm64)
             return memo["out"], memo["grads"], memo["fused"]
 
         return run
@@ -460,7 +466,10 @@ class Lockstep:
             path = self._check_path(f"{what}: call {self.calls}", signature)
             # Only a call that ran a fused plan ran fused kernels: the recording call and
             # the model as written run eager's own.
-            fused = ran_plan(path) and _plan_fused(self.sm)
+            root_fused = ran_plan(path) and _plan_fused(self.sm)
+            # Nested plans' kernels round as the root's would (their own check: the unit
+            # tests of streamsched.nesting and the per-kernel check of root plans).
+            fused = root_fused or _nested_fused(self.sm)
             self.fused_seen |= fused
             # Buffers a fused kernel updated (BatchNorm statistics summed in another order)
             # carry its rounding into every later call, whatever path that call runs.
@@ -470,7 +479,7 @@ class Lockstep:
             if backward:
                 loss_of(expected).backward()
                 loss_of(actual).backward()
-        if fused and signature not in self.kernels_checked:
+        if root_fused and signature not in self.kernels_checked:
             # After backward: the check writes the buffers back in place, which moves
             # their version counters (BatchNorm saves its running statistics for backward).
             self.kernels_checked.add(signature)
