@@ -319,3 +319,17 @@ def test_nested_plans_inside_a_threads_plan_run_without_deadlock():
     assert_path(sm, "plan:threads")
     mid = _site(sm, "mid").wrapper
     assert_path(_site(mid, "blocks.0").wrapper, "plan:threads")
+
+
+def test_the_nested_plans_example_runs_and_matches_eager():
+    import pathlib
+    import subprocess
+    import sys
+
+    example = pathlib.Path(__file__).resolve().parent.parent / "examples" / "nested_plans.py"
+    args = ["--blocks", "2", "--heads", "4", "--width", "16", "--batch", "4", "--rounds", "1", "--device", "cpu"]
+    done = subprocess.run([sys.executable, str(example), *args], capture_output=True, text=True, timeout=300)
+    # The example exits non-zero when its outputs differ from eager's by more than 1e-4.
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "nested plan of blocks.0" in done.stdout and "fused: Linear x4" in done.stdout, done.stdout
+    assert "max abs error vs eager" in done.stdout, done.stdout
