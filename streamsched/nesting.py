@@ -44,6 +44,10 @@ __all__ = ["NestedPlans"]
 _QUIET_CALLS = 16
 # Parent calls after which the children that stopped are nested again.
 _RETRY_EVERY = 512
+# More children than this to nest (an ensemble of a thousand small models behind an
+# untraceable forward) and none is: each would pay its own trace, plan and trial, and
+# siblings nested apart are never batched together (only the parent's trace could).
+MAX_SITES = 128
 # Paths whose call scheduled something (a plan, a CUDA graph, the recording call, eager
 # dispatch of @branch calls): ``streamsched.testing.last_path``.
 _SCHEDULED = ("plan:", "graph", "recorded", "eager-dispatch")
@@ -193,7 +197,7 @@ class NestedPlans:
                 continue
             if self._worth_nesting(module):
                 sites.append(self._site(module, path))
-        return sites
+        return sites if len(sites) <= MAX_SITES else []
 
     def _worth_nesting(self, module: nn.Module) -> bool:
         return not (
@@ -222,7 +226,7 @@ class NestedPlans:
                 continue
             if self._worth_nesting(child):
                 sites.append(self._site(child, path))
-        return sites
+        return sites if len(sites) <= MAX_SITES else []
 
     def refresh(self) -> None:
         """The model was re-wired: find the children again (wrappers of children still in

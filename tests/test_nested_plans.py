@@ -333,3 +333,20 @@ def test_the_nested_plans_example_runs_and_matches_eager():
     assert done.returncode == 0, done.stdout + done.stderr
     assert "nested plan of blocks.0" in done.stdout and "fused: Linear x4" in done.stdout, done.stdout
     assert "max abs error vs eager" in done.stdout, done.stdout
+
+
+def test_too_many_children_are_not_nested(monkeypatch):
+    """An ensemble behind an untraceable forward: each child nested apart would pay its own
+    trace, plan and trial, and siblings nested apart are never batched together."""
+    monkeypatch.setattr(nesting, "MAX_SITES", 3)
+    torch.manual_seed(0)
+    model = Untraceable(blocks=4).eval()
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    for _ in range(3):
+        x = torch.randn(8, 16)
+        assert_close(sm(x), model(x))
+    assert sm._ss.nested.sites() == [] and sm.nested_plans == {}
+    monkeypatch.setattr(nesting, "MAX_SITES", 4)
+    sm.invalidate()
+    sm(torch.randn(8, 16))
+    assert len(sm._ss.nested.sites()) == 4
