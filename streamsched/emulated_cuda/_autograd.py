@@ -54,7 +54,7 @@ from typing import Any, Optional
 
 import torch
 
-from ._core import Emulator, _EventState, _Stream, tensors_in
+from ._core import Emulator, _EventState, _Stream, storage_id, tensors_in
 
 __all__ = ["BackwardStreams"]
 
@@ -131,13 +131,6 @@ def _captures(inputs: Any) -> list[tuple[_Tag, int]]:
         if tag is not None:
             out.append((tag, inp.output_nr))
     return out
-
-
-def _cdata(t: torch.Tensor) -> Optional[int]:
-    try:
-        return torch._C.TensorBase.untyped_storage(t)._cdata
-    except (RuntimeError, NotImplementedError):
-        return None
 
 
 class BackwardStreams:
@@ -322,7 +315,7 @@ class BackwardStreams:
                 task.events.append(ready)
                 task.slots[key] = _Slot(accum, ready, made_on)
             else:
-                cdata = _cdata(g)
+                cdata = storage_id(g)
                 if cdata is not None:
                     task.pending.append((cdata, slot, made_on, g))
 
@@ -332,7 +325,7 @@ class BackwardStreams:
         task = self._tasks.get(torch._C._current_graph_task_id())
         if task is None or not task.pending:
             return None
-        ids = [_cdata(a) for a in args[:2] if isinstance(a, torch.Tensor)]
+        ids = [storage_id(a) for a in args[:2] if isinstance(a, torch.Tensor)]
         for k, (cdata, slot, made_on, g) in enumerate(task.pending):
             if cdata not in ids:
                 continue
@@ -347,7 +340,7 @@ class BackwardStreams:
             if accum is not slot.ready_stream:
                 emu.event_wait(slot.ready, accum)
                 for a in args[:2]:
-                    if isinstance(a, torch.Tensor) and _cdata(a) != cdata:
+                    if isinstance(a, torch.Tensor) and storage_id(a) != cdata:
                         emu.record_stream(a, accum)
             return slot, accum
         return None

@@ -227,6 +227,15 @@ def tensors_in(value: Any, out: Optional[list] = None) -> list:
     return out
 
 
+def storage_id(t: torch.Tensor) -> Optional[int]:
+    """The identity of ``t``'s storage, or ``None`` for a tensor without one (a sparse or
+    meta tensor): what the modes match fresh outputs and gradients by."""
+    try:
+        return torch._C.TensorBase.untyped_storage(t)._cdata
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 def _storage(t: torch.Tensor) -> Any:
     with _NO_TORCH_FUNCTION():
         return _UNTYPED_STORAGE(t)

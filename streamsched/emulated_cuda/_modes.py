@@ -20,7 +20,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._core import Emulator, _Block, _Stream, tensors_in
+from ._core import Emulator, _Block, _Stream, storage_id, tensors_in
 from ._timing import kernel_us
 
 aten = torch.ops.aten
@@ -263,18 +263,11 @@ def kernel(
             fresh = None
             if new:
                 ids = {b.cdata for b in new}
-                fresh = {i for i, t in enumerate(tensors_in(out)) if _cdata(t) in ids}
+                fresh = {i for i, t in enumerate(tensors_in(out)) if storage_id(t) in ids}
             emu.record_node(cap, stream, func, args, kwargs, out, rb, wb, fresh, duration)
         if sync:
             emu.checker._handle_stream_synchronization(stream.skey)
     return out
-
-
-def _cdata(t: torch.Tensor) -> Optional[int]:
-    try:
-        return torch._C.TensorBase.untyped_storage(t)._cdata
-    except (RuntimeError, NotImplementedError):
-        return None
 
 
 # --- special kernels ------------------------------------------------------------------------
