@@ -743,9 +743,7 @@ class StreamScheduledModule(nn.Module):
         st = self._ss
         quiet = st.quiet.get_fresh(trace_key)
         automatic = self._automatic()
-        nested = st.nested
-        if nested is None:
-            nested = st.nested = self._nesting()
+        nested = self._nesting()
         if automatic and isinstance(quiet, _AsWritten):
             st.last = quiet
             with nested.installed():
@@ -796,15 +794,16 @@ class StreamScheduledModule(nn.Module):
             return []
         fused = {m for g in plan.fused_groups for m in g.members}
         paths = [o.path for o in plan.opaque if o.path not in fused]
-        st = self._ss
-        if st.nested is None:
-            st.nested = self._nesting()
-        return st.nested.sites_at(paths)
+        return self._nesting().sites_at(paths)
 
     def _nesting(self) -> NestedPlans:
-        return NestedPlans(
-            self.module, self._nested_wrapper, lambda m: isinstance(m, StreamScheduledModule), self._leaf_types()
-        )
+        """The model's nested children (nesting.py), made on first need."""
+        st = self._ss
+        if st.nested is None:
+            st.nested = NestedPlans(
+                self.module, self._nested_wrapper, lambda m: isinstance(m, StreamScheduledModule), self._leaf_types()
+            )
+        return st.nested
 
     def _nested_wrapper(self, child: nn.Module) -> StreamScheduledModule:
         """The wrapper a child of this untraceable forward is called through (nesting.py):
