@@ -657,7 +657,7 @@ class StreamScheduledModule(nn.Module):
             if decision is not None and compiled.trial is not None:
                 self._apply_decision(compiled, decision)
             elif compiled.trial is not None:
-                structure.trying[bucket] = shapes
+                structure.try_at(bucket, shapes)
                 if structure.uniform:
                     # Its verdict holds for every size: a schedule that wins only the
                     # forward's Python must win clearly, or each new size pays a plan
@@ -666,10 +666,16 @@ class StreamScheduledModule(nn.Module):
         return out
 
     def _apply_decision(self, compiled: _Compiled, decision: Decision) -> None:
-        """A new size of a bucket whose trial kept the schedule: no second trial."""
+        """A size of a bucket already decided: no trial (or no more of it). A bucket
+        decided for the model as written is one whose trial stalled, or ran at another
+        size while this one's trial went on (planning.signatures)."""
         compiled.trial = None
         plan = compiled.plan
         why = f"size bucket decided at sizes {sizes_text(decision.sizes)}: {decision.why}"
+        if decision.eager:
+            compiled.eager = True
+            compiled.plan = plan.model_copy(update={"executor": "eager", "reason": why})
+            return
         if plan.executor != decision.executor:
             plan = plan.model_copy(update={"executor": decision.executor, "reason": why})
         else:
@@ -855,6 +861,16 @@ class StreamScheduledModule(nn.Module):
     def _run_trial(
         self, schedule: _Compiled, trial: Trial, tensors: list[torch.Tensor], args: tuple, kwargs: dict
     ) -> Any:
+        structure = schedule.structure
+        if structure is not None:
+            decision = structure.decision(structure.bucket_of(schedule.sizes))
+            if decision is not None:
+                # The bucket was decided while this trial went on (stalled, or decided
+                # at another size): take that verdict.
+                self._apply_decision(schedule, decision)
+                if schedule.eager:
+                    return self._forward_as_written(args, kwargs)
+                return schedule.rebuild(self._run(schedule, tensors))
         name = trial.next()
         device = schedule.plan.device
         cuda = device.startswith("cuda")

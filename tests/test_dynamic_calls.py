@@ -205,6 +205,58 @@ def test_a_structure_with_nothing_to_schedule_is_decided_once_for_every_size(mon
     assert "decided for the model as written" in sm.plan.reason
 
 
+def test_a_stalled_trial_of_a_structure_with_nothing_to_schedule_decides_as_written(monkeypatch):
+    """Decoding meets each length once per sequence: the trial's size comes back only with
+    the next sequence. After STALL_CALLS calls of other sizes, the structure is decided for
+    the model as written, and the trial's own size takes that verdict when it comes back."""
+    model = Chain()
+    sm = ss.StreamScheduledModule(model)
+    lengths = range(2, 2 + signatures.STALL_CALLS + 10)
+    admitted = []
+    admit = signatures.Structure.admit
+    monkeypatch.setattr(signatures.Structure, "admit", lambda self, *a: admitted.append(a) or admit(self, *a))
+    for n in lengths:  # the first sequence: the first length is recorded and tried
+        x = torch.randn(n, 16)
+        assert_close(sm(x), model(x))
+    assert "stalled" in sm.plan.reason and "decided for the model as written" in sm.plan.reason
+    for n in lengths:  # the next sequence: every length runs as written
+        x = torch.randn(n, 16)
+        assert_close(sm(x), model(x))
+        assert_path(sm, "as-written")
+    asked = len(admitted)
+    for n in lengths:  # every length is settled now: no call asks the size policy again
+        x = torch.randn(n, 16)
+        assert_close(sm(x), model(x))
+        assert_path(sm, "as-written")
+    assert len(admitted) == asked
+    x = torch.randn(2, 16)  # the trial's own length took the verdict
+    assert_close(sm(x), model(x))
+    assert_path(sm, "as-written")
+    assert sm.plan.trial is None and sm.plan.executor == "eager"
+
+
+def test_a_stalled_trial_of_a_size_bucket_hands_over_to_a_size_that_comes_back(monkeypatch):
+    """A bucket's trial whose size never comes back would keep the bucket undecided for
+    ever; after STALL_CALLS calls of other sizes, the next size that comes back is tried."""
+    _slow_schedules(monkeypatch)
+    model = Towers()
+    sm = ss.StreamScheduledModule(model)
+    paths = []
+    x = torch.randn(17, 16)  # bucket 32x16: recorded, its trial waits for 17 to come back
+    assert_close(sm(x), model(x))
+    for _rep in range(signatures.STALL_CALLS // 15 + 6):
+        for n in range(18, 33):
+            x = torch.randn(n, 16)
+            assert_close(sm(x), model(x))
+            paths.append(last_path(sm))
+    assert paths.count("recorded") == 1, paths  # the size that took the trial over
+    assert 1 <= sum(p.startswith("plan") for p in paths) <= 2, paths  # the slow schedule, dropped
+    assert "size bucket 32x16 was decided for the model as written" in sm.plan.reason
+    x = torch.randn(17, 16)  # the first trial's size: it takes the bucket's verdict
+    assert_close(sm(x), model(x))
+    assert_path(sm, "as-written")
+
+
 def test_a_settled_signature_skips_the_size_policy(monkeypatch):
     _slow_schedules(monkeypatch)
     model = Chain()

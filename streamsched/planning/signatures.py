@@ -12,7 +12,12 @@ signature without the sizes: argument structure, dtypes, devices, ranks, modes) 
   result); only a size that comes back is planned (:data:`PLAN_AFTER`). A decoding loop,
   whose input never has the same size twice, runs as written on every call.
 - **a size bucket being decided:** while the trial of one size of a bucket runs, other
-  sizes of that bucket run as written (one trial per bucket, not one per size).
+  sizes of that bucket run as written (one trial per bucket, not one per size). A trial
+  whose size does not come back (:data:`STALL_CALLS` calls of other sizes of its bucket
+  meanwhile: a decoding loop meets each length once per sequence) is stalled: a size
+  bucket hands the trial to the next of its sizes that comes back; the structure-wide
+  bucket of a plan with nothing to schedule (below) is decided for the model as written,
+  since each of its sizes would pay its own plan for at most the forward's Python.
 - **a size bucket already decided:** the ``auto`` trial decides once per *bucket* (each
   dimension rounded up to a power of two, :func:`size_bucket`): where it found the model
   as written faster, new sizes of that bucket run as written without a plan; where it
@@ -48,6 +53,7 @@ __all__ = [
     "CHURN_REPLANS",
     "CHURN_SIZES",
     "ANY_SIZE",
+    "STALL_CALLS",
 ]
 
 # A size is planned on its second call: one call of a size never seen again (a decoding
@@ -60,6 +66,10 @@ CHURN_REPLANS = 3
 CHURN_SIZES = 2
 # The one bucket of a structure whose plans have nothing to schedule: every size.
 ANY_SIZE: tuple = ("any size",)
+# Calls of other sizes of a bucket while its trial waits for its own size to come back,
+# before the trial is stalled (module docstring): a bound on how long a bucket stays
+# undecided, each of those calls paying the undecided path.
+STALL_CALLS = 64
 
 
 def _round_up(n: int) -> int:
@@ -84,7 +94,18 @@ class Decision:
 class Structure:
     """What the wrapper knows about one call structure across sizes (module docstring)."""
 
-    __slots__ = ("seen", "planned", "replans", "churning", "decisions", "trying", "plan", "capacity", "uniform")
+    __slots__ = (
+        "seen",
+        "planned",
+        "replans",
+        "churning",
+        "decisions",
+        "trying",
+        "waits",
+        "plan",
+        "capacity",
+        "uniform",
+    )
 
     def __init__(self, plan_cache_size: int):
         self.capacity = plan_cache_size
@@ -97,6 +118,8 @@ class Structure:
         self.decisions: LRU = LRU(64)
         # Buckets whose trial is under way: the sizes it runs at.
         self.trying: dict[tuple, tuple] = {}
+        # Per bucket under trial: calls of its other sizes since the trial began.
+        self.waits: dict[tuple, int] = {}
         # The structure's most recent plan: what ``sm.plan`` reports for its as-written calls.
         self.plan = None
         # Its first plan had nothing to schedule: one bucket for every size (ANY_SIZE).
@@ -112,27 +135,61 @@ class Structure:
     def decide(self, bucket: tuple, decision: Decision) -> None:
         self.decisions.put(bucket, decision)
         self.trying.pop(bucket, None)
+        self.waits.pop(bucket, None)
+
+    def try_at(self, bucket: tuple, sizes: tuple) -> None:
+        """The trial deciding ``bucket`` runs at ``sizes`` (a plan with a trial was made)."""
+        self.trying[bucket] = sizes
+        self.waits[bucket] = 0
+
+    def _stalled(self, bucket: tuple, trying: tuple) -> Optional[AsWritten]:
+        """The trial of ``bucket`` at ``trying`` waited :data:`STALL_CALLS` calls for its size."""
+        waited = self.waits.pop(bucket, 0)
+        del self.trying[bucket]
+        if bucket != ANY_SIZE:
+            # Hand over: the next size of the bucket that comes back is planned and tried
+            # (the stalled trial goes on if its size does come back; the first to decide wins).
+            return None
+        why = (
+            f"its trial at sizes {sizes_text(trying)} was stalled: {waited} calls of other sizes came before that "
+            "size came back, and with sizes this varied a schedule that can win only the forward's Python "
+            "would pay a plan per size"
+        )
+        self.decide(bucket, Decision(True, "serial", why, trying))
+        return self.admit_decided(bucket)
+
+    def admit_decided(self, bucket: tuple) -> Optional[AsWritten]:
+        decision = self.decisions.get(bucket)
+        if decision is None or not decision.eager:
+            return None
+        return AsWritten(
+            True,
+            lambda: (
+                f"{_bucket_text(bucket)} was decided for the model as written "
+                f"(at sizes {sizes_text(decision.sizes)}: {decision.why})"
+            ),
+        )
 
     def admit(self, sizes: tuple, bucket: tuple) -> Optional[AsWritten]:
         """``None`` to plan ``sizes`` now, else why the call runs as written."""
-        decision = self.decisions.get(bucket)
-        if decision is not None and decision.eager:
-            return AsWritten(
-                True,
-                lambda: (
-                    f"{_bucket_text(bucket)} was decided for the model as written "
-                    f"(at sizes {sizes_text(decision.sizes)}: {decision.why})"
-                ),
-            )
+        decided = self.admit_decided(bucket)
+        if decided is not None:
+            return decided
         trying = self.trying.get(bucket)
         if trying is not None and trying != sizes:
-            return AsWritten(
-                False,
-                lambda: (
-                    f"{_bucket_text(bucket)} is being decided by the trial at sizes {sizes_text(trying)}: "
-                    "until it is, other sizes run as written"
-                ),
-            )
+            waited = self.waits.get(bucket, 0) + 1
+            self.waits[bucket] = waited
+            if waited < STALL_CALLS:
+                return AsWritten(
+                    False,
+                    lambda: (
+                        f"{_bucket_text(bucket)} is being decided by the trial at sizes {sizes_text(trying)}: "
+                        "until it is, other sizes run as written"
+                    ),
+                )
+            stalled = self._stalled(bucket, trying)
+            if stalled is not None:
+                return stalled
         if self.churning:
             planned, replans = len(self.planned), self.replans
             return AsWritten(
