@@ -34,6 +34,11 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "gpu: needs real CUDA hardware (timings, peak memory, native CUDA backend); skipped when emulated"
     )
+    config.addinivalue_line(
+        "markers",
+        "emulated_async: on the emulated device, run in its asynchronous mode (kernels queued per stream, "
+        "run at synchronisation points in a random order the waits allow)",
+    )
 
 
 def pytest_collection_modifyitems(config, items):
@@ -70,7 +75,12 @@ def _cuda_device(request, monkeypatch):
 
     # Streams do not outlive the emulated device: eager dispatch's process-wide pools start empty.
     monkeypatch.setattr(eager_streams, "_CUDA_STREAMS", {})
-    with EmulatedCuda(devices=2, seed=0) as cuda:
+    # The asynchronous mode for tests marked so, or for all with STREAMSCHED_EMULATED_ASYNC=1.
+    asynchronous = (
+        request.node.get_closest_marker("emulated_async") is not None
+        or os.environ.get("STREAMSCHED_EMULATED_ASYNC") == "1"
+    )
+    with EmulatedCuda(devices=2, seed=0, asynchronous=asynchronous) as cuda:
         yield cuda
         import gc
 

@@ -63,9 +63,11 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import random
 from typing import Any, Iterator, Optional
 
 from . import _api
+from ._async import WorkQueue
 from ._autograd import BackwardStreams
 from ._core import CudaError, Emulator, Report, UnsynchronizedAccess
 from ._modes import KernelMode, PlacementMode
@@ -95,9 +97,11 @@ class EmulatedCuda:
             report is kept either way).
     """
 
-    def __init__(self, devices: int = 2, seed: int = 0, raise_on_race: bool = True):
+    def __init__(self, devices: int = 2, seed: int = 0, raise_on_race: bool = True, asynchronous: bool = False):
         self.emulator = Emulator(devices, seed=seed, raise_on_race=raise_on_race)
         self.emulator.backward = BackwardStreams(self.emulator)
+        if asynchronous:
+            self.emulator.work = WorkQueue(random.Random(seed))
         self._patches: Any = None
         self._modes: list[Any] = []
 
@@ -115,6 +119,19 @@ class EmulatedCuda:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        work = self.emulator.work
+        try:
+            if work is not None:
+                with self.emulator.lock:
+                    work.run_all()  # what is still queued runs before the device goes away
+        except Exception:
+            self._leave(exc)
+            if exc[0] is None:
+                raise
+            return
+        self._leave(exc)
+
+    def _leave(self, exc: tuple) -> None:
         global _CURRENT
         _CURRENT = None
         for m in reversed(self._modes):
@@ -122,6 +139,32 @@ class EmulatedCuda:
         self._modes = []
         self.emulator.active = False
         _api.uninstall(self._patches)
+
+    @property
+    def asynchronous(self) -> bool:
+        """Whether kernels are queued per stream and run at synchronisation points."""
+        return self.emulator.work is not None
+
+    @contextlib.contextmanager
+    def attach(self) -> Iterator[None]:
+        """Enter the device's PyTorch modes in this thread (they are thread-local): a
+        thread other than the one that entered the device issues kernels on it inside
+        this block, onto the same streams (and, in the asynchronous mode, queues)."""
+        if not self.emulator.active:
+            raise RuntimeError("the emulated CUDA device is not active")
+        modes = [PlacementMode(self.emulator), KernelMode(self.emulator)]
+        for m in modes:
+            m.__enter__()
+        try:
+            yield
+        finally:
+            for m in reversed(modes):
+                m.__exit__(None, None, None)
+
+    def pending(self) -> int:
+        """Asynchronous mode: how many kernels are queued and have not run yet."""
+        work = self.emulator.work
+        return 0 if work is None else len(work.pending)
 
     # --- what was found -------------------------------------------------------------------
 

@@ -113,7 +113,19 @@ class _Stream:
 
 
 class _EventState:
-    __slots__ = ("eid", "device", "recorded", "capture", "frontier", "time", "timing", "checker", "sim", "__weakref__")
+    __slots__ = (
+        "eid",
+        "device",
+        "recorded",
+        "capture",
+        "frontier",
+        "time",
+        "timing",
+        "checker",
+        "sim",
+        "marks",
+        "__weakref__",
+    )
 
     def __init__(self, eid: int, timing: bool):
         self.eid = eid
@@ -125,6 +137,7 @@ class _EventState:
         self.timing = timing
         self.checker: Optional[EventHandler] = None
         self.sim = 0.0  # simulated time of the work it was recorded after (_timing)
+        self.marks: frozenset = frozenset()  # queued work it was recorded after (_async)
 
 
 class _Block:
@@ -274,6 +287,9 @@ class Emulator:
         self.clocks = Clocks()  # simulated time (_timing)
         # Autograd's stream handling in backward (_autograd.BackwardStreams), set by EmulatedCuda.
         self.backward: Any = None
+        # The queues of the asynchronous mode (_async.WorkQueue), set by EmulatedCuda; None:
+        # every kernel runs when issued.
+        self.work: Any = None
         for d in range(devices):
             self._new_stream(d, 0)
 
@@ -588,19 +604,38 @@ class Emulator:
 
     def stream_synchronize(self, stream: _Stream) -> None:
         self.unsafe("cudaStreamSynchronize", (stream,))
+        self.run_queued(stream)
         self.checker._handle_stream_synchronization(stream.skey)
         self.clocks.host_waits(self.clocks.at(stream.skey))
 
     def stream_query(self, stream: _Stream) -> bool:
         self.unsafe("cudaStreamQuery", (stream,))
+        work = self.work
+        if work is not None:
+            with self.lock:
+                marks = work.marks(stream)
+                if work.busy(marks):
+                    work.run_until(marks)  # not done yet; a device polled makes progress
+                    return False
         self.checker._handle_stream_synchronization(stream.skey)
         self.clocks.host_waits(self.clocks.at(stream.skey))
         return True
+
+    def run_queued(self, stream: _Stream) -> None:
+        """Asynchronous mode: run the queued work ``stream`` is ordered after (a host
+        synchronisation with the stream)."""
+        work = self.work
+        if work is not None:
+            with self.lock:
+                work.run_until(work.marks(stream))
 
     def device_synchronize(self, device: int) -> None:
         self.synchronize_calls.append(device)
         streams = tuple(s for s in self._streams.values() if s.device == device)
         self.unsafe("cudaDeviceSynchronize", streams)
+        if self.work is not None:
+            with self.lock:
+                self.work.run_until(self.work.stream_marks(streams))
         for s in streams:
             self.checker.syncs.all_streams_wait_for_stream(s.skey)
             self.clocks.host_waits(self.clocks.at(s.skey))
@@ -626,6 +661,8 @@ class Emulator:
             ev.frontier = cap.frontier.get(stream.skey, frozenset()) if cap is not None else frozenset()
             ev.time = time.perf_counter()
             ev.sim = self.clocks.at(stream.skey)
+            if self.work is not None and cap is None:
+                ev.marks = self.work.marks(stream)
 
     def event_wait(self, ev: _EventState, stream: _Stream) -> None:
         with self.lock:
@@ -661,6 +698,8 @@ class Emulator:
                 raise CudaError(f"{_NOT_PERMITTED} ({reason})")
             self.checker._handle_event_wait(ev.eid, stream.skey)
             self.clocks.wait(stream.skey, ev.sim)
+            if self.work is not None:
+                self.work.wait(stream, ev.marks)
 
     def _join(self, stream: _Stream, cap: _Capture, frontier: frozenset) -> None:
         """A stream waits on an event recorded in a capture: it joins that capture."""
@@ -672,6 +711,12 @@ class Emulator:
     def event_query(self, ev: _EventState) -> bool:
         self._check_captured_event(ev)
         self.unsafe("cudaEventQuery")
+        work = self.work
+        if work is not None and ev.recorded:
+            with self.lock:
+                if work.busy(ev.marks):
+                    work.run_until(ev.marks)  # not done yet; a device polled makes progress
+                    return False
         if ev.recorded:
             self.checker._handle_event_synchronization(ev.eid)
             self.clocks.host_waits(ev.sim)
@@ -680,6 +725,9 @@ class Emulator:
     def event_synchronize(self, ev: _EventState) -> None:
         self._check_captured_event(ev)
         self.unsafe("cudaEventSynchronize")
+        if self.work is not None and ev.recorded:
+            with self.lock:
+                self.work.run_until(ev.marks)
         if ev.recorded:
             self.checker._handle_event_synchronization(ev.eid)
             self.clocks.host_waits(ev.sim)
@@ -929,6 +977,14 @@ class Emulator:
             writes = [b for b in graph.writes.values() if b.cdata in self._blocks]
             span = critical_path({n.nid: n.duration for n in graph.nodes}, {n.nid: n.deps for n in graph.nodes})
             self.launch(stream, reads, writes, "cudaGraphLaunch", duration=span)
+            if self.work is not None:
+                # Asynchronous mode: the launch is queued on the replaying stream; the
+                # order of its kernels is drawn when it runs.
+                self.work.issue(stream, "cudaGraphLaunch", lambda: self._replay_nodes(graph))
+                return
+        self._replay_nodes(graph)
+
+    def _replay_nodes(self, graph: _Graph) -> None:
         order = self._random_order(graph.nodes)
         with _quiet():
             for node in order:

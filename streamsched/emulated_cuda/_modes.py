@@ -20,7 +20,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._core import Emulator, _Block, _Stream, storage_id, tensors_in
+from ._async import Immediate, defer, garbage_fill, runs_at_issue
+from ._core import Emulator, _Block, _Stream, quiet, storage_id, tensors_in
 from ._timing import kernel_us
 
 aten = torch.ops.aten
@@ -234,8 +235,11 @@ def kernel(
     alloc_only: bool = False,
     sync: bool = False,
     unsafe: Optional[str] = None,
+    at_once: bool = False,
 ) -> Any:
-    """Run one kernel launched on ``stream`` and account for it (see the module docstring)."""
+    """Run one kernel launched on ``stream`` and account for it (see the module docstring).
+    In the asynchronous mode (``_async``) the kernel is queued unless ``sync`` (the host
+    reads its result) or ``at_once`` (a copy CUDA completes before returning)."""
     cap = emu._check_valid(stream)
     if sync:
         emu.unsafe(f"{func} (a copy to the host and a stream synchronisation)", (stream,))
@@ -245,7 +249,10 @@ def kernel(
     wb = _blocks(emu, writes)
     if cap is not None:
         emu.snapshot(cap, wb)
-    out = func(*args, **kwargs)
+    if emu.work is not None and cap is None:
+        out = _queued(emu, stream, func, args, kwargs, out_device, alloc_only, sync or at_once)
+    else:
+        out = func(*args, **kwargs)
     # Simulated time (_timing): only while a timeline records, or for a captured kernel
     # (its replay takes the captured kernels' time).
     duration = 0.0
@@ -268,6 +275,42 @@ def kernel(
         if sync:
             emu.checker._handle_stream_synchronization(stream.skey)
     return out
+
+
+def _queued(
+    emu: Emulator,
+    stream: _Stream,
+    func: Any,
+    args: tuple,
+    kwargs: dict,
+    out_device: Optional[int],
+    alloc_only: bool,
+    host_waits: bool,
+) -> Any:
+    """The asynchronous mode (``_async``): queue the kernel on ``stream``, or run it now
+    where it cannot wait (after the work its stream is ordered after, where it reads)."""
+    work = emu.work
+    if alloc_only:
+        out = func(*args, **kwargs)
+        if out_device is not None:
+            with quiet():
+                for t in tensors_in(out):
+                    garbage_fill(t)
+        return out
+    kind = None if host_waits else runs_at_issue(func)
+    if kind == "view":
+        return func(*args, **kwargs)
+    if kind is None and not host_waits:
+        try:
+            with emu.lock:
+                return defer(emu, stream, func, args, kwargs)
+        except Immediate as e:
+            if e.view:
+                return func(*args, **kwargs)
+        name = str(func)
+        work.immediate[name] = work.immediate.get(name, 0) + 1
+    emu.run_queued(stream)
+    return func(*args, **kwargs)
 
 
 # --- special kernels ------------------------------------------------------------------------
@@ -295,6 +338,8 @@ def _barrier(emu: Emulator, waiter: _Stream, on: _Stream) -> None:
     emu.checker._handle_event_wait(eid, waiter.skey)
     emu.checker._handle_event_deletion(eid)
     emu.clocks.wait(waiter.skey, emu.clocks.at(on.skey))
+    if emu.work is not None:
+        emu.work.wait(waiter, emu.work.marks(on))
 
 
 def _copy_between(
@@ -323,7 +368,23 @@ def _copy_between(
     if dst is None:  # device to host
         stream = emu.current_stream(src)
         unsafe = "a copy to pageable host memory" if stream.capture is not None else None
-        return kernel(emu, stream, func, args, kwargs, [src_tensor], writes, None, sync=not non_blocking, unsafe=unsafe)
+        # A non-blocking copy into pageable memory returns once it is done (CUDA stages
+        # it); into pinned memory (``.to("cpu", non_blocking=True)`` pins its result) it
+        # completes when the stream gets to it.
+        at_once = dst_tensor is not None and not emu.is_pinned(dst_tensor)
+        return kernel(
+            emu,
+            stream,
+            func,
+            args,
+            kwargs,
+            [src_tensor],
+            writes,
+            None,
+            sync=not non_blocking,
+            unsafe=unsafe,
+            at_once=at_once,
+        )
     s_src, s_dst = emu.current_stream(src), emu.current_stream(dst)
     _barrier(emu, s_src, s_dst)
     out = kernel(emu, s_src, func, args, kwargs, [src_tensor], writes, dst, alloc_stream=s_dst)
@@ -354,7 +415,7 @@ def _to_copy(emu: Emulator, func: Any, args: tuple, kwargs: dict) -> Any:
             out = kernel(emu, emu.current_stream(src), func, args, kwargs, [x], [], src)
     else:
         out = _copy_between(emu, func, args, kwargs, src, dst, x, None, non_blocking)
-    if pin and dst is None:
+    if dst is None and (pin or (non_blocking and src is not None and emu.work is not None)):
         emu.mark_pinned(out)
     return out
 
