@@ -257,6 +257,30 @@ def test_a_stalled_trial_of_a_size_bucket_hands_over_to_a_size_that_comes_back(m
     assert_path(sm, "as-written")
 
 
+def test_a_bucket_whose_trials_stall_again_and_again_is_decided_as_written(monkeypatch):
+    """Sizes that each come back only after STALL_CALLS others, and trials that need more
+    calls than that (planted: they never decide by themselves): a new trial per stall
+    would plan size after size for nothing; after MAX_HANDOFFS hand-overs the bucket is
+    decided for the model as written, and its sizes stop recording."""
+    from streamsched.planning.choice import Trial
+
+    monkeypatch.setattr(Trial, "done", lambda self: False)
+    model = Towers()
+    sm = ss.StreamScheduledModule(model)
+    sizes = list(range(33, 33 + signatures.STALL_CALLS + 2))  # one bucket: 64 (and 128 for the last)
+    sizes = [n for n in sizes if n <= 64]
+    paths = []
+    for _rep in range(2 * (signatures.MAX_HANDOFFS + 2)):
+        for n in sizes:
+            x = torch.randn(n, 16)
+            assert_close(sm(x), model(x))
+            paths.append(last_path(sm))
+    assert paths.count("recorded") == 1 + signatures.MAX_HANDOFFS, paths
+    assert "stalled 3 times" in sm.plan.reason and "decided for the model as written" in sm.plan.reason
+    tail = paths[-len(sizes) :]
+    assert tail == ["as-written"] * len(sizes)
+
+
 def test_a_settled_signature_skips_the_size_policy(monkeypatch):
     _slow_schedules(monkeypatch)
     model = Chain()

@@ -54,6 +54,7 @@ __all__ = [
     "CHURN_SIZES",
     "ANY_SIZE",
     "STALL_CALLS",
+    "MAX_HANDOFFS",
 ]
 
 # A size is planned on its second call: one call of a size never seen again (a decoding
@@ -69,7 +70,10 @@ ANY_SIZE: tuple = ("any size",)
 # Calls of other sizes of a bucket while its trial waits for its own size to come back,
 # before the trial is stalled (module docstring): a bound on how long a bucket stays
 # undecided, each of those calls paying the undecided path.
-STALL_CALLS = 64
+STALL_CALLS = 32
+# Stalls of one size bucket handed to another size before the bucket is decided for the
+# model as written: sizes that come back this rarely would each pay a plan anyway.
+MAX_HANDOFFS = 2
 
 
 def _round_up(n: int) -> int:
@@ -102,6 +106,7 @@ class Structure:
         "decisions",
         "trying",
         "waits",
+        "handoffs",
         "plan",
         "capacity",
         "uniform",
@@ -120,6 +125,8 @@ class Structure:
         self.trying: dict[tuple, tuple] = {}
         # Per bucket under trial: calls of its other sizes since the trial began.
         self.waits: dict[tuple, int] = {}
+        # Per bucket: how often its trial was handed to another size.
+        self.handoffs: dict[tuple, int] = {}
         # The structure's most recent plan: what ``sm.plan`` reports for its as-written calls.
         self.plan = None
         # Its first plan had nothing to schedule: one bucket for every size (ANY_SIZE).
@@ -146,15 +153,24 @@ class Structure:
         """The trial of ``bucket`` at ``trying`` waited :data:`STALL_CALLS` calls for its size."""
         waited = self.waits.pop(bucket, 0)
         del self.trying[bucket]
-        if bucket != ANY_SIZE:
+        handoffs = self.handoffs.get(bucket, 0)
+        if bucket != ANY_SIZE and handoffs < MAX_HANDOFFS:
             # Hand over: the next size of the bucket that comes back is planned and tried
             # (the stalled trial goes on if its size does come back; the first to decide wins).
+            self.handoffs[bucket] = handoffs + 1
             return None
-        why = (
-            f"its trial at sizes {sizes_text(trying)} was stalled: {waited} calls of other sizes came before that "
-            "size came back, and with sizes this varied a schedule that can win only the forward's Python "
-            "would pay a plan per size"
-        )
+        if bucket == ANY_SIZE:
+            why = (
+                f"its trial at sizes {sizes_text(trying)} was stalled: {waited} calls of other sizes came before "
+                "that size came back, and with sizes this varied a schedule that can win only the forward's "
+                "Python would pay a plan per size"
+            )
+        else:
+            why = (
+                f"its trials were stalled {handoffs + 1} times (the last at sizes {sizes_text(trying)}: {waited} "
+                "calls of other sizes came before that size came back): with sizes this varied each would pay a "
+                "plan for few calls"
+            )
         self.decide(bucket, Decision(True, "serial", why, trying))
         return self.admit_decided(bucket)
 
