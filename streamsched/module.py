@@ -613,9 +613,11 @@ class StreamScheduledModule(nn.Module):
         a plan would not pay (``planning.signatures``)."""
         st = self._ss
         automatic = self._automatic()
-        if spec.has_objects is not None and automatic:
-            # An object argument (a KV cache, a config) would be baked into a trace that a
-            # later call, passing another object, must not reuse; keyed by type, never kept.
+        if spec.has_objects is not None:
+            # An object argument (a KV cache, a config, a dataclass batch) would be baked
+            # into a trace, the tensors it holds as constants, that a later call passing
+            # another object must not reuse: as written under every executor; keyed by
+            # type, never kept.
             kind = spec.has_objects
             why = (
                 f"an argument is a {kind} object, which a trace would bake in (a later call passes "
