@@ -591,7 +591,9 @@ class StreamScheduledModule(nn.Module):
         """A flag of a traced-through module changed: trace again, and keep the plans
         when the program is the same (the flag was never read by traced code)."""
         try:
-            fresh = trace_model(self.module, self._ss.binder, traced.spec, tuple(self.config.leaf_modules))
+            fresh = trace_model(
+                self.module, self._ss.binder, traced.spec, tuple(self.config.leaf_modules), traced.ranks
+            )
         except TraceError:
             return False
         if not traced.same_program(fresh):
@@ -599,12 +601,12 @@ class StreamScheduledModule(nn.Module):
         traced.flags = fresh.flags
         return True
 
-    def _trace(self, trace_key: Any, spec: Any) -> Traced:
+    def _trace(self, trace_key: Any, spec: Any, ranks: tuple[int, ...]) -> Traced:
         st = self._ss
         traced = st.traces.get_fresh(trace_key)
         if traced is None:
             leaf_types = tuple(self.config.leaf_modules)
-            traced = trace_model(self.module, st.binder, spec, leaf_types)
+            traced = trace_model(self.module, st.binder, spec, leaf_types, ranks)
             st.traces.put(trace_key, traced)
         return traced
 
@@ -699,11 +701,13 @@ class StreamScheduledModule(nn.Module):
         # A trace bakes in the training flags of the modules it traced through, and is
         # made under one autocast state: a forward's own autocast block shows as a change
         # of that state only against the state the trace started in (frontend.trace).
-        trace_key = (spec.key, st.mode_id, autocast_state())
+        # The inputs' ranks too: a traced shape's length is its value's rank (frontend.ranks).
+        ranks = tuple(t.dim() for t in tensors)
+        trace_key = (spec.key, st.mode_id, autocast_state(), ranks)
         if not self.config.strict and isinstance(st.traces.get_fresh(trace_key), TraceError):
             return self._eager_dispatch(spec, tensors, st.traces[trace_key], trace_key, args, kwargs)
         try:
-            traced = self._trace(trace_key, spec)
+            traced = self._trace(trace_key, spec, ranks)
         except TraceError as exc:
             if self.config.strict:
                 raise

@@ -36,6 +36,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..branch import is_branch_module
 from .hooks import COUNTING_HOOK
+from .opaque_functions import OpaqueFunction
 from .trace import Traced, _registered_leaf_types, is_compiled_module
 
 __all__ = [
@@ -180,7 +181,10 @@ def traced_coverage(traced: Traced) -> tuple[int, int]:
                 scheduled += calls
         elif inside:
             total += inside
-            scheduled += inside
+            # An opaque function (one the trace could not go through) runs its module
+            # calls as written; a branch or leaf_modules function was declared a task.
+            if not isinstance(node.target, OpaqueFunction):
+                scheduled += inside
     return scheduled, total
 
 

@@ -35,6 +35,7 @@ import torch
 from torch import fx
 
 from ..branch import BranchCall
+from .opaque_functions import OpaqueFunction
 
 __all__ = [
     "Skeleton",
@@ -193,6 +194,8 @@ def leaf_label(node: fx.Node) -> Optional[str]:
         return str(node.target)
     if node.op == "call_function" and isinstance(node.target, BranchCall):
         return f"branch {node.target.task_name}"
+    if node.op == "call_function" and isinstance(node.target, OpaqueFunction):
+        return node.target.label
     return None
 
 

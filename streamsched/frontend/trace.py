@@ -24,6 +24,7 @@ way out (``@streamsched.branch``, ``leaf_modules=`` or ``strict=False``).
 
 from __future__ import annotations
 
+import dis
 import enum
 import functools
 import inspect
@@ -45,10 +46,13 @@ from torch import fx
 from .. import _generation
 from ..branch import BranchCall, is_branch_module
 from ..errors import TraceError
+from . import opaque_functions
 from .hooks import capture_hooks, has_hooks
 from .nodes import AUGMENTED_OPERATORS
+from .opaque_functions import OpaqueFunction, UnsafeOpaqueCall
 from .opaque_outputs import OutputCheck, Skeleton, leaf_label, learn, learned, skeleton_of
 from .output_tree import OutputTree
+from .ranks import RankTracker
 from .trace_guard import GradModeGuard, SideEffectDuringTrace, TraceSideEffectGuard, autocast_state
 
 __all__ = ["CallBinder", "CallSpec", "Traced", "trace_model", "is_compiled_module"]
@@ -259,8 +263,16 @@ class _LeafTracer(fx.Tracer):
         leaf_functions: tuple[Any, ...] = (),
         opaque_types: frozenset[type] = frozenset(),
         known_outputs: Optional[dict[tuple[str, int], Skeleton]] = None,
+        function_sites: Sequence[tuple[dict, str, Any]] = (),
+        ranks: Optional[Sequence[int]] = None,
     ):
         super().__init__(autowrap_functions=tuple(leaf_functions) + _FACTORIES)
+        # Functions run as one opaque call each (frontend.opaque_functions): where their
+        # callers name them, and by id.
+        self.function_sites = list(function_sites)
+        self.opaque_functions = {id(fn): fn for _, _, fn in self.function_sites}
+        # Ranks of the values (frontend.ranks): what a traced shape's length is.
+        self.ranks = RankTracker(ranks)
         self.leaf_types = leaf_types
         self.opaque_types = opaque_types
         # What leaf calls returned on a real call where a proxy misled the traced code
@@ -281,6 +293,36 @@ class _LeafTracer(fx.Tracer):
         self._autowrap_search = [*self._autowrap_search, torch]
         if leaf_functions and model_module is not None:
             self._autowrap_search.append(model_module)
+
+    def trace(self, root: Any, concrete_args: Optional[dict[str, Any]] = None) -> fx.Graph:
+        with opaque_functions.patched(self, self.function_sites):
+            return super().trace(root, concrete_args)
+
+    def opaque_call(self, fn: Any, args: tuple, kwargs: dict) -> Any:
+        """A call of an opaque function with graph values among its arguments: one node
+        (``frontend.opaque_functions``), whose value is learned as a leaf call's."""
+        t_args, t_kwargs, values = opaque_functions.template(fn, args, kwargs, self._bakeable)
+        modules = frozenset(id(m) for m in self.model.modules())
+        target = OpaqueFunction(fn, t_args, t_kwargs, "", modules)
+        proxy = self.create_proxy("call_function", target, tuple(values), {})
+        return self._known_structure(target.label, proxy)
+
+    def _bakeable(self, value: Any) -> Optional[str]:
+        """Why ``value``, a constant argument of an opaque function's call, may not be
+        baked into its node (``None`` where it may)."""
+        if is_plain(value) or isinstance(value, torch.Tensor):
+            return None
+        if isinstance(value, torch.nn.Module):
+            if any(value is m for m in self.model.modules()):
+                return None
+            return f"a {type(value).__name__} module that is not part of the model"
+        for module in self.traced_through.values():
+            if any(value is v for v in module.__dict__.values()):
+                return None  # held by a module (self.config): the same object every call
+        return (
+            f"a {type(value).__name__} made while the forward runs (not held by the model): "
+            "baked into the trace, every call would share it"
+        )
 
     def call_module(self, m: torch.nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
         if threading.get_ident() != self.thread:
@@ -335,6 +377,8 @@ class _LeafTracer(fx.Tracer):
                 "and the traced ops would run without it"
             )
         proxy = super().create_proxy(kind, target, args, kwargs, *rest, **more)
+        if threading.get_ident() == self.thread:
+            self.ranks.note(proxy.node, kind, target, args, kwargs, self.root)
         if kind == "call_function" and isinstance(target, BranchCall) and threading.get_ident() == self.thread:
             # A @streamsched.branch function is a leaf call too: what it returns may be learned.
             label = leaf_label(proxy.node)
@@ -375,7 +419,18 @@ class _LeafTracer(fx.Tracer):
 
 class _Proxy(fx.Proxy):
     """fx's proxy, with item assignment (``x[:, :k] = 0``) recorded as an
-    ``operator.setitem`` node: an in-place write the effect analysis orders."""
+    ``operator.setitem`` node: an in-place write the effect analysis orders; and with
+    ``len`` and iteration of a traced shape whose length the ranks tell
+    (``(*x.shape[:-1], -1, d)``: ``frontend.ranks``)."""
+
+    def __len__(self) -> int:
+        return _proxy_len(self)
+
+    def __iter__(self) -> Any:
+        return _proxy_iter(self, inspect.currentframe())
+
+    def __getattr__(self, name: str) -> Any:
+        return _Attribute(self, name)
 
     def __setitem__(self, index: Any, value: Any) -> None:
         self.tracer.create_proxy("call_function", operator.setitem, (self, index, value), {})
@@ -402,6 +457,40 @@ class _Proxy(fx.Proxy):
 
 # What fx's Proxy sets on itself.
 _PROXY_OWN_ATTRIBUTES = frozenset({"tracer", "node"})
+
+
+class _Attribute(fx.proxy.Attribute):
+    """fx's lazy attribute proxy (``x.shape``), with the same ``len`` and iteration."""
+
+    def __len__(self) -> int:
+        return _proxy_len(self)
+
+    def __iter__(self) -> Any:
+        return _proxy_iter(self, inspect.currentframe())
+
+
+def _proxy_len(proxy: fx.Proxy) -> int:
+    n = proxy.tracer.ranks.length(proxy.node) if isinstance(proxy.tracer, _LeafTracer) else None
+    if n is None:
+        return fx.Proxy.__len__(proxy)
+    return n
+
+
+def _proxy_iter(proxy: fx.Proxy, frame: Any) -> Any:
+    n = proxy.tracer.ranks.length(proxy.node) if isinstance(proxy.tracer, _LeafTracer) else None
+    if n is not None:
+        return iter([proxy[i] for i in range(n)])
+    # fx's own rule, read in the frame calling ``__iter__`` (fx reads the frame calling
+    # its own): ``a, b = proxy`` unpacks, anything else fails.
+    caller = frame.f_back if frame is not None else None
+    if caller is not None:
+        offset = caller.f_lasti
+        for ins in dis.get_instructions(caller.f_code):
+            if ins.offset == offset:
+                if ins.opname == "UNPACK_SEQUENCE":
+                    return iter([proxy[i] for i in range(ins.argval)])
+                break
+    return proxy.tracer.iter(proxy)
 
 
 # ``x += 1`` on a tensor writes it in place (the caller's tensor too, when x is an
@@ -440,12 +529,16 @@ class Traced:
     structure: tuple = ()
     output_tree: Optional[OutputTree] = None
     opaque: dict[str, str] = field(default_factory=dict)
+    opaque_functions: dict[str, str] = field(default_factory=dict)
+    """Functions run as one opaque call each because tracing them failed: name -> reason."""
     flags: tuple = ()
     leaf_types: tuple = ()
     """The ``leaf_types`` it was traced with (a re-trace uses them again)."""
     inlined_leaf_calls: int = 0
     """Calls of childless modules the trace went through (their operations are graph
     nodes): leaf-module calls for ``Plan.coverage`` (``frontend.leafcalls``)."""
+    ranks: Optional[tuple[int, ...]] = None
+    """The ranks of the graph inputs the trace was made for (``frontend.ranks``)."""
 
     def relearn(self, node: fx.Node, value: Any) -> None:
         """The recording call found leaf call ``node`` returning ``value``, which the
@@ -467,13 +560,14 @@ class Traced:
             if n is node:
                 break
             index += leaf_label(n) == label
-        learn(self.model, _learned_key(self.model, self.spec), label, index, skeleton)
-        fresh = trace_model(self.model, self.root._streamsched_binder, self.spec, self.leaf_types)
+        learn(self.model, _learned_key(self.model, self.spec, self.ranks), label, index, skeleton)
+        fresh = trace_model(self.model, self.root._streamsched_binder, self.spec, self.leaf_types, self.ranks)
         if self.same_program(fresh):
             raise TraceError(f"'{label}': learning what it returns ({skeleton.shape}) did not change the trace")
         self.graph, self.root, self.input_names = fresh.graph, fresh.root, fresh.input_names
         self.module_ids, self.structure, self.output_tree = fresh.module_ids, fresh.structure, fresh.output_tree
         self.opaque, self.flags = fresh.opaque, fresh.flags
+        self.opaque_functions = fresh.opaque_functions
         self.inlined_leaf_calls = fresh.inlined_leaf_calls
         self.root.__dict__["_streamsched_traced"] = weakref.ref(self)
 
@@ -608,41 +702,72 @@ def trace_model(
     binder: CallBinder,
     spec: CallSpec,
     leaf_types: tuple[Any, ...] = (),
+    ranks: Optional[Sequence[int]] = None,
 ) -> Traced:
     """Trace ``model`` for calls shaped like ``spec``.
 
     ``leaf_types`` holds module types and functions to keep opaque. When tracing fails
-    inside a submodule, that submodule's class is made opaque and the trace is retried;
-    raises :class:`TraceError` (naming module, file and line) when the model's own
-    ``forward`` does something ``torch.fx`` cannot record.
+    inside a plain function a traced forward calls by name, that function becomes one
+    opaque call (``frontend.opaque_functions``); otherwise, when it fails inside a
+    submodule, that submodule's class is made opaque; either way the trace is retried.
+    Raises :class:`TraceError` (naming module, file and line) when the model's own
+    ``forward`` does something ``torch.fx`` cannot record. ``ranks`` are the ranks of the
+    call's tensors, in order, where known: a traced shape of known rank then has a length
+    (``frontend.ranks``), and the trace holds only for calls with those ranks.
     """
     module_types = tuple(t for t in leaf_types if isinstance(t, type)) + _registered_leaf_types()
     functions = tuple(f for f in leaf_types if not isinstance(f, type)) + _registered_leaf_functions()
     opaque: dict[type, str] = {}
-    known = learned(model, _learned_key(model, spec))
+    ranks = tuple(ranks) if ranks is not None else None
+    # Functions run as one opaque call: id -> (namespace, name, function, reason); and
+    # the ids of functions refused (a call of one passed an object a node cannot hold).
+    sites: dict[int, tuple[dict, str, Any, str]] = {}
+    refused: set[int] = set()
+    known = learned(model, _learned_key(model, spec, ranks))
     while True:
         try:
-            traced = _trace_once(model, binder, spec, module_types, functions, opaque, known)
+            traced = _trace_once(model, binder, spec, module_types, functions, opaque, known, sites, refused, ranks)
             traced.leaf_types = tuple(leaf_types)
             return traced
         except _OpaqueRetry as retry:
-            if retry.cls in opaque or len(opaque) >= _MAX_OPAQUE_RETRIES:
+            if len(opaque) + len(sites) + len(refused) >= _MAX_OPAQUE_RETRIES:
                 raise retry.error from retry.error.__cause__
-            opaque[retry.cls] = retry.reason
+            if retry.refuse is not None:
+                if id(retry.refuse) in refused:
+                    raise retry.error from retry.error.__cause__
+                refused.add(id(retry.refuse))
+                sites.pop(id(retry.refuse), None)
+            elif retry.site is not None:
+                namespace, name, fn = retry.site
+                sites[id(fn)] = (namespace, name, fn, retry.reason)
+            else:
+                if retry.cls in opaque:
+                    raise retry.error from retry.error.__cause__
+                opaque[retry.cls] = retry.reason
 
 
-def _learned_key(model: torch.nn.Module, spec: CallSpec) -> Hashable:
-    """What a learned opaque output holds for: one call structure, in one train/eval
-    state of every module and one autocast state (what a trace is made for)."""
-    return (spec.key, tuple(m.training for m in model.modules()), autocast_state())
+def _learned_key(model: torch.nn.Module, spec: CallSpec, ranks: Optional[tuple[int, ...]] = None) -> Hashable:
+    """What a learned opaque output holds for: one call structure (with its ranks), in
+    one train/eval state of every module and one autocast state (what a trace is made
+    for)."""
+    return (spec.key, ranks, tuple(m.training for m in model.modules()), autocast_state())
 
 
 class _OpaqueRetry(Exception):
-    def __init__(self, cls: type, reason: str, error: TraceError):
+    def __init__(
+        self,
+        cls: Optional[type],
+        reason: str,
+        error: TraceError,
+        site: Optional[tuple[dict, str, Any]] = None,
+        refuse: Any = None,
+    ):
         super().__init__(reason)
         self.cls = cls
         self.reason = reason
         self.error = error
+        self.site = site
+        self.refuse = refuse
 
 
 def _trace_once(
@@ -653,7 +778,11 @@ def _trace_once(
     functions: tuple[Any, ...],
     opaque: dict[type, str],
     known: dict[tuple[str, int], Skeleton],
+    sites: Optional[dict[int, tuple[dict, str, Any, str]]] = None,
+    refused: frozenset[int] | set[int] = frozenset(),
+    ranks: Optional[tuple[int, ...]] = None,
 ) -> Traced:
+    sites = sites or {}
     names = _placeholder_names(binder, spec)
     root_cls = type(
         f"{type(model).__name__}Trace",
@@ -663,7 +792,8 @@ def _trace_once(
     root = root_cls(model)
     root.__dict__["_streamsched_binder"] = binder
     root.__dict__["_streamsched_spec"] = spec
-    tracer = _LeafTracer(module_types, model, functions, frozenset(opaque), known)
+    function_sites = [(namespace, name, fn) for namespace, name, fn, _ in sites.values()]
+    tracer = _LeafTracer(module_types, model, functions, frozenset(opaque), known, function_sites, ranks)
     try:
         with TraceSideEffectGuard(model, root), GradModeGuard():
             graph = tracer.trace(root)
@@ -672,9 +802,16 @@ def _trace_once(
     except Exception as exc:  # fx raises many types; all mean "cannot trace"
         error = TraceError(_describe_trace_failure(model, tracer, exc))
         error.__cause__ = exc
+        reason = f"{type(exc).__name__}: {_first_line(exc)}"
+        if isinstance(exc, UnsafeOpaqueCall):
+            raise _OpaqueRetry(None, reason, error, refuse=exc.fn) from None
         failed = getattr(exc, "_streamsched_failed_in", None)
+        if not isinstance(exc, SideEffectDuringTrace):
+            # A plain function below the failing forward: it alone runs as written.
+            site = opaque_functions.candidate(exc, failed if failed is not None else model, {*refused, *sites})
+            if site is not None:
+                raise _OpaqueRetry(None, reason, error, site=site) from None
         if failed is not None and failed is not model:
-            reason = f"{type(exc).__name__}: {_first_line(exc)}"
             raise _OpaqueRetry(type(failed), reason, error) from None
         raise error from exc
 
@@ -696,12 +833,25 @@ def _trace_once(
         _structure(model),
         output_tree=root.__dict__.get("_streamsched_output_tree"),
         opaque={_type_name(cls): reason for cls, reason in opaque.items()},
+        opaque_functions=_used_functions(graph, sites),
         flags=flags,
         inlined_leaf_calls=tracer.inlined_leaf_calls,
+        ranks=ranks,
     )
     # The recording call re-traces through this where a leaf call misled the trace.
     root.__dict__["_streamsched_traced"] = weakref.ref(traced)
     return traced
+
+
+def _used_functions(graph: fx.Graph, sites: dict[int, tuple[dict, str, Any, str]]) -> dict[str, str]:
+    """The opaque functions the graph calls, by name, with why each is opaque."""
+    out: dict[str, str] = {}
+    for node in graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, OpaqueFunction):
+            site = sites.get(id(node.target.fn))
+            if site is not None:
+                out[node.target.label[len("function ") :]] = site[3]
+    return out
 
 
 def _first_line(exc: BaseException) -> str:

@@ -61,6 +61,16 @@ class OpaqueModule(BaseModel):
     reason: str
 
 
+class OpaqueFunctionCall(BaseModel):
+    """A plain function whose calls run as written (one opaque call each) because the
+    trace could not go through it (``frontend.opaque_functions``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    function: str
+    reason: str
+
+
 class ExecutorTrial(BaseModel):
     """What the first calls of a signature measured (``executor="auto"``).
 
@@ -120,6 +130,9 @@ class Plan(BaseModel):
     notes: list[str] = Field(default_factory=list)
     opaque: list[OpaqueModule] = Field(default_factory=list)
     """Module calls made opaque automatically (their class could not be traced)."""
+    opaque_functions: list[OpaqueFunctionCall] = Field(default_factory=list)
+    """Functions whose calls run as one opaque call each, because tracing them failed
+    inside a traced forward (a mask builder); the forward around them is traced."""
     effect_edges: int = 0
     """Ordering edges added for in-place writes on shared storage (beyond data edges)."""
     unfused: list[UnfusedGroup] = Field(default_factory=list)
@@ -277,6 +290,12 @@ class Plan(BaseModel):
                 lines.append(f"    {o.path}: {o.reason}")
             if len(self.opaque) > _LISTED:
                 lines.append(f"    ... {len(self.opaque) - _LISTED} more (plan.opaque lists all)")
+        if self.opaque_functions:
+            lines.append(
+                f"  opaque functions: {len(self.opaque_functions)} function(s) run as written (tracing them failed)"
+            )
+            for f in self.opaque_functions[:_LISTED]:
+                lines.append(f"    {f.function}: {f.reason}")
         if self.trial is not None:
             timed = ", ".join(
                 f"{name} {_us(us)}" for name, us in sorted(self.trial.best_us.items(), key=lambda kv: kv[1])

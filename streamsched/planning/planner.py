@@ -28,7 +28,7 @@ from ..ir.graph import TaskGraph
 from ..passes.coarsen import coarsen
 from .assign import Assignment, assign_streams
 from .choice import choose_executor
-from .plan import FusedGroupInfo, OpaqueModule, Plan, PlannedTask, UnfusedGroup
+from .plan import FusedGroupInfo, OpaqueFunctionCall, OpaqueModule, Plan, PlannedTask, UnfusedGroup
 
 __all__ = ["Schedule", "make_schedule", "copy_graph", "device_of", "signature_text"]
 
@@ -242,6 +242,7 @@ def make_schedule(
         cross_stream_waits=sum(len(w) for w in assignment.waits),
         notes=notes,
         opaque=[OpaqueModule(path=p, reason=r) for p, r in traced.opaque_paths().items()],
+        opaque_functions=[OpaqueFunctionCall(function=f, reason=r) for f, r in traced.opaque_functions.items()],
         effect_edges=sum(len(v) for v in effects.after.values()),
         unfused=unfused,
         leaf_calls=leaf_calls,

@@ -1,0 +1,378 @@
+"""Ranks of traced values: what ``len(x.shape)`` and ``(*x.shape[:-1], -1, d)`` need.
+
+fx refuses to iterate a proxy or take its ``len``: the length of ``x.shape[:-1]`` is not
+in the graph. Yet a trace is made for one rank of every input (the trace is keyed by
+them, as plans are), and most operations give an output whose rank follows from their
+inputs' ranks and their constant arguments alone, whatever the sizes. So the tracer
+tracks ranks alongside the graph: a traced shape (``x.shape``, ``x.size()``, a slice of
+either, a concatenation with a tuple) of a value of known rank has a known length, and
+iterating it yields one ``getitem`` node per dimension. The sizes stay graph values: the
+trace does not specialise on them.
+
+A rank is known for: graph inputs; parameters and buffers (``get_attr``); the leaf
+modules whose output rank is their input's (``Linear``, norms, activations, dropout) or
+one more (``Embedding``); element-wise operations and methods (broadcasting: the
+largest rank); views and reshapes with explicit sizes; ``transpose``, ``permute``,
+``unsqueeze``, ``flatten``, ``expand``, ``repeat``; reductions with explicit ``dim`` and
+``keepdim``; ``matmul``; ``cat`` and ``stack``; indexing with ints, slices, ``None``
+and ``...``. Anything else (``squeeze()``, whose rank depends on sizes; indexing with a
+tensor; an opaque call's value) has no known rank, and the values computed from it
+neither: iterating their shape fails as before.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+__all__ = ["RankTracker"]
+
+# Same rank as the first tensor argument, whatever the other arguments.
+_SAME_METHODS = frozenset(
+    """
+    contiguous float half double bfloat16 int long bool to type_as clone detach cpu cuda
+    softmax log_softmax relu relu_ sigmoid tanh exp log sqrt rsqrt neg abs square reciprocal
+    sign erf cos sin triu tril clamp clamp_ clamp_min clamp_max masked_fill_
+    fill_ zero_ requires_grad_ transpose permute roll flip cumsum cumprod nan_to_num
+    sigmoid_ tanh_ exp_ mul_ add_ sub_ div_ neg_ argsort
+    """.split()
+)
+_BROADCAST_METHODS = frozenset(
+    "add sub mul div pow masked_fill maximum minimum eq ne lt le gt ge logical_and logical_or".split()
+)
+_SAME_FUNCTIONS = {
+    torch.sigmoid,
+    torch.tanh,
+    torch.relu,
+    torch.exp,
+    torch.log,
+    torch.sqrt,
+    torch.rsqrt,
+    torch.neg,
+    torch.abs,
+    torch.cos,
+    torch.sin,
+    torch.softmax,
+    torch.log_softmax,
+    torch.transpose,
+    torch.clamp,
+    torch.triu,
+    torch.tril,
+    torch.erf,
+    torch.cumsum,
+    torch.flip,
+    torch.roll,
+    torch.nan_to_num,
+    torch.clone,
+    F.relu,
+    F.gelu,
+    F.silu,
+    F.mish,
+    F.elu,
+    F.leaky_relu,
+    F.softmax,
+    F.log_softmax,
+    F.dropout,
+    F.layer_norm,
+    F.group_norm,
+    F.normalize,
+    F.softplus,
+    F.hardtanh,
+    F.hardswish,
+    F.hardsigmoid,
+    F.sigmoid,
+    F.tanh,
+    F.linear,
+    F.scaled_dot_product_attention,
+    operator.neg,
+    operator.pos,
+    operator.invert,
+}
+_BROADCAST_FUNCTIONS = {
+    operator.add,
+    operator.sub,
+    operator.mul,
+    operator.truediv,
+    operator.floordiv,
+    operator.mod,
+    operator.pow,
+    operator.eq,
+    operator.ne,
+    operator.lt,
+    operator.le,
+    operator.gt,
+    operator.ge,
+    operator.and_,
+    operator.or_,
+    operator.xor,
+    torch.add,
+    torch.sub,
+    torch.mul,
+    torch.div,
+    torch.pow,
+    torch.maximum,
+    torch.minimum,
+    torch.eq,
+    torch.ne,
+    torch.lt,
+    torch.gt,
+    torch.logical_and,
+    torch.logical_or,
+}
+_SAME_MODULES = (
+    nn.Linear,
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.Dropout,
+    nn.Identity,
+    nn.ReLU,
+    nn.GELU,
+    nn.SiLU,
+    nn.Tanh,
+    nn.Sigmoid,
+    nn.Softmax,
+    nn.LeakyReLU,
+    nn.ELU,
+    nn.Mish,
+    nn.Hardswish,
+    nn.Hardtanh,
+    nn.Softplus,
+)
+_RMS_NORM = getattr(nn, "RMSNorm", None)
+if _RMS_NORM is not None:
+    _SAME_MODULES = _SAME_MODULES + (_RMS_NORM,)
+
+_SIZES_METHODS = frozenset({"view", "reshape", "expand", "repeat", "new_zeros", "new_ones", "new_empty"})
+
+
+class RankTracker:
+    """The ranks of a trace's tensor values and the lengths of its shape values, by node.
+    ``inputs``: the ranks of the graph's inputs in order (``None``: none known)."""
+
+    def __init__(self, inputs: Optional[Sequence[int]]):
+        self.inputs = list(inputs) if inputs is not None else None
+        self.placeholders = 0
+        self.rank: dict[fx.Node, int] = {}
+        self.len: dict[fx.Node, int] = {}
+
+    def length(self, node: fx.Node) -> Optional[int]:
+        """How many items the value of ``node`` has, where known (a shape)."""
+        return self.len.get(node)
+
+    def note(self, node: fx.Node, kind: str, target: Any, args: tuple, kwargs: dict, root: Any) -> None:
+        """Note what is known of a node just created."""
+        if self.inputs is None:
+            return
+        try:
+            self._note(node, kind, target, args, kwargs, root)
+        except Exception:  # noqa: BLE001 - an argument shaped unlike the rule expects: unknown
+            pass
+
+    def _r(self, value: Any) -> Optional[int]:
+        """The rank of an argument: a graph value's, 0 for a Python number."""
+        if isinstance(value, fx.Node):
+            return self.rank.get(value)
+        if isinstance(value, fx.Proxy):
+            return self.rank.get(value.node)
+        if type(value) in (int, float, bool):
+            return 0
+        return None
+
+    def _n(self, value: Any) -> Optional[int]:
+        """The length of a shape argument: a tuple's, or a graph shape's."""
+        if isinstance(value, (tuple, list, torch.Size)):
+            return len(value)
+        node = value.node if isinstance(value, fx.Proxy) else value
+        if isinstance(node, fx.Node):
+            return self.len.get(node)
+        return None
+
+    def _note(self, node: fx.Node, kind: str, target: Any, args: tuple, kwargs: dict, root: Any) -> None:
+        rank: Optional[int] = None
+        if kind == "placeholder":
+            i = self.placeholders
+            self.placeholders += 1
+            if i < len(self.inputs):
+                rank = self.inputs[i]
+        elif kind == "get_attr":
+            value = _attribute(root, str(target))
+            if isinstance(value, torch.Tensor):
+                rank = value.dim()
+        elif kind == "call_module":
+            module = _attribute(root, str(target))
+            x = self._r(args[0]) if args else None
+            if isinstance(module, _SAME_MODULES):
+                rank = x
+            elif isinstance(module, nn.Embedding) and x is not None:
+                rank = x + 1
+        elif kind == "call_method":
+            rank = self._method(node, target, args, kwargs)
+        elif kind == "call_function":
+            rank = self._function(node, target, args, kwargs)
+        if rank is not None:
+            self.rank[node] = rank
+
+    def _method(self, node: fx.Node, name: str, args: tuple, kwargs: dict) -> Optional[int]:
+        x = self._r(args[0])
+        if name == "size" and x is not None and len(args) == 1 and not kwargs:
+            self.len[node] = x
+            return None
+        if name in _SIZES_METHODS and not kwargs:
+            # The rank is the number of sizes given, whatever the input's.
+            sizes = args[1:]
+            if len(sizes) == 1 and not isinstance(sizes[0], int):
+                return self._n(sizes[0])
+            return len(sizes) if all(isinstance(s, (int, fx.Proxy, fx.Node)) for s in sizes) else None
+        if x is None:
+            return None
+        if name in _SAME_METHODS:
+            return x
+        if name in _BROADCAST_METHODS:
+            return _broadcast([x, *(self._r(a) for a in args[1:])])
+        if name in ("view_as", "reshape_as", "expand_as"):
+            return self._r(args[1])
+        if name == "unsqueeze":
+            return x + 1
+        if name == "flatten":
+            return _flatten(x, args[1:], kwargs)
+        if name in ("sum", "mean", "amax", "amin", "logsumexp"):
+            return _reduce(x, args[1:], kwargs)
+        if name == "matmul":
+            return _matmul(x, self._r(args[1]))
+        return None
+
+    def _function(self, node: fx.Node, fn: Any, args: tuple, kwargs: dict) -> Optional[int]:
+        if fn is getattr and len(args) == 2 and args[1] == "shape":
+            x = self._r(args[0])
+            if x is not None:
+                self.len[node] = x
+            return None
+        if fn is operator.getitem:
+            return self._getitem(node, args[0], args[1])
+        if fn is operator.add and self._n(args[0]) is not None and self._n(args[1]) is not None:
+            if isinstance(args[0], (fx.Node, fx.Proxy)) or isinstance(args[1], (fx.Node, fx.Proxy)):
+                self.len[node] = self._n(args[0]) + self._n(args[1])  # type: ignore[operator]
+                return None
+        if fn is len:
+            return None
+        if fn in _SAME_FUNCTIONS:
+            return self._r(args[0]) if args else self._r(kwargs.get("input"))
+        if fn in _BROADCAST_FUNCTIONS or (fn is torch.where and len(args) == 3):
+            return _broadcast([self._r(a) for a in args])
+        if fn in (torch.cat, torch.concat, torch.stack):
+            parts = args[0] if args else kwargs.get("tensors")
+            ranks = {self._r(p) for p in parts}
+            if len(ranks) != 1 or None in ranks:
+                return None
+            (r,) = ranks
+            return r + 1 if fn is torch.stack else r
+        if fn in (torch.matmul, operator.matmul):
+            return _matmul(self._r(args[0]), self._r(args[1]))
+        if fn is torch.unsqueeze:
+            x = self._r(args[0])
+            return None if x is None else x + 1
+        if fn is torch.flatten:
+            x = self._r(args[0])
+            return None if x is None else _flatten(x, args[1:], kwargs)
+        if fn in (torch.sum, torch.mean, torch.amax, torch.amin):
+            x = self._r(args[0])
+            return None if x is None else _reduce(x, args[1:], kwargs)
+        if fn in (torch.reshape,):
+            return self._n(args[1]) if len(args) > 1 else None
+        if fn is torch.permute:
+            return self._r(args[0])
+        return None
+
+    def _getitem(self, node: fx.Node, base: Any, index: Any) -> Optional[int]:
+        n = self._n(base) if isinstance(base, (fx.Node, fx.Proxy)) else None
+        if n is not None:
+            # An item or a slice of a shape.
+            if isinstance(index, slice) and all(
+                type(b) in (int, type(None)) for b in (index.start, index.stop, index.step)
+            ):
+                self.len[node] = len(range(n)[index])
+            return None
+        x = self._r(base)
+        if x is None:
+            return None
+        items = index if type(index) is tuple else (index,)
+        if sum(item is Ellipsis for item in items) > 1:
+            return None
+        consumed = 0
+        rank = x
+        for item in items:
+            if item is None:
+                rank += 1
+            elif item is Ellipsis:
+                continue
+            elif type(item) is int:
+                consumed += 1
+                rank -= 1
+            elif type(item) is slice:
+                consumed += 1
+            else:
+                return None  # a tensor, a list, a graph value: advanced indexing
+        return rank if consumed <= x else None
+
+
+def _attribute(root: nn.Module, path: str) -> Any:
+    """The module, parameter or buffer at ``path``, read from the modules' own tables
+    (``getattr`` on a module is fx's while tracing: it would record a node)."""
+    value: Any = root
+    for part in path.split("."):
+        if not isinstance(value, nn.Module):
+            return None
+        for table in (value._modules, value._parameters, value._buffers, value.__dict__):
+            if part in table:
+                value = table[part]
+                break
+        else:
+            return None
+    return value
+
+
+def _broadcast(ranks: list[Optional[int]]) -> Optional[int]:
+    if any(r is None for r in ranks):
+        return None
+    return max(ranks)  # type: ignore[type-var]
+
+
+def _matmul(a: Optional[int], b: Optional[int]) -> Optional[int]:
+    if a is None or b is None or a == 0 or b == 0:
+        return None
+    if a == 1 and b == 1:
+        return 0
+    if a == 1:
+        return b - 1
+    if b == 1:
+        return a - 1
+    return max(a, b)
+
+
+def _flatten(x: int, args: tuple, kwargs: dict) -> Optional[int]:
+    start = args[0] if len(args) > 0 else kwargs.get("start_dim", 0)
+    end = args[1] if len(args) > 1 else kwargs.get("end_dim", -1)
+    if type(start) is not int or type(end) is not int:
+        return None
+    if x == 0:
+        return 1
+    start, end = start % x, end % x
+    return x - (end - start) if end >= start else None
+
+
+def _reduce(x: int, args: tuple, kwargs: dict) -> Optional[int]:
+    dim = args[0] if len(args) > 0 else kwargs.get("dim", None)
+    keepdim = args[1] if len(args) > 1 else kwargs.get("keepdim", False)
+    if type(keepdim) is not bool:
+        return None
+    if dim is None:
+        return x if keepdim else 0
+    if type(dim) is int:
+        return x if keepdim else x - 1
+    if type(dim) in (tuple, list) and all(type(d) is int for d in dim):
+        return x if keepdim else x - len(set(d % x for d in dim))
+    return None
