@@ -36,6 +36,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..branch import is_branch_module
 from .hooks import COUNTING_HOOK
+from .nodes import submodule
 from .opaque_functions import OpaqueFunction
 from .trace import Traced, _registered_leaf_types, is_compiled_module
 
@@ -172,7 +173,7 @@ def traced_coverage(traced: Traced) -> tuple[int, int]:
     for node in traced.graph.nodes:
         inside = node.meta.get(LEAF_CALLS_META, 0)
         if node.op == "call_module":
-            module = traced.root.get_submodule(node.target)
+            module = submodule(traced.root, node.target)
             calls = max(inside, 1)
             total += calls
             # A leaf module's own call fires its hook once; a call that reaches no leaf

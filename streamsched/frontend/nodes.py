@@ -7,16 +7,29 @@ a stream or an event of its own.
 
 from __future__ import annotations
 
+import contextlib
 import operator
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-from torch import fx
+from torch import fx, nn
 
+from .. import _generation
 from ..branch import BranchCall
 
-__all__ = ["node_label", "span_label", "is_glue", "scope_of", "target_name", "VIEW_METHODS", "AUGMENTED_OPERATORS"]
+__all__ = [
+    "node_label",
+    "span_label",
+    "is_glue",
+    "scope_of",
+    "target_name",
+    "submodule",
+    "resolving_submodules",
+    "VIEW_METHODS",
+    "AUGMENTED_OPERATORS",
+]
 
 VIEW_METHODS = frozenset(
     {
@@ -162,3 +175,47 @@ def is_glue(node: fx.Node, root: Any = None) -> bool:
             return True
         return bool(node.meta.get("streamsched_glue"))
     return False
+
+
+# --- module paths ----------------------------------------------------------------------
+
+_resolved = threading.local()
+
+
+@contextlib.contextmanager
+def resolving_submodules(root: nn.Module) -> Iterator[None]:
+    """While entered (on this thread), :func:`submodule` resolves each path of ``root``
+    once: planning looks up the module of every ``call_module`` node in several passes
+    (fusion's signatures, its kernels, costs, coverage), and on a model of thousands of
+    module calls each ``get_submodule`` walk (two attribute lookups per path component)
+    added up to a third of the planning time. The resolutions are dropped when the
+    block ends, and ignored within it once any module of a wrapped model is re-wired
+    (the generation moves)."""
+    previous = getattr(_resolved, "cache", None)
+    # A root with its own get_submodule resolves every path itself (each once).
+    walk = type(root).get_submodule is nn.Module.get_submodule
+    _resolved.cache = (root, _generation.current(), {}, walk)
+    try:
+        yield
+    finally:
+        _resolved.cache = previous
+
+
+def submodule(root: nn.Module, target: str) -> nn.Module:
+    """``root.get_submodule(target)``; inside :func:`resolving_submodules` for ``root``,
+    each path is walked once (a path whose parent was resolved costs one lookup)."""
+    cache = getattr(_resolved, "cache", None)
+    if cache is None or cache[0] is not root or cache[1] != _generation.current():
+        return root.get_submodule(target)
+    found = cache[2]
+    module = found.get(target)
+    if module is None:
+        parent, _, name = target.rpartition(".")
+        if parent and cache[3]:
+            module = getattr(submodule(root, parent), name, None)
+            if not isinstance(module, nn.Module):
+                module = root.get_submodule(target)  # raises get_submodule's own error
+        else:
+            module = root.get_submodule(target)
+        found[target] = module
+    return module

@@ -87,11 +87,19 @@ def node_flops(node: fx.Node, module: Optional[nn.Module], in_metas: list[ValueM
     return float(total) * (8.0 if module is not None and "Norm" in type(module).__name__ else 1.0)
 
 
+def _parameters(module: nn.Module) -> Any:
+    """``module.parameters()``; a module without children read from its own table."""
+    if module._modules or type(module).parameters is not nn.Module.parameters:
+        return module.parameters(recurse=True)
+    # As parameters() yields them: each once (one may be registered under two names).
+    return {id(p): p for p in module._parameters.values() if p is not None}.values()
+
+
 def node_bytes(in_metas: list[ValueMeta], out_meta: ValueMeta, module: Optional[nn.Module]) -> float:
     total = sum(t.nbytes for m in in_metas for t in tensor_metas(m))
     total += sum(t.nbytes for t in tensor_metas(out_meta))
     if module is not None:
-        total += sum(p.numel() * p.element_size() for p in module.parameters(recurse=True))
+        total += sum(p.numel() * p.element_size() for p in _parameters(module))
     return float(total)
 
 
@@ -112,7 +120,7 @@ def estimate_node_cost(
     nbytes = node_bytes(in_metas, out_meta, module)
     work = max(flops / device.flops_per_us, nbytes / device.bytes_per_us)
     launches = 1
-    if module is not None:
+    if module is not None and module._modules:
         # A container leaf (a branch module) launches one kernel per inner leaf.
         launches = max(1, sum(1 for m in module.modules() if not list(m.children())))
     return work + device.launch_us * launches

@@ -26,7 +26,7 @@ from typing import Iterable, Optional, Sequence
 from torch import fx
 
 from ..frontend.meta import ValueMeta
-from ..frontend.nodes import is_glue, node_label, span_label
+from ..frontend.nodes import is_glue, node_label, span_label, submodule
 from .cost import DeviceModel, estimate_node_cost
 
 __all__ = ["Task", "TaskGraph"]
@@ -100,7 +100,7 @@ class TaskGraph:
         for node in graph.nodes:
             if node.op in ("placeholder", "get_attr", "output"):
                 continue
-            module = root.get_submodule(node.target) if node.op == "call_module" else None
+            module = submodule(root, node.target) if node.op == "call_module" else None
             cost = estimate_node_cost(node, module, metas, device)
             if measured is not None:
                 cost = measured.get(node_label(node), cost)

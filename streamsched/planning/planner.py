@@ -9,6 +9,7 @@ and stream assignment that plan describes. The runtime compiles it
 
 from __future__ import annotations
 
+import copy
 import functools
 import gc
 import logging
@@ -22,6 +23,7 @@ from ..config import SchedulerConfig
 from ..frontend.effects import Effects
 from ..frontend.leafcalls import opaque_leaf_calls, traced_coverage
 from ..frontend.meta import ValueMeta
+from ..frontend.nodes import resolving_submodules
 from ..frontend.trace import Traced
 from ..ir.cost import device_model_for
 from ..ir.graph import TaskGraph
@@ -58,10 +60,27 @@ class Schedule:
 
 
 def copy_graph(graph: fx.Graph, metas: dict[fx.Node, ValueMeta]) -> tuple[fx.Graph, dict[fx.Node, ValueMeta]]:
-    """A copy of ``graph`` (passes rewrite it) and the metadata keyed by the new nodes."""
+    """A copy of ``graph`` (passes rewrite it) and the metadata keyed by the new nodes.
+
+    As ``Graph.graph_copy`` makes it, node by node, except that each node is created
+    without arguments and given them after: ``create_node`` walks the arguments of
+    every call (pytree) to warn of raw symbolic ints, which the original graph's nodes
+    were checked for when they were made, and that walk was half of the copy."""
     new = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    out = new.graph_copy(graph, env)
+    load = env.__getitem__
+    out = None
+    for node in graph.nodes:
+        if node.op == "output":
+            out = fx.node.map_arg(node.args[0], load)
+            break
+        copied = new.create_node(node.op, node.target, None, None, node.name, node.type)
+        if node.args:
+            copied.args = fx.node.map_arg(node.args, load)
+        if node.kwargs:
+            copied.kwargs = fx.node.map_arg(node.kwargs, load)
+        copied.meta = copy.copy(node.meta)
+        env[node] = copied
     new.output(out)
     new_metas = {env[n]: m for n, m in metas.items() if n in env}
     return new, new_metas
@@ -142,6 +161,20 @@ def make_schedule(
     microseconds from a profile; ``effects`` the in-place effects recorded on the first
     call (their nodes keep eager order and are never fused).
     """
+    # Every pass looks up the modules of the graph's calls: each path is walked once.
+    with resolving_submodules(traced.root):
+        return _make_schedule(traced, metas, config, inputs, fusion, measured, effects)
+
+
+def _make_schedule(
+    traced: Traced,
+    metas: dict[fx.Node, ValueMeta],
+    config: SchedulerConfig,
+    inputs: list[torch.Tensor],
+    fusion: Any,
+    measured: Optional[dict[str, float]],
+    effects: Optional[Effects],
+) -> Schedule:
     root = traced.root
     graph, metas = copy_graph(traced.graph, metas)
     effects = effects or Effects()

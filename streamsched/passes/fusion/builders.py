@@ -21,7 +21,7 @@ import torch
 from torch import fx, nn
 
 from ...frontend.meta import TensorMeta
-from ...frontend.nodes import is_glue, node_label
+from ...frontend.nodes import is_glue, node_label, submodule
 from ...ir.cost import estimate_node_cost
 from .kernels import (
     BatchNormKernel,
@@ -69,7 +69,7 @@ class Group:
 
     @cached_property
     def modules(self) -> list[nn.Module]:
-        return [self.rw.root.get_submodule(m.target) for m in self.members]
+        return [submodule(self.rw.root, m.target) for m in self.members]
 
     @property
     def out_dtype(self) -> torch.dtype:

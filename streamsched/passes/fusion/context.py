@@ -155,8 +155,11 @@ class FusionContext:
         result = fuse_graph(graph, root, metas, self, device, config.fuse_min_size)
         names: set[str] = set()
         for m in result.modules:
-            self._fused[id(m)] = (m, structure_signature(m))
-            names |= plain_attribute_names(m)
+            # The proposal read each module's configuration just before its kernel was built.
+            known = result.structures.get(id(m))
+            signature = known[1] if known is not None and known[0] is m else structure_signature(m)
+            self._fused[id(m)] = (m, signature)
+            names |= plain_attribute_names(m, signature)
         # Assigning one of these attributes moves the generation, so the wrapper asks
         # fused_unchanged() before its next call.
         _generation.watch(names)

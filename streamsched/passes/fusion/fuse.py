@@ -14,7 +14,7 @@ from typing import Any
 from torch import fx, nn
 
 from ...frontend.meta import ValueMeta
-from ...frontend.nodes import node_label, target_name
+from ...frontend.nodes import node_label, submodule, target_name
 from ...frontend.trace_guard import autocast_state
 from ...ir.cost import DeviceModel
 from .builders import BUILDERS, Group
@@ -36,13 +36,15 @@ class FuseResult:
     unfused: list[UnfusedGroup] = field(default_factory=list)
     modules: list[nn.Module] = field(default_factory=list)
     """The module calls the kernels replaced: their configuration is baked into the kernels."""
+    structures: dict[int, tuple[nn.Module, tuple]] = field(default_factory=dict)
+    """``(module, structure_signature(module))`` by id, as the proposal read them."""
 
 
 def _unfused(root: nn.Module, reason: str, members: list[fx.Node]) -> UnfusedGroup:
     """The record that a proposed group stays unfused, and why (shown in the plan)."""
     labels = [node_label(m) for m in members]
     m = members[0]
-    kind = type(root.get_submodule(m.target)).__name__ if m.op == "call_module" else target_name(m)
+    kind = type(submodule(root, m.target)).__name__ if m.op == "call_module" else target_name(m)
     log.debug("fuse: %d x %s not fused: %s", len(members), labels[0], reason)
     return UnfusedGroup(kind=kind, size=len(members), members=labels, reason=reason)
 
@@ -80,11 +82,11 @@ def fuse_graph(
             rw.discard_inserted()
             unfused.append(_unfused(root, reason or "no batched kernel for these arguments", members))
         else:
-            fused_modules.extend(root.get_submodule(m.target) for m in members if m.op == "call_module")
+            fused_modules.extend(submodule(root, m.target) for m in members if m.op == "call_module")
     if not rw.kernels:
         return FuseResult([], [], [], unfused)
     rw.rewrite_consumers()
     rw.erase_members()
     resort(graph, rw.position)
     graph.lint()
-    return FuseResult(rw.groups, [], rw.kernels, unfused, fused_modules)
+    return FuseResult(rw.groups, [], rw.kernels, unfused, fused_modules, proposals.structures)

@@ -33,7 +33,7 @@ from torch import fx, nn
 from ...branch import BranchCall
 from ...frontend.hooks import has_hooks
 from ...frontend.meta import ConstMeta, TensorMeta, ValueMeta
-from ...frontend.nodes import node_label, target_name
+from ...frontend.nodes import node_label, submodule, target_name
 
 __all__ = [
     "FusionSupport",
@@ -184,9 +184,12 @@ def _own_attributes(m: nn.Module) -> list[tuple[str, Any]]:
     return [(k, v) for k, v in vars(m).items() if k not in _MODULE_INTERNALS]
 
 
-def plain_attribute_names(m: nn.Module) -> set[str]:
+def plain_attribute_names(m: nn.Module, signature: Optional[tuple] = None) -> set[str]:
     """The names of the plain attributes :func:`structure_signature` reads, over ``m`` and
-    its submodules (assigning one of them must re-check a plan that fused ``m``)."""
+    its submodules (assigning one of them must re-check a plan that fused ``m``);
+    ``signature``: ``m``'s signature, already made (the names are read off it)."""
+    if signature is not None:
+        return {k for *_, attributes in signature for k, _ in attributes}
     return {k for sub in m.modules() for k, _ in _own_attributes(sub)}
 
 
@@ -242,8 +245,26 @@ def _arg_sig(arg: Any, metas: dict[fx.Node, ValueMeta]) -> Any:
     return ("obj", id(arg))
 
 
+def _named_tensors(m: nn.Module, table: str) -> Any:
+    """``m.named_parameters()`` (``table="_parameters"``) or ``m.named_buffers()``
+    (``"_buffers"``); for a module without children (most calls a model makes) read
+    straight from its table, without the generic walk over submodules."""
+    method = "named_parameters" if table == "_parameters" else "named_buffers"
+    if m._modules or getattr(type(m), method) is not getattr(nn.Module, method):
+        return getattr(m, method)()
+    seen: set[int] = set()
+    out = []
+    for name, t in getattr(m, table).items():
+        if t is not None and id(t) not in seen:
+            seen.add(id(t))
+            out.append((name, t))
+    return out
+
+
 def _tensor_args(node: fx.Node) -> bool:
     """Whether every Node argument is a direct positional argument (no nesting)."""
+    if not node.kwargs and all(isinstance(a, fx.Node) for a in node.args):
+        return True
     for a in list(node.kwargs.values()):
         if isinstance(a, fx.Node) or _contains_node(a):
             return False
@@ -278,10 +299,20 @@ class FusionSupport:
         self.root = root
         self.metas = metas
         self.excluded: dict[fx.Node, str] = {}
+        self.structures: dict[int, tuple[nn.Module, tuple]] = {}
+        """:func:`structure_signature` of each module a signature was made for, by id (a
+        module called at several nodes is read once; the fused ones are kept to check)."""
+
+    def structure(self, m: nn.Module) -> tuple:
+        """:func:`structure_signature` of ``m``, computed once per pass."""
+        entry = self.structures.get(id(m))
+        if entry is None:
+            entry = self.structures[id(m)] = (m, structure_signature(m))
+        return entry[1]
 
     def kind(self, node: fx.Node) -> str:
         """The kernel kind of a supported node (``function`` for functions and methods)."""
-        return module_kind(self.root.get_submodule(node.target)) if node.op == "call_module" else "function"
+        return module_kind(submodule(self.root, node.target)) if node.op == "call_module" else "function"
 
     def signature(self, node: fx.Node) -> Optional[tuple]:
         """The fusion signature of a node, or ``None``; records in :attr:`excluded` the
@@ -296,8 +327,8 @@ class FusionSupport:
             # place): its place in eager order is kept, so it runs alone.
             excluded = "takes part in an in-place effect on shared storage (kept in eager order)"
         elif node.op == "call_module":
-            m = self.root.get_submodule(node.target)
-            if has_hooks(m) or any(has_hooks(s) for s in m.modules()):
+            m = submodule(self.root, node.target)
+            if has_hooks(m) or (m._modules and any(has_hooks(s) for s in m.modules())):
                 excluded = "has hooks (they must fire per member)"
             elif module_kind(m) == "batchnorm" and m.momentum is None:
                 excluded = "BatchNorm with momentum=None (a cumulative average per member)"
@@ -306,14 +337,16 @@ class FusionSupport:
             self.excluded[node] = excluded
             return None
         if node.op == "call_module":
-            m = self.root.get_submodule(node.target)
-            params = tuple((n, tuple(p.shape), p.dtype, p.device, p.requires_grad) for n, p in m.named_parameters())
-            buffers = tuple((n, tuple(b.shape), b.dtype, b.device) for n, b in m.named_buffers())
+            m = submodule(self.root, node.target)
+            params = tuple(
+                (n, tuple(p.shape), p.dtype, p.device, p.requires_grad) for n, p in _named_tensors(m, "_parameters")
+            )
+            buffers = tuple((n, tuple(b.shape), b.dtype, b.device) for n, b in _named_tensors(m, "_buffers"))
             if module_kind(m) == "vmap" and not params and not buffers:
                 return None
             return (
                 "module",
-                structure_signature(m),
+                self.structure(m),
                 params,
                 buffers,
                 tuple(_arg_sig(a, metas) for a in node.args),
@@ -340,7 +373,7 @@ class FusionSupport:
         input node and everything but the output width); ``None`` for any other node."""
         if node.op != "call_module" or len(node.args) != 1 or node.kwargs:
             return None
-        m = self.root.get_submodule(node.target)
+        m = submodule(self.root, node.target)
         if "forward" in vars(m):  # an instance's own forward: the wide kernel would skip it
             return None
         if type(m) is nn.Linear:
@@ -365,6 +398,8 @@ class Proposals:
     excluded: list[tuple[str, list[fx.Node]]] = field(default_factory=list)
     """``(reason, members)``: nodes left alone on purpose, grouped roughly as they would
     have been, where enough of them to make a group."""
+    structures: dict[int, tuple[nn.Module, tuple]] = field(default_factory=dict)
+    """``(module, structure_signature(module))`` of the modules of the signatures, by id."""
 
 
 def _origins(node: fx.Node) -> tuple:
@@ -406,7 +441,7 @@ def propose(graph: fx.Graph, support: FusionSupport, min_size: int) -> Proposals
     # says why they were not fused.
     excluded: dict[tuple, list[fx.Node]] = {}
     for node, reason in support.excluded.items():
-        what = type(root.get_submodule(node.target)) if node.op == "call_module" else target_name(node)
+        what = type(submodule(root, node.target)) if node.op == "call_module" else target_name(node)
         excluded.setdefault((what, level[node], reason), []).append(node)
     for (_, _, reason), nodes in excluded.items():
         if len(nodes) >= min_size:
@@ -419,7 +454,7 @@ def propose(graph: fx.Graph, support: FusionSupport, min_size: int) -> Proposals
         if key is not None:
             wide.setdefault(key, []).append(node)
     for nodes in wide.values():
-        widths = {tuple(root.get_submodule(n.target).weight.shape) for n in nodes}
+        widths = {tuple(submodule(root, n.target).weight.shape) for n in nodes}
         if len(nodes) >= min_size and len(widths) > 1:
             out.groups.append(("wide", nodes))
             taken.update(nodes)
@@ -431,4 +466,5 @@ def propose(graph: fx.Graph, support: FusionSupport, min_size: int) -> Proposals
         if len(nodes) >= min_size:
             out.groups.append((support.kind(nodes[0]), nodes))
     out.groups.sort(key=lambda p: (level[p[1][0]], position[p[1][0]]))
+    out.structures = support.structures
     return out

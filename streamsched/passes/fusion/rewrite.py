@@ -29,7 +29,7 @@ import torch
 from torch import fx, nn
 
 from ...frontend.meta import TensorMeta, ValueMeta
-from ...frontend.nodes import AUGMENTED_OPERATORS, is_glue, node_label
+from ...frontend.nodes import AUGMENTED_OPERATORS, is_glue, node_label, submodule
 from ...ir.cost import DeviceModel, estimate_node_cost
 from .kernels import FusedKernel
 from .layout import (
@@ -191,7 +191,7 @@ class Rewriter:
         self.position[node] = self.position[anchor] - 0.25
         member_cost = 0.0
         for m in members:
-            mod = self.root.get_submodule(m.target) if m.op == "call_module" else None
+            mod = submodule(self.root, m.target) if m.op == "call_module" else None
             member_cost += max(0.0, estimate_node_cost(m, mod, self.metas, self.device) - self.device.launch_us)
         node.meta["streamsched_cost_us"] = member_cost + self.device.launch_us
         for i, m in enumerate(members):
@@ -221,7 +221,7 @@ class Rewriter:
         ``ReLU(inplace=True)``, ``x += 1``, item assignment)."""
         if node.op == "call_function" and node.target in _INPLACE_OPERATORS:
             return True
-        module = self.root.get_submodule(node.target) if node.op == "call_module" else None
+        module = submodule(self.root, node.target) if node.op == "call_module" else None
         return inplace(node, module)
 
     def rewrite_consumers(self) -> None:
