@@ -53,7 +53,13 @@ from .opaque_functions import OpaqueFunction, UnsafeOpaqueCall
 from .opaque_outputs import OutputCheck, Skeleton, leaf_label, learn, learned, skeleton_of
 from .output_tree import OutputTree
 from .ranks import RankTracker
-from .trace_guard import GradModeGuard, SideEffectDuringTrace, TraceSideEffectGuard, autocast_state
+from .trace_guard import (
+    GradModeGuard,
+    SideEffectDuringTrace,
+    TraceSideEffectGuard,
+    autocast_state,
+    copy_fresh_constants,
+)
 
 __all__ = ["CallBinder", "CallSpec", "Traced", "trace_model", "is_compiled_module"]
 
@@ -795,8 +801,9 @@ def _trace_once(
     function_sites = [(namespace, name, fn) for namespace, name, fn, _ in sites.values()]
     tracer = _LeafTracer(module_types, model, functions, frozenset(opaque), known, function_sites, ranks)
     try:
-        with TraceSideEffectGuard(model, root), GradModeGuard():
+        with TraceSideEffectGuard(model, root) as guard, GradModeGuard(tracer):
             graph = tracer.trace(root)
+        copy_fresh_constants(graph, root, guard.fresh)
     except TraceError:
         raise
     except Exception as exc:  # fx raises many types; all mean "cannot trace"

@@ -7,8 +7,15 @@ never again: the wrapper would silently differ from eager. While a trace runs, t
 guard refuses such an act before it happens, by raising in the forward that does it;
 the tracer then makes that module opaque (its calls run as written, every call).
 
-Tensors created during the trace (constants a forward builds) may be written freely:
-they are not the model's state.
+Tensors a forward builds are made on every call, as in eager. A tensor factory called
+with plain arguments (``torch.zeros(4, 4)``, ``torch.randn(d)``, ``torch.tensor([1.0])``)
+would otherwise run once, while tracing, and its result become a graph constant that
+every call shares: random values drawn once, writes into it accumulating from call to
+call, the same output object returned each time. :class:`GradModeGuard` records such a
+call as a node instead. Any other tensor made while tracing that the graph keeps as a
+constant (``torch.from_numpy``, a method of a constant) is copied on every call
+(:func:`copy_fresh_constants`), and drawing random numbers outside the graph is refused.
+Tensors made during the trace may be written freely: they are not the model's state.
 
 Grad mode and autocast are thread state that fx does not record either: a forward's
 ``with torch.no_grad():`` (or ``enable_grad``, ``set_grad_enabled``, a ``@torch.no_grad()``
@@ -25,13 +32,61 @@ import threading
 from typing import Any, Optional
 
 import torch
+import torch.utils._pytree as pytree
+from torch import fx
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import _generation
 from .effects import fresh_outputs, op_accesses, storage_key
 
-__all__ = ["TraceSideEffectGuard", "SideEffectDuringTrace", "GradModeGuard", "autocast_state"]
+__all__ = [
+    "TraceSideEffectGuard",
+    "SideEffectDuringTrace",
+    "GradModeGuard",
+    "autocast_state",
+    "copy_fresh_constants",
+    "FACTORIES",
+]
+
+# Torch functions that make a new tensor from plain arguments: called with no graph value
+# among them while tracing, each becomes a node (:class:`GradModeGuard`).
+FACTORIES = frozenset(
+    getattr(torch, name)
+    for name in (
+        "zeros",
+        "ones",
+        "empty",
+        "empty_strided",
+        "full",
+        "arange",
+        "range",
+        "rand",
+        "randn",
+        "randint",
+        "randperm",
+        "normal",
+        "eye",
+        "linspace",
+        "logspace",
+        "tensor",
+        "as_tensor",
+        "scalar_tensor",
+        "zeros_like",
+        "ones_like",
+        "empty_like",
+        "full_like",
+        "rand_like",
+        "randn_like",
+        "randint_like",
+        "bernoulli",
+        "multinomial",
+        "poisson",
+    )
+    if hasattr(torch, name)
+)
+
+_SEEDED = getattr(torch.Tag, "nondeterministic_seeded", None)
 
 
 class SideEffectDuringTrace(RuntimeError):
@@ -52,6 +107,11 @@ class TraceSideEffectGuard(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         if threading.get_ident() == self.thread:
+            if _SEEDED is not None and _SEEDED in getattr(func, "tags", ()):
+                raise SideEffectDuringTrace(
+                    f"{func._schema.name} draws random numbers from real tensors while tracing (not graph values): "
+                    "they would be drawn once and every call would reuse them"
+                )
             _, writes = op_accesses(func, args, kwargs)
             for t in writes:
                 key = storage_key(t)
@@ -94,7 +154,13 @@ class TraceSideEffectGuard(TorchDispatchMode):
 class GradModeGuard(TorchFunctionMode):
     """Active on the tracing thread while a trace runs (mode stacks are per thread):
     refuses ``torch._C._set_grad_enabled``, which ``no_grad``, ``enable_grad`` and
-    ``set_grad_enabled`` all call, before the switch happens."""
+    ``set_grad_enabled`` all call, before the switch happens; and, given the ``tracer``,
+    records a call of a tensor factory (:data:`FACTORIES`) with no graph value among its
+    arguments as a node, so that the tensor is made on every call."""
+
+    def __init__(self, tracer: Any = None):
+        super().__init__()
+        self.tracer = tracer
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         if func is torch._C._set_grad_enabled:
@@ -102,7 +168,36 @@ class GradModeGuard(TorchFunctionMode):
                 "switches grad mode (torch.no_grad / enable_grad / set_grad_enabled) while running: a trace "
                 "cannot record that, and the traced ops would run in the caller's grad mode"
             )
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if self.tracer is not None and func in FACTORIES and not _has_proxy(args, kwargs):
+            return self.tracer.create_proxy("call_function", func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+def _has_proxy(args: tuple, kwargs: dict) -> bool:
+    return any(isinstance(v, fx.Proxy) for v in pytree.tree_leaves((args, kwargs)))
+
+
+def copy_fresh_constants(graph: fx.Graph, root: torch.nn.Module, fresh: set[int]) -> None:
+    """Give every call its own copy of each tensor constant of ``graph`` that was made
+    while tracing (its storage in ``fresh``): the graph would otherwise hand one tensor
+    to every call, in which its writes accumulate and which it may return. Constants
+    the model holds (globals, attributes) stay shared, as in eager."""
+    copies: dict[str, fx.Node] = {}
+    for node in list(graph.nodes):
+        if node.op != "get_attr":
+            continue
+        value = getattr(root, node.target, None) if "." not in node.target else None
+        if not isinstance(value, torch.Tensor) or isinstance(value, torch.nn.Parameter):
+            continue
+        if storage_key(value) not in fresh:
+            continue
+        copy = copies.get(node.target)
+        if copy is None:
+            with graph.inserting_after(node):
+                copy = graph.call_function(torch.clone, (node,))
+            copies[node.target] = copy
+        node.replace_all_uses_with(copy, delete_user_cb=lambda user, copy=copy: user is not copy)
 
 
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)

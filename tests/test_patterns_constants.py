@@ -1,0 +1,99 @@
+"""Tensors a forward makes from plain values (``torch.zeros(4, 4)``, ``torch.randn(d)``,
+``torch.from_numpy(...)``) are made on every call, as in eager, compared with eager on
+fresh inputs under several executors: random values drawn anew, writes into them not
+carried from one call to the next, a fresh output object each call."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import streamsched as ss
+from streamsched.testing import assert_path
+
+from .helpers import assert_close
+
+D = 6
+GLOBAL = torch.ones(D)
+
+
+class Pair(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.left = nn.Linear(D, D)
+        self.right = nn.Linear(D, D)
+
+
+class ScattersIntoZeros(Pair):
+    def forward(self, x, index):
+        out = torch.zeros(D, D)  # plain sizes: no graph value among the arguments
+        out.scatter_(1, index, self.left(x))
+        return out + self.right(x)
+
+
+class AddsNoise(Pair):
+    def forward(self, x):
+        return self.left(x) + self.right(x) + torch.randn(D, D)
+
+
+class ReturnsAConstant(Pair):
+    def forward(self, x):
+        return self.left(x) + self.right(x), torch.ones(2), torch.tensor([1.0, 2.0])
+
+
+class WritesANumpyConstant(Pair):
+    def forward(self, x):
+        acc = torch.from_numpy(np.zeros((D, D), dtype=np.float32))  # no factory: a constant
+        acc += self.left(x)
+        return acc + self.right(x)
+
+
+class NoiseLikeAGlobal(Pair):
+    def forward(self, x):
+        noise = torch.randn_like(GLOBAL)  # a factory reading a real tensor: a node
+        mask = nn.functional.dropout(GLOBAL, 0.5, True)  # random numbers from a real tensor
+        return self.left(x) + self.right(x) + noise * mask
+
+
+def _inputs(name: str) -> tuple:
+    x = torch.randn(D, D)
+    if name == "scatter":
+        return x, torch.randint(0, D, (D, D))
+    return (x,)
+
+
+CASES = {
+    "scatter": ScattersIntoZeros,
+    "noise": AddsNoise,
+    "returns_constant": ReturnsAConstant,
+    "numpy_constant": WritesANumpyConstant,
+    "noise_like_global": NoiseLikeAGlobal,
+}
+EXECUTORS = {"serial": {"executor": "serial"}, "threads": {"executor": "threads", "min_task_cost": 0.0}}
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+@pytest.mark.parametrize("name", CASES)
+def test_tensors_made_from_plain_values_are_made_every_call(name, executor):
+    torch.manual_seed(0)
+    model = CASES[name]()
+    sm = ss.StreamScheduledModule(model, **EXECUTORS[executor])
+    returned = []
+    paths = set()
+    for call in range(6):
+        inputs = _inputs(name)
+        torch.manual_seed(100 + call)
+        expected = model(*inputs)
+        torch.manual_seed(100 + call)
+        actual = sm(*inputs)
+        paths.add(assert_path(sm, "recorded", "plan", "eager-dispatch"))
+        assert_close(actual, expected, what=f"{name} call {call} ({paths})")
+        returned.append(actual)
+        if isinstance(actual, tuple):
+            actual[1].add_(10)  # the caller owns what it got: later calls must not see this
+    if name != "noise_like_global":  # random numbers drawn from a real tensor: not traced
+        assert "plan:serial" in paths or "plan:threads" in paths
+    if name == "returns_constant":
+        assert len({id(out[1]) for out in returned}) == len(returned)
