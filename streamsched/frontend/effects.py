@@ -50,12 +50,15 @@ def storage_key(t: torch.Tensor) -> Optional[int]:
         return None
 
 
+_SCALARS = (bool, int, float, str, torch.dtype, torch.device)
+
+
 def _tensors(value: Any) -> list[torch.Tensor]:
     # Most arguments are one tensor or a scalar: no pytree walk for those (the recording
     # call dispatches every op of the model through here).
     if isinstance(value, torch.Tensor):
         return [value]
-    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
+    if value is None or isinstance(value, _SCALARS):
         return []
     return [v for v in pytree.tree_leaves(value) if isinstance(v, torch.Tensor)]
 
@@ -153,6 +156,15 @@ class EffectRecorder(TorchDispatchMode):
         self._ids: dict[int, tuple[int, StorageWeakRef]] = {}  # address -> (id, weak ref)
         self._next_id = itertools.count()
 
+    # The recorder only reads tensors' metadata and calls each op as it came: nothing in
+    # it for dynamo to compile or skip, so no per-op wrapper to skip it (the wrapper
+    # TorchDispatchMode puts around __torch_dispatch__ otherwise cost a tenth of the
+    # recording call on a model of thousands of small ops). The wrapped model's whole call
+    # runs outside dynamo anyway (StreamScheduledModule.forward).
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
     def key_of(self, t: torch.Tensor) -> Optional[int]:
         """The id of ``t``'s storage for this recording (None where it has none)."""
         address = storage_key(t)
@@ -173,20 +185,53 @@ class EffectRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         acc = self._current
-        if acc is not None:
-            reads, writes = op_accesses(func, args, kwargs)
-            for t in reads:
-                key = self.key_of(t)
+        if acc is None:
+            return out
+        # What op_accesses and fresh_outputs say, inlined: this runs for every op of the
+        # recording call (thousands on a model of many small modules).
+        facts = _OP_FACTS.get(func)
+        if facts is None:
+            facts = _op_facts(func)
+        key_of = self.key_of
+        written: list[torch.Tensor] = []
+        for writes, value in zip(facts.positional_writes, args):
+            if writes:
+                written.extend(_tensors(value))
+            elif isinstance(value, torch.Tensor):
+                key = key_of(value)
                 if key is not None:
                     acc.reads.add(key)
-            for t in writes:
-                key = self.key_of(t)
-                if key is not None and key not in acc.fresh:
-                    acc.writes.add(key)
-            for t in fresh_outputs(func, out):
-                key = self.key_of(t)
-                if key is not None:
-                    acc.fresh.add(key)
+            elif value is not None and not isinstance(value, _SCALARS):
+                for t in _tensors(value):
+                    key = key_of(t)
+                    if key is not None:
+                        acc.reads.add(key)
+        if kwargs:
+            by_name = facts.keyword_writes
+            for name, value in kwargs.items():
+                if name not in by_name:
+                    continue
+                if by_name[name]:
+                    written.extend(_tensors(value))
+                else:
+                    for t in _tensors(value):
+                        key = key_of(t)
+                        if key is not None:
+                            acc.reads.add(key)
+        for t in written:
+            key = key_of(t)
+            if key is not None and key not in acc.fresh:
+                acc.writes.add(key)
+        if facts.lifts:
+            fresh = _tensors(out)
+        elif isinstance(out, torch.Tensor):
+            fresh = [out] if facts.fresh_returns[:1] == (True,) else []
+        else:
+            fresh = fresh_outputs(func, out)
+        for t in fresh:
+            key = key_of(t)
+            if key is not None:
+                acc.fresh.add(key)
         return out
 
 
