@@ -37,6 +37,32 @@ Inside ``with EmulatedCuda(devices=2):``, ``torch.cuda`` says CUDA is available 
   streams, the caller's streams ordered after the leaf streams when ``backward()``
   returns. :attr:`EmulatedCuda.backward_kernels` counts backward kernels per stream.
 
+**Asynchronous mode** (``EmulatedCuda(asynchronous=True)``, ``_async``): a kernel
+issued on a stream is queued, not run: its outputs are allocated at once (their shapes
+from the operator's meta kernel) and filled with garbage (NaN, the largest integer,
+``True``), and the queued work runs at a synchronisation point, in a random order
+(``seed``) consistent only with stream order and event waits. A consumer that misses its
+wait can then run before its producer and compute from garbage: a wrong value, not only
+a report (with ``raise_on_race=False`` the kernels run; otherwise the race raises at
+issue as before). A synchronisation runs only what it waits for: a stream's
+``synchronize`` and a host read on it (``.item()``, ``.cpu()``, blocking copies,
+data-dependent shapes) the work that stream is ordered after, an event's the work before
+it, ``torch.cuda.synchronize()`` that of the device's streams, leaving the device all.
+``query()`` is ``False`` while that work is queued (and the device then runs it: a poll
+loop ends). A non-blocking copy to pinned host memory (``.to("cpu", non_blocking=True)``
+pins its result, as PyTorch does) completes when its stream runs it, so the host reads
+stale memory before synchronising; a non-blocking copy from pinned memory reads it when
+it runs, from pageable memory when issued (CUDA stages it). Kernels from other threads
+(inside :meth:`EmulatedCuda.attach`) go to the same queues. Graph replays are queued on
+the replaying stream. What still runs when issued, after the work its stream is ordered
+after: random kernels (they draw from the host generator in issue order, so seeds give
+the default mode's numbers), kernels with no meta kernel, copies to pageable host memory.
+Not modelled: memory freed by the host while queued work uses it stays alive until that
+work ran (a missing ``record_stream`` cannot corrupt a value; the default mode reports
+it, this mode does not), reads of device memory that bypass the dispatcher (storage
+methods; ``copy.deepcopy`` first runs its stream's queue), and a GPU running work
+*before* a synchronisation (queued work runs only when something waits for it).
+
 **Simulated time** (:meth:`EmulatedCuda.timeline`): kernels take the cost model's
 duration on their stream's clock, waits and synchronisations move clocks, and streams
 overlap where nothing orders them; the timeline gives the makespan, the streams used and
@@ -87,14 +113,17 @@ _CURRENT: Optional[EmulatedCuda] = None
 class EmulatedCuda:
     """Context manager: emulate ``devices`` CUDA devices in this process (see the module
     docstring). One at a time; enter and exit in the same thread. Its PyTorch modes are
-    thread-local: threads other than the entering one see ``torch.cuda`` emulated but
-    should not create or run tensors on the emulated device.
+    thread-local: threads other than the entering one see ``torch.cuda`` emulated, and
+    create or run tensors on the emulated device inside :meth:`attach`.
 
     Args:
         devices: how many devices (``cuda:0`` ... ``cuda:{devices-1}``).
-        seed: seed of the random replay order of captured graphs.
+        seed: seed of the random replay order of captured graphs, and of the order in
+            which the asynchronous mode runs queued work.
         raise_on_race: raise :class:`UnsynchronizedAccess` at the kernel that races (the
             report is kept either way).
+        asynchronous: queue kernels per stream and run them at synchronisation points
+            (see the module docstring); by default every kernel runs when issued.
     """
 
     def __init__(self, devices: int = 2, seed: int = 0, raise_on_race: bool = True, asynchronous: bool = False):
