@@ -224,17 +224,40 @@ class Rewriter:
         module = submodule(self.root, node.target) if node.op == "call_module" else None
         return inplace(node, module)
 
+    def _returned_with_grad(self, member: fx.Node) -> bool:
+        """Whether the graph returns ``member``'s value, or a view of it, and it requires
+        grad (as recorded on the planning call)."""
+        meta = self.metas.get(member)
+        if not isinstance(meta, TensorMeta) or not meta.requires_grad:
+            return False
+        seen: set[fx.Node] = set()
+        todo = [member]
+        while todo:
+            for user in todo.pop().users:
+                if user in self.members or user in seen:
+                    continue
+                if user.op == "output":
+                    return True
+                if is_glue(user):
+                    seen.add(user)
+                    todo.append(user)
+        return False
+
     def rewrite_consumers(self) -> None:
         """Point every reader of a fused member at the member's part of its group's output."""
         # Members whose value a consumer writes in place: it gets storage of its own, as in
         # eager (see layout.member_copy), and no cat/stack of the group becomes a view of
         # the kernel's output (the write would show in it).
         # The recorded effects also see writes through views (``outs[1].view(-1).zero_()``).
+        # So does a member the caller gets (or a view of it) with autograd on: the caller
+        # may write it in place, which eager allows and a view of an unbind or split
+        # refuses ("a function that returns multiple views").
         written = {
             m
             for m in self.members
             if m.meta.get("streamsched_output_written")
             or any(self._writes_input(u) for u in m.users if u not in self.members)
+            or self._returned_with_grad(m)
         }
         replaced: set[fx.Node] = set()
         for node in list(self.graph.nodes):

@@ -1,0 +1,72 @@
+"""What the caller does with the outputs after the call, compared with eager PyTorch on
+fresh inputs: outputs of fused branches returned directly (one batched kernel's members,
+one wide matmul's columns, a view of one) written in place before the backward, as eager
+allows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import streamsched as ss
+from streamsched.testing import assert_path
+
+from .helpers import assert_close, grads
+
+D = 8
+
+
+class BatchedHeads(nn.Module):
+    """Two heads on two inputs: one batched kernel (an unbind of its result)."""
+
+    def __init__(self):
+        super().__init__()
+        self.left = nn.Linear(D, D)
+        self.right = nn.Linear(D, D)
+
+    def forward(self, x, y):
+        return self.left(x), self.right(y)
+
+
+class WideHeads(nn.Module):
+    """Heads of different widths on one input: one wide matmul (a split of its result),
+    one of them returned through a view."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(D, 3)
+        self.b = nn.Linear(D, 5)
+
+    def forward(self, x, y):
+        return {"a": self.a(x), "b": self.b(x).view(-1)}
+
+
+def _write_and_loss(out) -> torch.Tensor:
+    first, second = out if isinstance(out, tuple) else (out["a"], out["b"])
+    first.mul_(2)
+    second.add_(1)
+    return (first.sum() * 3 + (second * second).sum()).float()
+
+
+@pytest.mark.parametrize("executor", ["serial", "threads"])
+@pytest.mark.parametrize("make", [BatchedHeads, WideHeads], ids=["batched", "wide"])
+def test_fused_outputs_may_be_written_in_place_by_the_caller(make, executor):
+    torch.manual_seed(0)
+    model, ref = make(), make()
+    ref.load_state_dict(model.state_dict())
+    sm = ss.StreamScheduledModule(model, executor=executor, min_task_cost=0.0)
+    for call in range(4):
+        x, y = torch.randn(4, D), torch.randn(4, D)
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        out = sm(x, y)
+        path = assert_path(sm, "recorded", "plan")
+        expected = ref(x, y)
+        loss, loss_ref = _write_and_loss(out), _write_and_loss(expected)
+        loss.backward()
+        loss_ref.backward()
+        assert_close(out, expected, what=f"call {call} ({path}): outputs")
+        assert_close(list(grads(model).values()), list(grads(ref).values()), what=f"call {call} ({path}): grads")
+        if call > 0:
+            assert sm.plan.fused_groups, "the heads were meant to be fused"
