@@ -196,12 +196,15 @@ def test_work_from_another_thread_joins_the_same_queues(reports_only):
 
 def test_random_kernels_draw_in_issue_order(emulated_cuda):
     """Random kernels draw from the host generator when issued, as in the default mode:
-    the same seed gives the same numbers on the host and on the device."""
+    the same seed gives the same numbers on the host and on the device, interleaved with
+    draws on the host."""
     torch.manual_seed(3)
-    on_host = torch.randn(16), torch.rand(8)
+    on_host = torch.randn(16), torch.rand(8), torch.randn(4)
     torch.manual_seed(3)
     on_device = torch.randn(16, device="cuda"), torch.rand(8, device="cuda")
+    between = torch.randn(4)  # drawn on the host after the device's draws were issued
     assert all(torch.equal(h, d.cpu()) for h, d in zip(on_host, on_device))
+    assert torch.equal(between, on_host[2])
 
 
 def test_a_kernel_failing_in_the_queue_is_reported_at_the_synchronisation(emulated_cuda):
@@ -230,9 +233,12 @@ def test_graph_replay_is_queued_on_the_replaying_stream(emulated_cuda):
     assert torch.allclose(static_out.cpu(), new.cpu() * 2 + 1)
 
 
-def test_deepcopy_of_a_module_sees_the_queued_work(emulated_cuda):
+def test_deepcopy_sees_the_queued_work(emulated_cuda):
     import copy
 
+    x = torch.ones(8, device="cuda")
+    x.mul_(2)  # queued
+    assert torch.equal(copy.deepcopy(x).cpu(), torch.full((8,), 2.0))
     model = nn.Linear(8, 8).cuda()
     with torch.no_grad():
         model.weight.mul_(2)  # queued
@@ -306,3 +312,38 @@ def test_a_planted_missing_wait_in_the_streams_executor_gives_a_wrong_value(repo
         wrong += not torch.allclose(out.cpu(), expected.cpu(), atol=1e-5)
     assert wrong >= 1, "a consumer that misses its wait runs before its producer in some order"
     assert {r.kind for r in reports_only.take_reports()} == {"race"}
+
+
+# --- the runtime's CUDA tests, again in the asynchronous mode ---------------------------------
+# Collected here, they run under this module's marks: a plan must still equal eager, and
+# every protocol edge hold, when kernels run late and in a random order. Left out: the tests
+# of memory reuse, which this mode does not model (see docs/gpu.md).
+
+from .test_backward_streams import (  # noqa: E402, F401
+    test_a_reentrant_backward_and_a_failing_backward_restore_the_callers_stream,
+    test_an_input_a_side_stream_saves_for_backward_is_not_reused_early,
+    test_backward_runs_on_the_forward_streams_and_equals_eager,
+    test_direct_gradient_hand_off_on_a_side_stream_matches_the_loop,
+    test_each_synchronisation_of_the_engine_is_needed,
+    test_memory_a_side_stream_reads_in_backward_is_not_reused_early,
+    test_training_a_multi_stream_plan_runs_backward_on_its_streams,
+)
+from .test_cuda_protocol import (  # noqa: E402, F401
+    runtime,
+    test_a_planted_missing_eager_join_is_a_race,
+    test_eager_dispatch_joins_a_branch_whose_result_is_unused,
+    test_eager_dispatch_keeps_a_dropped_branch_input_until_the_join,
+    test_eager_dispatch_outputs_are_recorded_on_a_caller_that_switches_streams,
+    test_every_side_stream_is_joined_before_the_caller_reads,
+    test_multi_stream_plans_overlap_where_the_plan_says,
+    test_side_stream_outputs_are_recorded_on_the_caller_that_switches_streams,
+    test_the_callers_stream_is_current_again_after_a_task_raises,
+    test_values_read_on_other_streams_are_not_reused_early,
+)
+from .test_eager_dispatch import (  # noqa: E402, F401
+    test_cuda_branch_exception_propagates_and_next_call_works,
+    test_cuda_branches_run_on_pool_streams_beside_the_caller,
+    test_cuda_forward_write_waits_for_the_branch,
+    test_cuda_outputs_and_gradients_equal_eager,
+    test_cuda_pending_values_behave_like_the_results,
+)

@@ -59,9 +59,9 @@ after: random kernels (they draw from the host generator in issue order, so seed
 the default mode's numbers), kernels with no meta kernel, copies to pageable host memory.
 Not modelled: memory freed by the host while queued work uses it stays alive until that
 work ran (a missing ``record_stream`` cannot corrupt a value; the default mode reports
-it, this mode does not), reads of device memory that bypass the dispatcher (storage
-methods; ``copy.deepcopy`` first runs its stream's queue), and a GPU running work
-*before* a synchronisation (queued work runs only when something waits for it).
+it, this mode does not), reads of device memory behind the dispatcher's back (a C++
+extension's own kernels), and a GPU running work *before* a synchronisation (queued work
+runs only when something waits for it).
 
 **Simulated time** (:meth:`EmulatedCuda.timeline`): kernels take the cost model's
 duration on their stream's clock, waits and synchronisations move clocks, and streams

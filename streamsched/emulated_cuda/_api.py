@@ -349,10 +349,6 @@ def _tensor_methods(emu: Emulator) -> dict[str, Any]:
 
     def deepcopy(self: torch.Tensor, memo: dict) -> torch.Tensor:
         d = emu.device_of(self)
-        if d is not None:
-            # The copy of the storage is a kernel on the current stream: what the stream
-            # is ordered after runs first (asynchronous mode).
-            emu.run_queued(emu.current_stream(d))
         result = orig_deepcopy(self, memo)
         if d is not None:
             emu.adopt(result, d)
