@@ -16,6 +16,7 @@ import torch
 from torch import fx
 
 from .leafcalls import recording_counter, store_counts
+from .nodes import submodule_resolver
 from .opaque_outputs import leaf_label, misleads
 
 __all__ = ["TensorMeta", "ValueMeta", "describe", "run_and_record", "tensor_metas"]
@@ -226,15 +227,7 @@ _MAX_RETRACES = 256
 def _submodules(root: torch.nn.Module) -> Callable[[str], torch.nn.Module]:
     """``root.get_submodule``, each path resolved once per recording (a module's calls
     recur in a graph, and each walk splits the path and looks up every component)."""
-    found: dict[str, torch.nn.Module] = {}
-
-    def submodule(target: str) -> torch.nn.Module:
-        module = found.get(target)
-        if module is None:
-            module = found[target] = root.get_submodule(target)
-        return module
-
-    return submodule
+    return submodule_resolver(root)
 
 
 def _plan_frees(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ __all__ = [
     "scope_of",
     "target_name",
     "submodule",
+    "submodule_resolver",
     "resolving_submodules",
     "VIEW_METHODS",
     "AUGMENTED_OPERATORS",
@@ -182,6 +183,27 @@ def is_glue(node: fx.Node, root: Any = None) -> bool:
 _resolved = threading.local()
 
 
+def submodule_resolver(root: nn.Module) -> Callable[[str], nn.Module]:
+    """``root.get_submodule``, each path resolved once by the returned function (a path
+    whose parent was resolved costs one attribute lookup). For as long as nothing
+    re-wires ``root``'s modules: see :func:`resolving_submodules`."""
+    found: dict[str, nn.Module] = {}
+    # A root with its own get_submodule resolves every path itself (each once).
+    walk = type(root).get_submodule is nn.Module.get_submodule
+
+    def resolve(target: str) -> nn.Module:
+        module = found.get(target)
+        if module is None:
+            parent, _, name = target.rpartition(".")
+            module = getattr(resolve(parent), name, None) if parent and walk else None
+            if not isinstance(module, nn.Module):
+                module = root.get_submodule(target)  # or get_submodule's own error
+            found[target] = module
+        return module
+
+    return resolve
+
+
 @contextlib.contextmanager
 def resolving_submodules(root: nn.Module) -> Iterator[None]:
     """While entered (on this thread), :func:`submodule` resolves each path of ``root``
@@ -192,9 +214,7 @@ def resolving_submodules(root: nn.Module) -> Iterator[None]:
     block ends, and ignored within it once any module of a wrapped model is re-wired
     (the generation moves)."""
     previous = getattr(_resolved, "cache", None)
-    # A root with its own get_submodule resolves every path itself (each once).
-    walk = type(root).get_submodule is nn.Module.get_submodule
-    _resolved.cache = (root, _generation.current(), {}, walk)
+    _resolved.cache = (root, _generation.current(), submodule_resolver(root))
     try:
         yield
     finally:
@@ -203,19 +223,8 @@ def resolving_submodules(root: nn.Module) -> Iterator[None]:
 
 def submodule(root: nn.Module, target: str) -> nn.Module:
     """``root.get_submodule(target)``; inside :func:`resolving_submodules` for ``root``,
-    each path is walked once (a path whose parent was resolved costs one lookup)."""
+    each path is resolved once."""
     cache = getattr(_resolved, "cache", None)
     if cache is None or cache[0] is not root or cache[1] != _generation.current():
         return root.get_submodule(target)
-    found = cache[2]
-    module = found.get(target)
-    if module is None:
-        parent, _, name = target.rpartition(".")
-        if parent and cache[3]:
-            module = getattr(submodule(root, parent), name, None)
-            if not isinstance(module, nn.Module):
-                module = root.get_submodule(target)  # raises get_submodule's own error
-        else:
-            module = root.get_submodule(target)
-        found[target] = module
-    return module
+    return cache[2](target)

@@ -1,0 +1,243 @@
+"""The first call's bookkeeping, made cheaper without changing what it finds.
+
+- planning resolves each module path once (``frontend.nodes.submodule`` inside
+  ``resolving_submodules``), and follows a re-wiring made meanwhile;
+- ``planner.copy_graph`` makes the same graph as ``Graph.graph_copy``;
+- the effect recorder records, op by op, what ``op_accesses`` and ``fresh_outputs`` say
+  (the same storages, given the same ids in the same order).
+"""
+
+import copy
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import fx, nn
+
+import streamsched as ss
+from benchmarks.zoo import Inception3, MultiTaskHeads, ParallelFCN
+from streamsched.frontend import effects as effects_mod
+from streamsched.frontend.effects import EffectRecorder, fresh_outputs, op_accesses
+from streamsched.frontend.nodes import resolving_submodules, submodule
+from streamsched.planning import planner
+from streamsched.testing import assert_path
+
+from .helpers import assert_close
+
+# --- module paths ----------------------------------------------------------------------
+
+
+def test_submodule_resolves_as_get_submodule_does_and_follows_a_rewiring():
+    model = ParallelFCN(3)
+    ss.StreamScheduledModule(model)  # its modules are tracked: re-wiring moves the generation
+    paths = ["", "mlps", "mlps.0", "mlps.2.fc1", "mlps.1.relu"]
+    with resolving_submodules(model):
+        for path in paths:
+            assert submodule(model, path) is model.get_submodule(path)
+            assert submodule(model, path) is model.get_submodule(path)  # resolved before
+        for bad in ("mlps.3", "mlps.0.fc3", "mlps.0.fc1.weight", "nothing.at.all"):
+            with pytest.raises(AttributeError):
+                submodule(model, bad)
+        old = model.mlps[0].fc1
+        assert submodule(model, "mlps.0.fc1") is old
+        model.mlps[0].fc1 = nn.Linear(20, 10)
+        assert submodule(model, "mlps.0.fc1") is model.mlps[0].fc1 is not old
+        model.mlps[1] = nn.Sequential()
+        with pytest.raises(AttributeError):
+            submodule(model, "mlps.1.relu")
+        other = ParallelFCN(2)
+        assert submodule(other, "mlps.1.fc2") is other.mlps[1].fc2  # another root: not cached
+    assert submodule(model, "mlps.2.fc2") is model.mlps[2].fc2
+
+
+def test_planning_resolves_each_module_path_once(monkeypatch):
+    torch.manual_seed(0)
+    model = ParallelFCN(64).eval()
+    sm = ss.StreamScheduledModule(copy.deepcopy(model))
+    calls: list[str] = []
+    original = nn.Module.get_submodule
+
+    def counted(self, target):
+        calls.append(target)
+        return original(self, target)
+
+    planned = []
+    make = planner.make_schedule
+
+    def watched(traced, *args, **kwargs):
+        monkeypatch.setattr(nn.Module, "get_submodule", counted)
+        try:
+            schedule = make(traced, *args, **kwargs)
+        finally:
+            monkeypatch.setattr(nn.Module, "get_submodule", original)
+        planned.append(traced)
+        return schedule
+
+    monkeypatch.setattr("streamsched.module.make_schedule", watched)
+    x = torch.randn(4, 64 * 20)
+    with torch.no_grad():
+        out = sm(x)
+        assert_path(sm, "recorded")
+        assert_close(out, model(x))
+        fresh = torch.randn(4, 64 * 20)
+        assert_close(sm(fresh), model(fresh))
+        assert_path(sm, "plan")
+    assert len(planned) == 1 and [g.size for g in sm.plan.fused_groups] == [64, 64, 64]
+    targets = {n.target for n in planned[0].graph.nodes if n.op == "call_module"}
+    assert len(targets) == 64 * 3
+    # Each pass used to walk get_submodule per node (7 walks per path); now a path's
+    # parent is resolved once and its children are one attribute lookup each.
+    assert len(calls) <= len(targets) // 10, f"{len(calls)} get_submodule calls for {len(targets)} paths"
+
+
+# --- copy_graph ------------------------------------------------------------------------
+
+
+def _graph_copy(graph: fx.Graph) -> fx.Graph:
+    new = fx.Graph()
+    new.output(new.graph_copy(graph, {}))
+    return new
+
+
+def _describe(graph: fx.Graph) -> list:
+    return [
+        (n.op, n.name, n.target, n.args, dict(n.kwargs), n.type, [u.name for u in n.users], n.meta) for n in graph.nodes
+    ]
+
+
+def _as_text(described: list) -> list:
+    """Nodes of two graphs compare by name: their descriptions as text."""
+    return [repr(d) for d in described]
+
+
+@pytest.mark.parametrize(
+    "make, x",
+    [
+        (lambda: ParallelFCN(8), torch.randn(2, 160)),
+        (lambda: MultiTaskHeads(), torch.randn(4, 64)),
+        (lambda: Inception3(num_classes=10).eval(), torch.randn(1, 3, 80, 80)),
+    ],
+    ids=["parallel_fcn", "heads", "inception"],
+)
+def test_copy_graph_makes_what_graph_copy_makes(make, x):
+    torch.manual_seed(0)
+    model = make()
+    sm = ss.StreamScheduledModule(copy.deepcopy(model))
+    with torch.no_grad():
+        out = sm(x)
+        assert_path(sm, "recorded")
+        ref = model(x)
+    flat = out if isinstance(out, torch.Tensor) else torch.cat([v.flatten() for _, v in sorted(out.items())])
+    flat_ref = ref if isinstance(ref, torch.Tensor) else torch.cat([v.flatten() for _, v in sorted(ref.items())])
+    assert_close(flat, flat_ref)
+    traced = next(iter(sm._ss.traces.values()))
+    graph = traced.graph
+    if isinstance(model, ParallelFCN):
+        assert any(n.kwargs for n in graph.nodes), "no node with keyword arguments to copy"
+    metas = {n: i for i, n in enumerate(graph.nodes)}
+    copied, copied_metas = planner.copy_graph(graph, metas)
+    reference = _graph_copy(graph)
+    assert _as_text(_describe(copied)) == _as_text(_describe(reference))
+    assert copied.python_code("self").src == reference.python_code("self").src
+    assert all(a is not b for a, b in zip(copied.nodes, graph.nodes))
+    copied.lint()
+    # Metadata of every value (the output node is made anew, as graph_copy's caller makes it).
+    kept = [n for n in copied.nodes if n.op != "output"]
+    assert [copied_metas[n] for n in kept] == [metas[n] for n in graph.nodes if n.op != "output"]
+
+
+# --- the effect recorder -----------------------------------------------------------------
+
+
+class _SpelledOut(EffectRecorder):
+    """The recorder as op_accesses and fresh_outputs spell it: the reference."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        acc = self._current
+        if acc is not None:
+            reads, writes = op_accesses(func, args, kwargs)
+            for t in reads:
+                key = self.key_of(t)
+                if key is not None:
+                    acc.reads.add(key)
+            for t in writes:
+                key = self.key_of(t)
+                if key is not None and key not in acc.fresh:
+                    acc.writes.add(key)
+            for t in fresh_outputs(func, out):
+                key = self.key_of(t)
+                if key is not None:
+                    acc.fresh.add(key)
+        return out
+
+
+def _program(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, rec: EffectRecorder) -> None:
+    steps = [
+        lambda: a + b,
+        lambda: a.add_(b),
+        lambda: torch.add(a, b, alpha=2),
+        lambda: torch.add(a, b, out=c),  # a keyword argument written in place
+        lambda: torch.cat([a, b, c], dim=0),  # a list of tensors
+        lambda: a.t(),
+        lambda: torch.split(c, 1, dim=0),  # several returns, all views
+        lambda: torch.max(a, dim=1),  # several fresh returns
+        lambda: torch.tensor([1.0, 2.0]),  # lifted
+        lambda: torch.where(a > 0, a, b),
+        lambda: c[:, :2].zero_(),
+        lambda: torch.nn.functional.linear(a, b, bias=c[0]),
+        lambda: a.index_put_((torch.tensor([0]),), torch.ones(3)),
+    ]
+    for i, step in enumerate(steps):
+        rec.begin(f"n{i}")
+        step()
+        rec.end()
+
+
+def test_the_recorder_records_what_op_accesses_and_fresh_outputs_say():
+    assert EffectRecorder.__torch_dispatch__ is not _SpelledOut.__torch_dispatch__
+    recorded = []
+    for recorder in (EffectRecorder, _SpelledOut):
+        torch.manual_seed(0)
+        a, b, c = torch.randn(3, 3), torch.randn(3, 3), torch.randn(3, 3)
+        with recorder() as rec:
+            _program(a, b, c, rec)
+        recorded.append(rec.accesses)
+    fast, spelled = recorded
+    assert list(fast) == list(spelled) and len(fast) == 13
+    for name in spelled:
+        assert fast[name] == spelled[name], name
+    # Storage ids are handed out as storages are first seen: same ids, same order.
+    assert fast["n3"].writes and fast["n1"].writes and fast["n4"].reads and fast["n8"].fresh
+    effects = effects_mod.Effects.from_accesses(fast)
+    assert effects.writes and effects == effects_mod.Effects.from_accesses(spelled)
+
+
+# --- the benchmark row ---------------------------------------------------------------------
+
+
+def _load_call_overhead_micro():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "call_overhead_micro.py"
+    spec = importlib.util.spec_from_file_location("_bench_script_call_overhead_micro", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_overhead_report_prints_the_first_call_beside_its_goal_and_guards_it(capsys):
+    script = _load_call_overhead_micro()
+    threads = torch.get_num_threads()
+    try:
+        code = script.main(
+            ["--critics-only", "--rounds", "1", "--first-call-processes", "1", "--max-first-call-s", "0.001"]
+        )
+    finally:
+        torch.set_num_threads(threads)
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("ParallelFCN(1000) first call"))
+    seconds = float(line.split("processes: ")[1].split(" s CPU")[0])
+    assert seconds > 0.001 and "goal <= 0.3 s" in line
+    assert "REGRESSION (guard: <= 0.00 s)" in line and code == 1
