@@ -218,72 +218,124 @@ def runs_at_issue(func: Any) -> Optional[str]:
     return found
 
 
+_AT_ONCE = "at-once"
+_VIEW = "view"
+_PLANS: dict[Any, Any] = {}
+"""Per operator and argument geometry: what its outputs are (see :func:`_plan`)."""
+
+
+def _signature(func: Any, flat: list, spec: Any) -> Optional[tuple]:
+    """What the meta kernel's answer depends on: the operator, the arguments' structure,
+    every tensor's geometry and identity among the arguments, every other value."""
+    sig: list[Any] = [func, spec]
+    seen: dict[int, int] = {}
+    for v in flat:
+        if isinstance(v, torch.Tensor):
+            first = seen.setdefault(id(v), len(seen))
+            if v.layout != torch.strided or v.is_quantized or v.is_nested:
+                return None
+            sig.append((first, v.dtype, tuple(v.shape), v.stride()))
+        else:
+            try:
+                hash(v)
+            except TypeError:
+                return None
+            sig.append((type(v), v))
+    return tuple(sig)
+
+
+def _plan(func: Any, flat: list, spec: Any) -> Any:
+    """Run ``func`` on meta tensors of the arguments' geometry: ``(outputs, out_spec)``,
+    each output ``("arg", i)`` (the i-th argument, an in-place or ``out=`` result),
+    ``("fresh", shape, stride, dtype)`` or ``("value", v)``; or :data:`_AT_ONCE` /
+    :data:`_VIEW` when the kernel cannot be queued."""
+    metas: dict[int, torch.Tensor] = {}
+    index_of: dict[int, int] = {}
+    in_storages: set[int] = set()
+    mflat: list[Any] = []
+    for i, v in enumerate(flat):
+        if isinstance(v, torch.Tensor):
+            m = metas.get(id(v))
+            if m is None:
+                if v.layout != torch.strided or v.is_quantized or v.is_nested:
+                    return _AT_ONCE
+                m = metas[id(v)] = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=_META)
+                index_of[id(m)] = i
+                in_storages.add(m.untyped_storage()._cdata)
+            mflat.append(m)
+        elif isinstance(v, torch.device) and v.type == "cpu":
+            mflat.append(_META)
+        elif isinstance(v, torch.Generator):
+            return _AT_ONCE
+        else:
+            mflat.append(v)
+    margs, mkwargs = pytree.tree_unflatten(mflat, spec)
+    try:
+        mout = func(*margs, **mkwargs)
+    except Exception:  # noqa: BLE001 - no meta kernel, a data-dependent shape: run it now
+        return _AT_ONCE
+    out_flat, out_spec = pytree.tree_flatten(mout)
+    outputs: list[tuple] = []
+    for leaf in out_flat:
+        if not isinstance(leaf, torch.Tensor):
+            outputs.append(("value", leaf))
+            continue
+        i = index_of.get(id(leaf))
+        if i is not None:
+            real = flat[i]
+            if real.shape != leaf.shape or real.stride() != leaf.stride():
+                return _AT_ONCE  # an out= argument resized: its shape changes now
+            outputs.append(("arg", i))
+        elif leaf.untyped_storage()._cdata in in_storages:
+            return _VIEW  # a view the schema does not declare (_unsafe_view)
+        else:
+            outputs.append(("fresh", tuple(leaf.shape), leaf.stride(), leaf.dtype))
+    return outputs, out_spec
+
+
 def defer(emu: Any, stream: Any, func: Any, args: tuple, kwargs: dict) -> Any:
     """Queue ``func`` on ``stream`` and return its outputs (fresh ones allocated now,
     filled with garbage until the kernel runs). Raises :class:`_Immediate` when the
     kernel must run now instead (see the module docstring)."""
-    metas: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    in_storages: set[int] = set()
-
-    def to_meta(v: Any) -> Any:
-        if isinstance(v, torch.Tensor):
-            found = metas.get(id(v))
-            if found is not None:
-                return found[1]
-            if v.layout != torch.strided or v.is_quantized or v.is_nested:
-                raise _Immediate
-            m = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=_META)
-            metas[id(v)] = (v, m)
-            in_storages.add(m.untyped_storage()._cdata)
-            return m
-        if isinstance(v, torch.device) and v.type == "cpu":
-            return _META
-        if isinstance(v, torch.Generator):
-            raise _Immediate
-        return v
-
+    flat, spec = pytree.tree_flatten((args, kwargs))
     with quiet():
-        try:
-            margs = pytree.tree_map(to_meta, args)
-            mkwargs = pytree.tree_map(to_meta, kwargs)
-            mout = func(*margs, **mkwargs)
-        except _Immediate:
-            raise
-        except Exception as e:  # noqa: BLE001 - no meta kernel, data-dependent shape: run now
-            raise _Immediate from e
-        real_of = {id(m): v for v, m in metas.values()}
-        flat, spec = pytree.tree_flatten(mout)
+        key = _signature(func, flat, spec)
+        plan = _PLANS.get(key) if key is not None else None
+        if plan is None:
+            plan = _plan(func, flat, spec)
+            if key is not None:
+                if len(_PLANS) > 8192:
+                    _PLANS.clear()
+                _PLANS[key] = plan
+        if plan is _AT_ONCE:
+            raise _Immediate
+        if plan is _VIEW:
+            raise _Immediate(view=True)
+        outputs, out_spec = plan
         outs: list[Any] = []
         fresh: list[tuple[int, torch.Tensor]] = []
-        for i, leaf in enumerate(flat):
-            if not isinstance(leaf, torch.Tensor):
-                outs.append(leaf)
-                continue
-            real = real_of.get(id(leaf))
-            if real is not None:
-                if real.shape != leaf.shape or real.stride() != leaf.stride():
-                    raise _Immediate  # an out= argument resized: its shape changes now
-                outs.append(real)
-                continue
-            if leaf.untyped_storage()._cdata in in_storages:
-                raise _Immediate(view=True)  # a view the schema does not declare (_unsafe_view)
-            t = torch.empty_strided(leaf.shape, leaf.stride(), dtype=leaf.dtype)
-            garbage_fill(t)
-            outs.append(t)
-            fresh.append((i, _shadow(t)))
-
-        def held(v: Any) -> Any:
+        for i, desc in enumerate(outputs):
+            if desc[0] == "arg":
+                outs.append(flat[desc[1]])
+            elif desc[0] == "fresh":
+                t = torch.empty_strided(desc[1], desc[2], dtype=desc[3])
+                garbage_fill(t)
+                outs.append(t)
+                fresh.append((i, _shadow(t)))
+            else:
+                outs.append(desc[1])
+        held: list[Any] = []
+        for v in flat:
             if not isinstance(v, torch.Tensor):
-                return v
-            if emu.block_of(v) is not None or emu.is_pinned(v):
+                held.append(v)
+            elif emu.block_of(v) is not None or emu.is_pinned(v):
                 try:
-                    return _shadow(v)
+                    held.append(_shadow(v))
                 except (RuntimeError, NotImplementedError):
-                    return v
-            return v.clone()  # pageable host memory: staged when the kernel is issued
-
-        dargs = pytree.tree_map(held, args)
-        dkwargs = pytree.tree_map(held, kwargs)
+                    held.append(v)
+            else:
+                held.append(v.clone())  # pageable host memory: staged when the kernel is issued
+        dargs, dkwargs = pytree.tree_unflatten(held, spec)
     exclude = torch._C._dispatch_tls_local_exclude_set()
 
     def run() -> None:
@@ -301,7 +353,7 @@ def defer(emu: Any, stream: Any, func: Any, args: tuple, kwargs: dict) -> Any:
                     target.copy_(value)
 
     emu.work.issue(stream, str(func), run)
-    return pytree.tree_unflatten(outs, spec)
+    return pytree.tree_unflatten(outs, out_spec)
 
 
 Immediate = _Immediate

@@ -980,11 +980,14 @@ class Emulator:
             if self.work is not None:
                 # Asynchronous mode: the launch is queued on the replaying stream; the
                 # order of its kernels is drawn when it runs.
-                self.work.issue(stream, "cudaGraphLaunch", lambda: self._replay_nodes(graph))
+                # Memory from outside the graph stays alive until the replay has run (the
+                # graph reads it by address).
+                held = [ref() for ref, _ in graph.externals]
+                self.work.issue(stream, "cudaGraphLaunch", lambda: self._replay_nodes(graph, held))
                 return
         self._replay_nodes(graph)
 
-    def _replay_nodes(self, graph: _Graph) -> None:
+    def _replay_nodes(self, graph: _Graph, held: Any = None) -> None:
         order = self._random_order(graph.nodes)
         with _quiet():
             for node in order:
