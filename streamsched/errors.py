@@ -83,3 +83,20 @@ class UntraceableWarning(UserWarning):
 
         warnings.filterwarnings("ignore", category=streamsched.errors.UntraceableWarning)
     """
+
+
+def raised_in(exc: BaseException, model: torch.nn.Module) -> str | None:
+    """Where in ``model`` ``exc`` was raised, read from its traceback: the path of the
+    module whose code ran the innermost frame that one of the model's modules ran
+    (``"towers.0.fc"``, ``""`` for the model's own forward), or ``None`` when no module's
+    code is on it. For the calls that run the model's own forward (as written, eager
+    dispatch), whose errors no plan node names."""
+    paths = {id(m): path for path, m in model.named_modules()}
+    found = None
+    tb = exc.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if owner is not None and id(owner) in paths:
+            found = paths[id(owner)]
+        tb = tb.tb_next
+    return found

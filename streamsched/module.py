@@ -31,7 +31,15 @@ from typing_extensions import Unpack
 from . import _generation, _native
 from ._lru import LRU
 from .config import SchedulerConfig, SchedulerOptions, make_config
-from .errors import ConfigError, HooksWarning, ProfileMismatchError, TraceError, UntraceableWarning, user_stacklevel
+from .errors import (
+    ConfigError,
+    HooksWarning,
+    ProfileMismatchError,
+    TraceError,
+    UntraceableWarning,
+    raised_in,
+    user_stacklevel,
+)
 from .frontend.binder import ShapeCachedBinder
 from .frontend.effects import EffectRecorder, Effects
 from .frontend.hooks import global_hooks, has_hooks
@@ -187,6 +195,9 @@ class _State:
         self.modes: dict[tuple, int] = {}
         self.mode_id = self.mode_of(model)
         self.warned_untraceable = False
+        # How errors name a module: (path prefix, model name); a nested child's wrapper
+        # names its modules by their paths in the outermost model.
+        self.where = ("", type(model).__name__)
         self.warned_hooks = False
         # An untraceable forward's children, scheduled by plans of their own (nesting.py).
         self.nested: Optional[NestedPlans] = None
@@ -493,9 +504,18 @@ class StreamScheduledModule(nn.Module):
     def _entry(self, args: tuple, kwargs: dict, inside_model_call: bool) -> Any:
         st = self._ss
         with st.lock:
-            if st.observer is None:
-                return self._call(args, kwargs, inside_model_call)
-            out = self._call(args, kwargs, inside_model_call)
+            try:
+                if st.observer is None:
+                    return self._call(args, kwargs, inside_model_call)
+                out = self._call(args, kwargs, inside_model_call)
+            except Exception as exc:
+                # A plan names the node that raised; a call that ran the model's own
+                # forward (as written, eager dispatch) names the submodule here, from
+                # the traceback (not the forward itself: that is the caller's own code).
+                path = raised_in(exc, self.module)
+                if path or (path is not None and self._ss.where[0]):
+                    annotate_exception(exc, self._where(path))
+                raise
             # Observers that ask are told which schedule the call ran (timelines read its
             # program and task graph): the wrapper hands it over, nobody reaches in.
             ran = getattr(st.observer, "ran", None)
@@ -716,10 +736,9 @@ class StreamScheduledModule(nn.Module):
             st.traces.put(trace_key, exc)
             return self._eager_dispatch(spec, tensors, exc, trace_key, args, kwargs)
         metas: dict = {}
-        name = type(self.module).__name__
 
         def on_error(exc: BaseException, node: Any) -> None:
-            annotate_exception(exc, f"module '{node_label(node)}' of {name}")
+            annotate_exception(exc, self._where(node_label(node)))
 
         recorder = EffectRecorder()
         with recorder:
@@ -821,7 +840,19 @@ class StreamScheduledModule(nn.Module):
         """The wrapper a child of this untraceable forward is called through (nesting.py):
         this configuration, minus what belongs to the root (its profile of task costs,
         ``strict``: the root already said that the forward runs as written)."""
-        return StreamScheduledModule(child, self.config.model_copy(update={"strict": False, "profile": None}))
+        wrapper = StreamScheduledModule(child, self.config.model_copy(update={"strict": False, "profile": None}))
+        # Its errors name the module by its path in this model.
+        path = next((p for p, m in self.module.named_modules() if m is child), "")
+        prefix, root = self._ss.where
+        wrapper._ss.where = (f"{prefix}{path}.", root)
+        return wrapper
+
+    def _where(self, path: str) -> str:
+        """How an error names the module at ``path`` (of the wrapped model): by its path in
+        the outermost wrapped model, for the wrapper of a nested child too."""
+        prefix, root = self._ss.where
+        full = prefix + path if path else prefix.rstrip(".")
+        return f"module '{full}' of {root}" if full else f"the forward of {root}"
 
     def _leaf_types(self) -> tuple:
         return tuple(t for t in self.config.leaf_modules if isinstance(t, type))
@@ -906,7 +937,7 @@ class StreamScheduledModule(nn.Module):
             if name != "eager":
                 where = failing_node(schedule.program, exc)
                 if where is not None:
-                    annotate_exception(exc, f"module '{where}' of {type(self.module).__name__}")
+                    annotate_exception(exc, self._where(where))
             raise
         if cuda:
             torch.cuda.synchronize(device)
@@ -988,5 +1019,5 @@ class StreamScheduledModule(nn.Module):
         except Exception as exc:
             where = failing_node(schedule.program, exc)
             if where is not None:
-                annotate_exception(exc, f"module '{where}' of {type(self.module).__name__}")
+                annotate_exception(exc, self._where(where))
             raise
