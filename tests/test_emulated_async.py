@@ -205,6 +205,7 @@ def test_random_kernels_draw_in_issue_order(emulated_cuda):
     between = torch.randn(4)  # drawn on the host after the device's draws were issued
     assert all(torch.equal(h, d.cpu()) for h, d in zip(on_host, on_device))
     assert torch.equal(between, on_host[2])
+    assert {"aten.randn.default", "aten.rand.default"} <= set(emulated_cuda.emulator.work.immediate)
 
 
 def test_a_kernel_failing_in_the_queue_is_reported_at_the_synchronisation(emulated_cuda):

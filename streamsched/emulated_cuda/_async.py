@@ -29,11 +29,13 @@ device's modes with :meth:`EmulatedCuda.attach`) joins the same queues.
 
 Kernels that still run when issued (after the work their stream is ordered after): those
 whose result the host reads (above), random kernels (they draw from the host generator in
-issue order, as the default mode does), kernels without a meta implementation or whose
-outputs share memory with their inputs undeclared, a copy to pageable host memory (CUDA
-makes it synchronous), kernels on a capturing stream (a capture runs them as the default
-mode does). Allocation (``empty``) and metadata changes (``set_``, ``resize_``, views)
-happen at once.
+issue order, as the default mode does), kernels without a meta implementation, a copy
+to pageable host memory (CUDA makes it synchronous), kernels on a capturing stream (a
+capture runs them as the default mode does). :attr:`WorkQueue.immediate` counts the
+random ones and those without a meta kernel, by operator. Allocation (``empty``, its
+memory filled with garbage) and metadata changes (``set_``, ``resize_``, views, an
+output sharing its input's memory that the schema does not declare, as
+``_unsafe_view``'s) happen at once and read nothing.
 """
 
 from __future__ import annotations
@@ -80,7 +82,8 @@ class WorkQueue:
         self.deferred = 0
         """How many kernels were queued and ran later."""
         self.immediate: dict[str, int] = {}
-        """Kernels that ran when issued (see the module docstring), by operator."""
+        """Kernels that ran when issued though the host did not wait for them (random
+        kernels, kernels without a meta kernel), by operator."""
 
     # --- ordering ------------------------------------------------------------------------
 

@@ -9,7 +9,9 @@ sanitizer (``torch.cuda._sanitizer.EventHandler``), which keeps a vector clock p
 and reports an access that no chain of events, stream waits or host synchronisations
 orders after a conflicting one. Captured work is different: it is recorded as a graph
 and each replay runs it again in a random order consistent only with the captured
-dependencies.
+dependencies. In the asynchronous mode (``_async``) kernels are queued per stream
+instead and run at synchronisation points (:attr:`Emulator.work`); the checker still
+sees every kernel when it is issued.
 """
 
 from __future__ import annotations

@@ -307,6 +307,7 @@ def _queued(
         except Immediate as e:
             if e.view:
                 return func(*args, **kwargs)
+    if not host_waits:
         name = str(func)
         work.immediate[name] = work.immediate.get(name, 0) + 1
     emu.run_queued(stream)
