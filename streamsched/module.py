@@ -30,6 +30,7 @@ from typing_extensions import Unpack
 
 from . import _generation, _native
 from ._lru import LRU
+from .backward_timing import BackwardSample
 from .config import SchedulerConfig, SchedulerOptions, make_config
 from .errors import (
     ConfigError,
@@ -763,6 +764,10 @@ class StreamScheduledModule(nn.Module):
             eager = self._may_run_as_written()
             if eager or schedule.plan.executor != "serial":
                 schedule.trial = Trial(schedule.plan.executor, eager=eager)
+                if self.config.grad_handoff == "direct":
+                    # Member gradients are written natively, past the hooks a backward
+                    # timer waits for; and eager is no candidate there.
+                    schedule.trial.backward = False
         st.plans.put(key, schedule)
         st.last = schedule
         st.last_path = "recorded"
@@ -908,6 +913,14 @@ class StreamScheduledModule(nn.Module):
                 if schedule.eager:
                     return self._forward_as_written(args, kwargs)
                 return schedule.rebuild(self._run(schedule, tensors))
+        if trial.pending:
+            # Training calls whose backward has run since count now.
+            trial.collect()
+            if trial.done():
+                self._finish_trial(schedule, trial)
+                if schedule.eager:
+                    return self._forward_as_written(args, kwargs)
+                return schedule.rebuild(self._run(schedule, tensors))
         name = trial.next()
         device = schedule.plan.device
         cuda = device.startswith("cuda")
@@ -941,20 +954,37 @@ class StreamScheduledModule(nn.Module):
             raise
         if cuda:
             torch.cuda.synchronize(device)
+        forward_s = time.perf_counter() - start
         if unsettled != _unsettled_calls and trial.skip(name):
             return out
-        trial.add(name, time.perf_counter() - start)
+        if trial.backward is not False:
+            # In training the step is forward and backward: time the backward too, once
+            # the caller runs it (backward_timing).
+            reads = [*tensors, *(p for p in self.module.parameters() if p.requires_grad)]
+            sample = BackwardSample.attach(out, reads, torch.device(device))
+            if trial.backward is None:
+                trial.backward = sample is not None
+            if sample is not None:
+                trial.add_pending(name, forward_s, sample)
+                return out
+            if trial.backward:
+                trial.given_up += 1  # no gradient this time: nothing comparable to time
+                return out
+        trial.add(name, forward_s)
         if trial.done():
-            schedule.plan, schedule.eager = trial.decide(schedule.plan)
-            schedule.trial = None
-            if schedule.structure is not None:
-                # Decided once for the sizes' bucket: its other sizes take this verdict.
-                schedule.structure.plan = schedule.plan
-                schedule.structure.decide(
-                    schedule.structure.bucket_of(schedule.sizes),
-                    Decision(schedule.eager, schedule.plan.schedule_executor, schedule.plan.reason, schedule.sizes),
-                )
+            self._finish_trial(schedule, trial)
         return out
+
+    def _finish_trial(self, schedule: _Compiled, trial: Trial) -> None:
+        schedule.plan, schedule.eager = trial.decide(schedule.plan)
+        schedule.trial = None
+        if schedule.structure is not None:
+            # Decided once for the sizes' bucket: its other sizes take this verdict.
+            schedule.structure.plan = schedule.plan
+            schedule.structure.decide(
+                schedule.structure.bucket_of(schedule.sizes),
+                Decision(schedule.eager, schedule.plan.schedule_executor, schedule.plan.reason, schedule.sizes),
+            )
 
     def _measured_costs(self, tensors: list[torch.Tensor]) -> Optional[dict[str, float]]:
         """Task costs from ``config.profile`` (checked against this model, input and device)."""

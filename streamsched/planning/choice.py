@@ -107,6 +107,17 @@ class Trial:
     more calls, up to ``max_rounds`` each (those calls cost nothing: both ways run at
     about the same speed). The schedule stays unless the model's own forward is more than
     ``margin`` faster.
+
+    In training (a trial call whose output carries gradients) a call's time is its
+    forward and its backward: the wrapper hangs a backward timer on the call
+    (``backward_timing``) and hands it over with :meth:`add_pending`; the sample counts
+    once the caller ran the backward, read at the next trial call (:meth:`collect`); each
+    candidate's first one is left out (a first backward pays for warming up). Where the
+    first call's backward has not run by the next call (inference with grad enabled),
+    the trial times forwards only, its forward times so far included. Once backward did
+    come, a sample whose backward has not run after ``_PENDING_CALLS`` more calls is
+    given up; after ``_MAX_GIVEN_UP`` of them in a row the trial starts over timing
+    forwards only.
     """
 
     # A candidate slower than the leader by this factor is dropped: after its first call
@@ -117,6 +128,10 @@ class Trial:
     # its own trial inside it) are left out, this many at most per trial: about as many
     # as a child's trial takes.
     _MAX_SKIPPED = 32
+    # Trial calls a backward sample waits for its backward, and samples given up in a row
+    # before the trial times forwards only.
+    _PENDING_CALLS = 3
+    _MAX_GIVEN_UP = 3
 
     def __init__(
         self,
@@ -141,6 +156,64 @@ class Trial:
         # (0: any faster). A plan with nothing to run side by side or batch can win only
         # the forward's Python, and keeping it means planning each new size again.
         self.schedule_margin = 0.0
+        # Whether calls are timed with their backward: None until the first call shows
+        # whether its output carries gradients.
+        self.backward: bool | None = None
+        # [candidate, forward seconds, backward sample, trial calls since]
+        self.pending: list[list[Any]] = []
+        self.given_up = 0
+        self.backpropagated = 0
+        self.warmed: set[str] = set()
+
+    def add_pending(self, name: str, forward_s: float, sample: Any) -> None:
+        """A training call's forward time; its backward's time comes in ``sample.seconds``."""
+        self.pending.append([name, forward_s, sample, 0])
+
+    def collect(self) -> None:
+        """Count the training calls whose backward ran; give up those that waited too long."""
+        waiting, dropped = [], []
+        for item in self.pending:
+            name, forward_s, sample, waited = item
+            backward_s = sample.seconds
+            if backward_s is not None:
+                sample.remove()
+                self.backpropagated += 1
+                self.given_up = 0
+                if name not in self.warmed:
+                    # A candidate's first backward pays for warming up (the engine's
+                    # first pass over new autograd nodes, a fused group's first gather):
+                    # several times a warm one, past even the first call's drop factor.
+                    self.warmed.add(name)
+                elif name in self.live:
+                    self.add(name, forward_s + backward_s)
+            elif not self.backpropagated or waited >= self._PENDING_CALLS:
+                sample.remove()
+                dropped.append(item)
+            else:
+                item[3] = waited + 1
+                waiting.append(item)
+        self.pending = waiting
+        if dropped and not self.backpropagated:
+            # No call's output was backpropagated before the next call (inference with
+            # grad enabled): time forwards only; the forward times taken so far count.
+            self.backward = False
+            for item in waiting:
+                item[2].remove()
+            for name, forward_s, _sample, _waited in dropped + waiting:
+                if name in self.live:
+                    self.add(name, forward_s)
+            self.pending = []
+            return
+        self.given_up += len(dropped)
+        if self.given_up >= self._MAX_GIVEN_UP:
+            # Backward stopped coming: time forwards only, from scratch, so that no
+            # candidate is judged on a mix of both.
+            for item in self.pending:
+                item[2].remove()
+            self.pending = []
+            self.backward = False
+            self.live = list(self.candidates)
+            self.samples = {c: [] for c in self.candidates}
 
     def next(self) -> str:
         name = self.live[self.turn % len(self.live)]
@@ -180,6 +253,9 @@ class Trial:
 
     def decide(self, plan: Plan) -> tuple[Plan, bool]:
         """The plan with the decision and its figures, and whether to run the model as written."""
+        for item in self.pending:  # backward samples still out: no longer wanted
+            item[2].remove()
+        self.pending = []
         best = {c: round(min(v) * 1e6, 1) for c, v in self.samples.items() if v}
         executor = self.executor
         scheduled = [c for c in (executor, "serial") if c in self.live and c in self.samples]
@@ -206,6 +282,8 @@ class Trial:
             schedule_executor=keep,
         )
         figures = ", ".join(f"{c} {best[c]:.0f} us" for c in self.candidates if c in best)
+        if self.backward:
+            figures = f"forward and backward: {figures}"
         counts = {len(v) for v in self.samples.values() if v}
         if len(counts) == 1:
             measured = f"measured {figures} (fastest of {counts.pop()} calls each)"

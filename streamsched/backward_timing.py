@@ -1,0 +1,113 @@
+"""How long the backward of one call takes: the training half of the ``auto`` trial.
+
+A schedule's cost can sit in backward (a fused group's gradient routing, a stacked
+parameter's gather, streams the engine must join), and a trial that times forwards only
+can keep a schedule that makes the training step slower than the model as written. So
+when a trial call's output carries gradients, its backward is timed too, from the moment
+the first gradient reaches the call's outputs to the moment the last gradient of what the
+call read that wants one (its inputs and the model's parameters) is computed:
+
+- the start: a hook on each output that requires grad (the earliest one counts);
+- the end: a hook on each of those inputs and parameters; each firing moves the end,
+  and the sample is read at the wrapper's next trial call, when the backward is over.
+  (Not ``register_multi_grad_hook``: over leaf tensors it makes ``torch.autograd.grad``
+  raise.)
+
+On CUDA the ends are CUDA events recorded on the stream running the hook, and the time
+is the device's (``elapsed_time``), read after the last one completed. The hooks sit
+only on trial calls, are removed when the sample is read (or given up), and change no
+value.
+
+Example (what the wrapper does on a trial call)::
+
+    >>> sample = BackwardSample.attach(out, [x, *model.parameters()], device=None)  # doctest: +SKIP
+    >>> out.sum().backward()                                                       # doctest: +SKIP
+    >>> sample.seconds                                                             # doctest: +SKIP
+    0.00042
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional, Sequence
+
+import torch
+
+__all__ = ["BackwardSample", "grad_outputs"]
+
+
+def grad_outputs(value: Any, out: Optional[list] = None) -> list[torch.Tensor]:
+    """The tensors in ``value`` (nested tuples, lists, dicts, ``ModelOutput``-like
+    mappings and objects with tensor fields are looked into) that require grad."""
+    if out is None:
+        out = []
+    if isinstance(value, torch.Tensor):
+        if value.requires_grad:
+            out.append(value)
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            grad_outputs(v, out)
+    elif isinstance(value, dict):
+        for v in value.values():
+            grad_outputs(v, out)
+    return out
+
+
+class BackwardSample:
+    """The backward time of one trial call, once its backward ran (module docstring)."""
+
+    __slots__ = ("_started", "_ended", "_handles", "_cuda")
+
+    def __init__(self, cuda: bool):
+        self._started: Any = None  # perf_counter seconds, or a CUDA event
+        self._ended: Any = None
+        self._handles: list = []
+        self._cuda = cuda
+
+    @classmethod
+    def attach(
+        cls, output: Any, reads: Sequence[torch.Tensor], device: Optional[torch.device]
+    ) -> Optional[BackwardSample]:
+        """Hook the backward of a call that returned ``output`` and read ``reads``;
+        ``None`` when nothing of it will take part in a backward."""
+        outputs = grad_outputs(output)
+        wanted = [t for t in reads if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not outputs or not wanted:
+            return None
+        sample = cls(device is not None and device.type == "cuda")
+        handles = sample._handles
+        for t in outputs:
+            handles.append(t.register_hook(sample._start))
+        for t in wanted:
+            handles.append(t.register_hook(sample._end))
+        return sample
+
+    @property
+    def seconds(self) -> Optional[float]:
+        """The backward's duration, once it ran (``None`` until then)."""
+        if self._started is None or self._ended is None:
+            return None
+        if self._cuda:
+            self._ended.synchronize()
+            return self._started.elapsed_time(self._ended) / 1e3
+        return self._ended - self._started
+
+    def _now(self) -> Any:
+        if self._cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _start(self, grad: Any) -> None:
+        if self._started is None:
+            self._started = self._now()
+
+    def _end(self, grad: Any) -> None:
+        self._ended = self._now()
+
+    def remove(self) -> None:
+        """Take the hooks off (once the sample is read, or given up)."""
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.remove()

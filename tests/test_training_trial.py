@@ -1,0 +1,183 @@
+"""The ``auto`` trial in training: a call whose output carries gradients is timed with
+its backward (``streamsched.backward_timing``), so a schedule whose cost sits in backward
+is not kept for a training step it makes slower. Slow paths are planted (busy waits), so
+the decisions do not depend on this machine's speed or noise."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+import streamsched as ss
+from streamsched.runtime.serial import SerialExecutor
+from streamsched.testing import last_path
+
+from .helpers import assert_close
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class Heads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(16, 32)
+        self.heads = nn.ModuleList(nn.Linear(32, 4) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.trunk(x))
+        return torch.cat([head(h) for head in self.heads], dim=1)
+
+
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+class _SlowBackward(torch.autograd.Function):
+    """The identity, with a backward that takes ``seconds`` more."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _spin(ctx.seconds)
+        return grad, None
+
+
+def _schedule_slow_in_backward(monkeypatch, seconds: float = 0.03) -> None:
+    """The schedule's outputs get a backward ``seconds`` slower; its forward is unchanged."""
+    original = SerialExecutor.run
+
+    def run(self, program, inputs, *args, **kwargs):
+        outs = original(self, program, inputs, *args, **kwargs)
+        return pytree.tree_map_only(
+            torch.Tensor, lambda o: _SlowBackward.apply(o, seconds) if o.requires_grad else o, outs
+        )
+
+    monkeypatch.setattr(SerialExecutor, "run", run)
+
+
+def _forward_slower(monkeypatch, seconds: float = 0.003) -> None:
+    """The model's own forward gets ``seconds`` slower: the schedule wins every forward."""
+    original = Heads.forward
+
+    def forward(self, x):
+        _spin(seconds)
+        return original(self, x)
+
+    monkeypatch.setattr(Heads, "forward", forward)
+
+
+def _train(sm, model, calls: int) -> list[str]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    paths = []
+    for _ in range(calls):
+        x = torch.randn(5, 16)
+        sm(x).square().mean().backward()
+        paths.append(last_path(sm))
+        opt.step()
+        opt.zero_grad()
+    return paths
+
+
+def test_a_schedule_slower_in_backward_loses_the_training_trial(monkeypatch):
+    model = Heads()
+    sm = ss.StreamScheduledModule(model)
+    sm(torch.randn(5, 16))  # traces and plans
+    assert sm.plan.executor == "serial" and sm._ss.last.trial is not None
+    _schedule_slow_in_backward(monkeypatch)
+    _forward_slower(monkeypatch)  # a forward-only trial would keep the schedule
+    paths = _train(sm, model, 12)
+    plan = sm.plan
+    assert plan.executor == "eager" and plan.trial is not None and plan.trial.chosen == "eager"
+    assert "forward and backward" in plan.reason
+    assert plan.trial.best_us["serial"] > 30_000 > plan.trial.best_us["eager"]
+    # Bounded: each way's first backward warms up, then one timed call each decides.
+    assert paths.count("plan:serial") <= 3, paths
+    assert paths[-3:] == ["as-written"] * 3
+    # Gradients after the decision are eager's.
+    x = torch.randn(5, 16)
+    sm(x).sum().backward()
+    wrapped = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x).sum().backward()
+    for got, want in zip(wrapped, (p.grad for p in model.parameters())):
+        assert_close(got, want)
+
+
+def test_a_forward_only_trial_would_have_kept_that_schedule(monkeypatch):
+    """The same planted costs without backward: the schedule wins every forward, and the
+    trial (forward only: nothing is backpropagated) keeps it. What the training trial
+    above decides is the backward's doing."""
+    model = Heads()
+    sm = ss.StreamScheduledModule(model)
+    sm(torch.randn(5, 16))
+    _schedule_slow_in_backward(monkeypatch)
+    _forward_slower(monkeypatch)
+    for _ in range(12):
+        x = torch.randn(5, 16)
+        assert_close(sm(x), model(x))
+    plan = sm.plan
+    assert plan.executor == "serial" and plan.trial is not None and plan.trial.chosen == "serial"
+    assert "forward and backward" not in plan.reason
+
+
+def test_no_backward_hook_is_left_on_the_parameters(monkeypatch):
+    model = Heads()
+    sm = ss.StreamScheduledModule(model)
+    sm(torch.randn(5, 16))
+    for _ in range(60):  # a close call takes up to max_rounds calls of each way
+        _train(sm, model, 1)
+        if sm._ss.last.trial is None:
+            break
+    assert sm._ss.last.trial is None
+    for p in model.parameters():
+        assert not p._backward_hooks, p._backward_hooks
+
+
+def test_the_trial_hands_backward_timing_over_to_forwards_when_backward_stops(monkeypatch):
+    """Training calls, then calls whose outputs are never backpropagated (an evaluation
+    with grad enabled, mid-trial): the trial starts over on forwards and still decides."""
+    model = Heads()
+    sm = ss.StreamScheduledModule(model)
+    sm(torch.randn(5, 16))
+    _train(sm, model, 3)
+    trial = sm._ss.last.trial
+    assert trial is not None and trial.backward
+    for _ in range(40):
+        x = torch.randn(5, 16)
+        assert_close(sm(x), model(x))
+        if sm._ss.last.trial is None:
+            break
+    assert sm._ss.last.trial is None
+    assert "forward and backward" not in sm.plan.reason
+
+
+def test_autograd_grad_during_the_trial_equals_eager():
+    """The trial's backward hooks sit on inputs and parameters: ``torch.autograd.grad``
+    through a trial call still works and gives eager's gradients."""
+    model = Heads()
+    sm = ss.StreamScheduledModule(model)
+    sm(torch.randn(5, 16))
+    seen = set()
+    for _ in range(8):
+        x = torch.randn(5, 16, requires_grad=True)
+        (gx,) = torch.autograd.grad(sm(x).square().sum(), x)
+        seen.add(last_path(sm))
+        (want,) = torch.autograd.grad(model(x).square().sum(), x)
+        assert_close(gx, want)
+    assert any(p.startswith("plan:") for p in seen), seen
