@@ -48,7 +48,7 @@ from ..branch import BranchCall, is_branch_module
 from ..errors import TraceError
 from . import opaque_functions
 from .hooks import capture_hooks, has_hooks
-from .nodes import AUGMENTED_OPERATORS
+from .nodes import AUGMENTED_OPERATORS, submodule_resolver
 from .opaque_functions import OpaqueFunction, UnsafeOpaqueCall
 from .opaque_outputs import OutputCheck, Skeleton, leaf_label, learn, learned, skeleton_of
 from .output_tree import OutputTree
@@ -293,6 +293,7 @@ class _LeafTracer(fx.Tracer):
         # Modules whose forward was traced through (the root included): their plain
         # attributes are baked into the trace.
         self.traced_through: dict[int, torch.nn.Module] = {id(model): model}
+        self._decided: Optional[tuple[torch.nn.Module, bool]] = None
         # Leaf functions are patched wherever a traced forward's module names them; the
         # root's forward is called directly, so its module is searched too.
         model_module = sys.modules.get(type(model).__module__)
@@ -334,6 +335,8 @@ class _LeafTracer(fx.Tracer):
         if threading.get_ident() != self.thread:
             return forward(*args, **kwargs)
         leaf = self.is_leaf_module(m, "")
+        # fx's call_module asks again, for the same module, right away: one decision.
+        self._decided = (m, leaf)
         if not leaf:
             self.traced_through[id(m)] = m
             if m is not self.model and next(m.children(), None) is None:
@@ -402,6 +405,11 @@ class _LeafTracer(fx.Tracer):
         return super().getattr(attr, attr_val, parameter_proxy_cache)
 
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
+        decided = self._decided
+        if decided is not None:
+            self._decided = None
+            if decided[0] is m:
+                return decided[1]
         if self.leaf_types and isinstance(m, self.leaf_types):
             return True
         if self.opaque_types and type(m) in self.opaque_types:
@@ -638,13 +646,8 @@ def is_compiled_module(m: Any) -> bool:
 
 
 def _is_compiled_module(m: torch.nn.Module) -> bool:
-    try:
-        # Lazy: torch._dynamo is a large import that plain `import torch` avoids, and
-        # only a model holding a torch.compile'd submodule has an OptimizedModule to find.
-        from torch._dynamo.eval_frame import OptimizedModule
-    except ImportError:  # pragma: no cover - very old torch
-        return False
-    return isinstance(m, OptimizedModule)
+    # Asked of every module call while tracing: a lookup, not an import statement.
+    return is_compiled_module(m)
 
 
 def _placeholder_names(binder: CallBinder, spec: CallSpec) -> list[str]:
@@ -823,9 +826,10 @@ def _trace_once(
         raise error from exc
 
     module_ids: dict[str, int] = {}
+    resolve = submodule_resolver(root)
     for node in graph.nodes:
         if node.op == "call_module":
-            module_ids[node.target] = id(root.get_submodule(node.target))
+            module_ids[node.target] = id(resolve(node.target))
         elif node.op == "call_function" and getattr(node.target, "owner", None) is not None:
             module_ids[node.target.owner_path] = id(node.target.owner)
     flags = tuple((m, _flag_values(m)) for m in tracer.traced_through.values())
