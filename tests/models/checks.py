@@ -420,7 +420,10 @@ class Lockstep:
         model changed itself on its first call (transformers registers its
         output-capturing hooks then, and a registered hook re-traces: segformer and llama
         with hidden states record on their first two calls); every other call runs the
-        plan (explicit executor) or the trial's choice."""
+        plan (explicit executor) or the trial's choice. A first call under eager dispatch
+        may be followed by a recording call for the same reason (the forward registered
+        those hooks while traced, which a trace refuses: hf_bert_hidden_states_attentions);
+        from then on the same rules hold."""
         path = last_path(self.sm)
         self.paths.append(path)
         self.seen[path] += 1
@@ -428,7 +431,7 @@ class Lockstep:
         self.last_of[signature] = path
         if path == "recorded":
             self.recordings[signature] = self.recordings.get(signature, 0) + 1
-        untraceable = self.paths[0] == "eager-dispatch"
+        untraceable = self.paths[0] == "eager-dispatch" and "recorded" not in self.paths
         try:
             if untraceable:
                 # The model's forward cannot be traced: eager dispatch (its branch calls
