@@ -20,7 +20,8 @@ import streamsched as ss
 from benchmarks.zoo import Inception3, MultiTaskHeads, ParallelFCN
 from streamsched.frontend import effects as effects_mod
 from streamsched.frontend.effects import EffectRecorder, fresh_outputs, op_accesses
-from streamsched.frontend.nodes import resolving_submodules, submodule
+from streamsched.frontend.nodes import node_label, resolving_submodules, submodule
+from streamsched.ir.cost import device_model_for, estimate_node_cost
 from streamsched.planning import planner
 from streamsched.testing import assert_path
 
@@ -241,3 +242,63 @@ def test_the_overhead_report_prints_the_first_call_beside_its_goal_and_guards_it
     seconds = float(line.split("processes: ")[1].split(" s CPU")[0])
     assert seconds > 0.001 and "goal <= 0.3 s" in line
     assert "REGRESSION (guard: <= 0.00 s)" in line and code == 1
+
+
+# --- costs of fused nodes ------------------------------------------------------------------
+
+
+class _WideHeads(nn.Module):
+    """Heads of different widths on one tensor: one wide group."""
+
+    def __init__(self):
+        super().__init__()
+        self.heads = nn.ModuleList(nn.Linear(64, w) for w in (8, 512, 2048))
+
+    def forward(self, x):
+        return [torch.relu(h(x)) for h in self.heads]
+
+
+@pytest.mark.parametrize(
+    "make, x",
+    [
+        (lambda: _WideHeads().eval(), torch.randn(64, 64)),
+        (lambda: ParallelFCN(16).eval(), torch.randn(2, 320)),
+    ],
+    ids=["wide", "alike"],
+)
+def test_a_fused_nodes_cost_is_the_sum_of_its_members_costs(monkeypatch, make, x):
+    """Members of one signature are estimated once per output description; a wide
+    group's members (different widths) each."""
+    captured = {}
+    make_schedule = planner.make_schedule
+
+    def watched(traced, metas, *args, **kwargs):
+        captured.update(graph=traced.graph, metas=dict(metas), root=traced.root)
+        return make_schedule(traced, metas, *args, **kwargs)
+
+    monkeypatch.setattr("streamsched.module.make_schedule", watched)
+    torch.manual_seed(0)
+    model = make()
+    sm = ss.StreamScheduledModule(copy.deepcopy(model))
+    with torch.no_grad():
+        out = sm(x)
+        assert_path(sm, "recorded")
+        ref = model(x)
+    for got, want in zip(out if isinstance(out, list) else [out], ref if isinstance(ref, list) else [ref]):
+        assert_close(got, want)
+    dev = device_model_for(torch.device("cpu"))
+    root, metas = captured["root"], captured["metas"]
+    by_label = {node_label(n): n for n in captured["graph"].nodes}
+    groups = sm.plan.fused_groups
+    assert groups and (not isinstance(model, _WideHeads) or groups[0].kernel.startswith("wide")), groups
+    fused_nodes = {n.name: n for n in sm._ss.last.graph.nodes}
+    for group in groups:
+        members = [by_label[label] for label in group.members]
+        costs = [
+            estimate_node_cost(m, root.get_submodule(m.target) if m.op == "call_module" else None, metas, dev)
+            for m in members
+        ]
+        if group.kernel.startswith("wide"):
+            assert len(set(costs)) > 1, "a wide group whose members cost the same tests nothing"
+        expected = dev.launch_us + sum(max(0.0, c - dev.launch_us) for c in costs)
+        assert fused_nodes[group.node].meta["streamsched_cost_us"] == pytest.approx(expected, rel=1e-12)

@@ -74,7 +74,8 @@ def fuse_graph(
             if built is not None:
                 # The kernel checks every result against what the members returned.
                 built.kernel.out_dtype = group.out_dtype
-            kernel = None if built is None else rw.emit(members, built.kernel, built.inputs, built.sizes)
+            alike = kind != "wide"  # members of one signature (a wide group's differ in width)
+            kernel = None if built is None else rw.emit(members, built.kernel, built.inputs, built.sizes, alike)
         except Exception as exc:  # noqa: BLE001 - a group that cannot be built stays unfused
             reason = f"building its kernel failed: {type(exc).__name__}: {exc}"
             kernel = None

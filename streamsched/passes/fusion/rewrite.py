@@ -181,8 +181,14 @@ class Rewriter:
         kernel: FusedKernel,
         inputs: list[fx.Node],
         sizes: Optional[tuple[int, ...]] = None,
+        alike: bool = False,
     ) -> FusedKernel:
-        """Insert the node calling ``kernel`` on ``inputs`` before the first member."""
+        """Insert the node calling ``kernel`` on ``inputs`` before the first member.
+
+        ``alike``: the members share one fusion signature (module configuration,
+        parameter shapes, argument descriptions; not a wide group), so each member's
+        estimated cost depends on its output's description alone: it is estimated once
+        per description (a 1,000-member group estimated 1,000 times the same cost)."""
         anchor = members[0]
         with self.graph.inserting_before(anchor):
             node = self.graph.call_function(kernel, tuple(inputs))
@@ -190,9 +196,18 @@ class Rewriter:
         node.meta["streamsched_label"] = f"{label} [x{len(members)} {kernel.kernel}]"
         self.position[node] = self.position[anchor] - 0.25
         member_cost = 0.0
+        estimated: dict[Any, float] = {}
         for m in members:
-            mod = submodule(self.root, m.target) if m.op == "call_module" else None
-            member_cost += max(0.0, estimate_node_cost(m, mod, self.metas, self.device) - self.device.launch_us)
+            key = None
+            if alike:
+                key = (self.metas.get(m), m.meta.get("streamsched_cost_us"), m.meta.get("streamsched_glue"))
+            cost = estimated.get(key) if key is not None else None
+            if cost is None:
+                mod = submodule(self.root, m.target) if m.op == "call_module" else None
+                cost = estimate_node_cost(m, mod, self.metas, self.device)
+                if key is not None:
+                    estimated[key] = cost
+            member_cost += max(0.0, cost - self.device.launch_us)
         node.meta["streamsched_cost_us"] = member_cost + self.device.launch_us
         for i, m in enumerate(members):
             if sizes is not None:
