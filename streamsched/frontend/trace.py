@@ -237,6 +237,18 @@ class _TraceRoot(torch.nn.Module):
         self.__dict__["_buffers"] = model._buffers
         self.__dict__["_streamsched_model"] = model
 
+    def __getattr__(self, name: str) -> Any:
+        # The model's own plain attributes (a tensor held as ``self.scale``, not a
+        # parameter or buffer): a ``get_attr`` of the trace reads the model's current
+        # value on every call, as eager does.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            held = self.__dict__["_streamsched_model"].__dict__
+            if name in held:
+                return held[name]
+            raise
+
 
 # Tensor factories called with a traced size (``torch.zeros(x.shape[0], d)``): Python's
 # argument parser rejects a proxy where an int belongs before ``__torch_function__`` can
@@ -304,6 +316,16 @@ class _LeafTracer(fx.Tracer):
     def trace(self, root: Any, concrete_args: Optional[dict[str, Any]] = None) -> fx.Graph:
         with opaque_functions.patched(self, self.function_sites):
             return super().trace(root, concrete_args)
+
+    def create_args_for_root(self, root_fn: Any, is_module: bool, concrete_args: Any = None) -> Any:
+        # fx has collected the tensors the root's modules hold as attributes, by path;
+        # the model's own (``self.scale``) are the model's, not the trace root's: by
+        # name, a ``get_attr`` read every call (not a constant that a re-assignment
+        # leaves stale).
+        for name, value in self.model.__dict__.items():
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                self.tensor_attrs.setdefault(value, name)
+        return super().create_args_for_root(root_fn, is_module, concrete_args)
 
     def opaque_call(self, fn: Any, args: tuple, kwargs: dict) -> Any:
         """A call of an opaque function with graph values among its arguments: one node
@@ -444,6 +466,10 @@ class _Proxy(fx.Proxy):
         return _proxy_iter(self, inspect.currentframe())
 
     def __getattr__(self, name: str) -> Any:
+        if name == "ndim":
+            rank = _known_rank(self)
+            if rank is not None:
+                return rank
         return _Attribute(self, name)
 
     def __setitem__(self, index: Any, value: Any) -> None:
