@@ -167,8 +167,9 @@ class EffectRecorder(TorchDispatchMode):
 
     def key_of(self, t: torch.Tensor) -> Optional[int]:
         """The id of ``t``'s storage for this recording (None where it has none)."""
-        address = storage_key(t)
-        if address is None:
+        try:  # storage_key, inlined (called for every tensor of every recorded op)
+            address = t.untyped_storage()._cdata
+        except (RuntimeError, NotImplementedError, AttributeError):
             return None
         entry = self._ids.get(address)
         if entry is None or entry[1].expired():

@@ -27,6 +27,7 @@ __all__ = [
     "target_name",
     "submodule",
     "submodule_resolver",
+    "SubmoduleResolver",
     "resolving_submodules",
     "VIEW_METHODS",
     "AUGMENTED_OPERATORS",
@@ -183,25 +184,34 @@ def is_glue(node: fx.Node, root: Any = None) -> bool:
 _resolved = threading.local()
 
 
-def submodule_resolver(root: nn.Module) -> Callable[[str], nn.Module]:
-    """``root.get_submodule``, each path resolved once by the returned function (a path
-    whose parent was resolved costs one attribute lookup). For as long as nothing
-    re-wires ``root``'s modules: see :func:`resolving_submodules`."""
-    found: dict[str, nn.Module] = {}
-    # A root with its own get_submodule resolves every path itself (each once).
-    walk = type(root).get_submodule is nn.Module.get_submodule
+class SubmoduleResolver:
+    """``root.get_submodule`` as a callable, each path resolved once (a path whose parent
+    was resolved costs one attribute lookup). For as long as nothing re-wires ``root``'s
+    modules: see :func:`resolving_submodules`."""
 
-    def resolve(target: str) -> nn.Module:
-        module = found.get(target)
+    __slots__ = ("root", "found", "_walk")
+
+    def __init__(self, root: nn.Module):
+        self.root = root
+        self.found: dict[str, nn.Module] = {}
+        """The paths resolved so far."""
+        # A root with its own get_submodule resolves every path itself (each once).
+        self._walk = type(root).get_submodule is nn.Module.get_submodule
+
+    def __call__(self, target: str) -> nn.Module:
+        module = self.found.get(target)
         if module is None:
             parent, _, name = target.rpartition(".")
-            module = getattr(resolve(parent), name, None) if parent and walk else None
+            module = getattr(self(parent), name, None) if parent and self._walk else None
             if not isinstance(module, nn.Module):
-                module = root.get_submodule(target)  # or get_submodule's own error
-            found[target] = module
+                module = self.root.get_submodule(target)  # or get_submodule's own error
+            self.found[target] = module
         return module
 
-    return resolve
+
+def submodule_resolver(root: nn.Module) -> Callable[[str], nn.Module]:
+    """A :class:`SubmoduleResolver` of ``root``."""
+    return SubmoduleResolver(root)
 
 
 @contextlib.contextmanager
@@ -214,7 +224,7 @@ def resolving_submodules(root: nn.Module) -> Iterator[None]:
     block ends, and ignored within it once any module of a wrapped model is re-wired
     (the generation moves)."""
     previous = getattr(_resolved, "cache", None)
-    _resolved.cache = (root, _generation.current(), submodule_resolver(root))
+    _resolved.cache = (root, _generation.current(), SubmoduleResolver(root))
     try:
         yield
     finally:
@@ -227,4 +237,6 @@ def submodule(root: nn.Module, target: str) -> nn.Module:
     cache = getattr(_resolved, "cache", None)
     if cache is None or cache[0] is not root or cache[1] != _generation.current():
         return root.get_submodule(target)
-    return cache[2](target)
+    resolver = cache[2]
+    module = resolver.found.get(target)  # resolved before: no call
+    return module if module is not None else resolver(target)

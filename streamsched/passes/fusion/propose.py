@@ -322,12 +322,12 @@ class FusionSupport:
         if not isinstance(out, TensorMeta) or not _tensor_args(node):
             return None
         excluded = None
+        m = submodule(self.root, node.target) if node.op == "call_module" else None
         if node.meta.get("streamsched_effect"):
             # It writes a storage another node reads or writes (or reads one written in
             # place): its place in eager order is kept, so it runs alone.
             excluded = "takes part in an in-place effect on shared storage (kept in eager order)"
-        elif node.op == "call_module":
-            m = submodule(self.root, node.target)
+        elif m is not None:
             if has_hooks(m) or (m._modules and any(has_hooks(s) for s in m.modules())):
                 excluded = "has hooks (they must fire per member)"
             elif module_kind(m) == "batchnorm" and m.momentum is None:
@@ -336,8 +336,7 @@ class FusionSupport:
             log.debug("fuse: %s %s; not fused", node_label(node), excluded)
             self.excluded[node] = excluded
             return None
-        if node.op == "call_module":
-            m = submodule(self.root, node.target)
+        if m is not None:
             params = tuple(
                 (n, tuple(p.shape), p.dtype, p.device, p.requires_grad) for n, p in _named_tensors(m, "_parameters")
             )
