@@ -317,8 +317,8 @@ def test_a_planted_missing_wait_in_the_streams_executor_gives_a_wrong_value(repo
 
 # --- the runtime's CUDA tests, again in the asynchronous mode ---------------------------------
 # Collected here, they run under this module's marks: a plan must still equal eager, and
-# every protocol edge hold, when kernels run late and in a random order. Left out: the tests
-# of memory reuse, which this mode does not model (see docs/gpu.md).
+# every protocol edge hold, when kernels run late and in a random order; memory the host
+# frees while queued work still reads it is reported as in the default mode.
 
 from .test_backward_streams import (  # noqa: E402, F401
     test_a_reentrant_backward_and_a_failing_backward_restore_the_callers_stream,
@@ -327,10 +327,12 @@ from .test_backward_streams import (  # noqa: E402, F401
     test_direct_gradient_hand_off_on_a_side_stream_matches_the_loop,
     test_each_synchronisation_of_the_engine_is_needed,
     test_memory_a_side_stream_reads_in_backward_is_not_reused_early,
+    test_planted_missing_record_stream_is_an_unsafe_reuse_in_backward_only,
     test_training_a_multi_stream_plan_runs_backward_on_its_streams,
 )
 from .test_cuda_protocol import (  # noqa: E402, F401
     runtime,
+    test_a_branch_input_released_before_the_join_is_an_unsafe_reuse,
     test_a_planted_missing_eager_join_is_a_race,
     test_eager_dispatch_joins_a_branch_whose_result_is_unused,
     test_eager_dispatch_keeps_a_dropped_branch_input_until_the_join,
@@ -347,4 +349,11 @@ from .test_eager_dispatch import (  # noqa: E402, F401
     test_cuda_forward_write_waits_for_the_branch,
     test_cuda_outputs_and_gradients_equal_eager,
     test_cuda_pending_values_behave_like_the_results,
+)
+from .test_emulated_cuda import (  # noqa: E402, F401
+    test_freed_memory_another_stream_used_without_record_stream_is_reported,
+    test_planted_missing_record_stream_is_an_unsafe_reuse,
+    test_planted_prefetcher_defects,
+    test_record_stream_or_a_wait_makes_the_reuse_safe,
+    test_replay_reads_outside_memory_by_address_and_reports_it_freed,
 )

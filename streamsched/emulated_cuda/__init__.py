@@ -57,11 +57,12 @@ it runs, from pageable memory when issued (CUDA stages it). Kernels from other t
 the replaying stream. What still runs when issued, after the work its stream is ordered
 after: random kernels (they draw from the host generator in issue order, so seeds give
 the default mode's numbers), kernels with no meta kernel, copies to pageable host memory.
-Not modelled: memory freed by the host while queued work uses it stays alive until that
-work ran (a missing ``record_stream`` cannot corrupt a value; the default mode reports
-it, this mode does not), reads of device memory behind the dispatcher's back (a C++
-extension's own kernels), and a GPU running work *before* a synchronisation (queued work
-runs only when something waits for it).
+Memory the host frees while queued work still uses it counts as freed (the reuse check
+above runs then, as in the default mode) but stays alive until that work ran: a missing
+``record_stream`` is reported, it does not corrupt a value. Not modelled: reads of
+device memory behind the dispatcher's back (a C++ extension's own kernels), a GPU
+running work *before* a synchronisation (queued work runs only when something waits for
+it).
 
 **Simulated time** (:meth:`EmulatedCuda.timeline`): kernels take the cost model's
 duration on their stream's clock, waits and synchronisations move clocks, and streams

@@ -56,14 +56,15 @@ _INPLACE_VIEW = torch.Tag.inplace_view
 
 
 class _Work:
-    __slots__ = ("wid", "stream", "name", "run", "deps")
+    __slots__ = ("wid", "stream", "name", "run", "deps", "holds")
 
-    def __init__(self, wid: int, stream: Any, name: str, run: Callable[[], None], deps: frozenset):
+    def __init__(self, wid: int, stream: Any, name: str, run: Callable[[], None], deps: frozenset, holds: list):
         self.wid = wid
         self.stream = stream
         self.name = name
         self.run = run
         self.deps = deps
+        self.holds = holds
 
 
 class WorkQueue:
@@ -81,6 +82,13 @@ class WorkQueue:
         self._wids = itertools.count(1)
         self.deferred = 0
         """How many kernels were queued and ran later."""
+        self.holds: dict[int, dict[int, int]] = {}
+        """Device memory queued work holds: allocation stream key -> {storage: references}.
+        Memory the host has dropped but queued work still uses stays alive until that work
+        ran; the emulator counts it as freed by the host (``Emulator._host_released``) when
+        only these references and the storage's Python object are left."""
+        self.released: set[int] = set()
+        """Storages freed by the host while queued work held them."""
         self.immediate: dict[str, int] = {}
         """Kernels that ran when issued though the host did not wait for them (random
         kernels, kernels without a meta kernel), by operator."""
@@ -91,10 +99,16 @@ class WorkQueue:
         pending = self.pending
         return frozenset(w for w in marks if w in pending)
 
-    def issue(self, stream: Any, name: str, run: Callable[[], None]) -> int:
+    def issue(self, stream: Any, name: str, run: Callable[[], None], holds: Optional[list] = None) -> int:
+        """Queue ``run`` on ``stream``; ``holds``: the (allocation stream key, storage) of
+        each reference to device memory it keeps."""
         wid = next(self._wids)
         deps = self._live(self.frontier.get(stream.skey, frozenset()))
-        self.pending[wid] = _Work(wid, stream, name, run, deps)
+        holds = holds or []
+        for skey, cdata in holds:
+            held = self.holds.setdefault(skey, {})
+            held[cdata] = held.get(cdata, 0) + 1
+        self.pending[wid] = _Work(wid, stream, name, run, deps, holds)
         self.frontier[stream.skey] = frozenset((wid,))
         self.deferred += 1
         return wid
@@ -161,6 +175,12 @@ class WorkQueue:
             except Exception as e:  # noqa: BLE001 - raised at the synchronisation point below
                 if failed is None:
                     failed = (work, e)
+            for skey, cdata in work.holds:
+                held = self.holds[skey]
+                held[cdata] -= 1
+                if not held[cdata]:
+                    del held[cdata]
+            work.run = _DONE  # its references go now
             for u in users.get(w, ()):
                 indegree[u] -= 1
                 if indegree[u] == 0:
@@ -171,6 +191,10 @@ class WorkQueue:
                 f"CUDA error: a kernel failed asynchronously ({work.name} on the {work.stream.name}), "
                 f"reported at this synchronisation: {type(err).__name__}: {err}"
             ) from err
+
+
+def _DONE() -> None:
+    pass
 
 
 # --- a kernel, queued ------------------------------------------------------------------------
@@ -317,6 +341,7 @@ def defer(emu: Any, stream: Any, func: Any, args: tuple, kwargs: dict) -> Any:
         outputs, out_spec = plan
         outs: list[Any] = []
         fresh: list[tuple[int, torch.Tensor]] = []
+        holds: list[tuple[int, int]] = []
         for i, desc in enumerate(outputs):
             if desc[0] == "arg":
                 outs.append(flat[desc[1]])
@@ -324,18 +349,25 @@ def defer(emu: Any, stream: Any, func: Any, args: tuple, kwargs: dict) -> Any:
                 t = torch.empty_strided(desc[1], desc[2], dtype=desc[3])
                 garbage_fill(t)
                 outs.append(t)
-                fresh.append((i, _shadow(t)))
+                shadow = _shadow(t)
+                fresh.append((i, shadow))
+                holds.append((stream.skey, shadow.untyped_storage()._cdata))
             else:
                 outs.append(desc[1])
         held: list[Any] = []
         for v in flat:
             if not isinstance(v, torch.Tensor):
                 held.append(v)
-            elif emu.block_of(v) is not None or emu.is_pinned(v):
+                continue
+            block = emu.block_of(v)
+            if block is not None or emu.is_pinned(v):
                 try:
                     held.append(_shadow(v))
                 except (RuntimeError, NotImplementedError):
                     held.append(v)
+                    continue
+                if block is not None:
+                    holds.append((block.alloc.skey, block.cdata))
             else:
                 held.append(v.clone())  # pageable host memory: staged when the kernel is issued
         dargs, dkwargs = pytree.tree_unflatten(held, spec)
@@ -355,7 +387,7 @@ def defer(emu: Any, stream: Any, func: Any, args: tuple, kwargs: dict) -> Any:
                         continue
                     target.copy_(value)
 
-    emu.work.issue(stream, str(func), run)
+    emu.work.issue(stream, str(func), run, holds)
     return pytree.tree_unflatten(outs, out_spec)
 
 

@@ -224,6 +224,7 @@ class _Graph:
 
 
 _UNTYPED_STORAGE = torch._C.TensorBase.untyped_storage
+_USE_COUNT = torch._C._storage_Use_Count
 _NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
 
 
@@ -425,6 +426,8 @@ class Emulator:
             checker.tensors_accessed.create_tensor(key, None)
         self._allocated[device] += nbytes
         self._peak[device] = max(self._peak[device], self._allocated[device])
+        if self.work is not None:
+            self._host_released(stream)
         self._check_reuse(checker, stream)
         return block
 
@@ -433,16 +436,40 @@ class Emulator:
             block = self._blocks.pop(cdata, None)
             if block is None or not self.active:
                 return
-            self._allocated[block.device] -= block.nbytes
-            if block.key is not None:
-                for checker in self._checkers():
-                    checker.tensors_accessed.accesses.pop(block.key, None)
-            live = {id(c) for c in self._checkers()}
-            for skey, (cid, seq, user) in block.uses.items():
-                if skey in block.recorded or cid not in live:
-                    continue  # record_stream: the allocator waits for that stream's work
-                pending = self._pending.setdefault((cid, block.alloc.skey), [])
-                pending.append((block.describe(), user, seq, block.alloc))
+            if self.work is not None and cdata in self.work.released:
+                self.work.released.discard(cdata)  # freed by the host already (below)
+                return
+            self._release(block)
+
+    def _host_released(self, stream: _Stream) -> None:
+        """Asynchronous mode: memory allocated on ``stream`` that only queued work still
+        holds was freed by the host; the allocator takes it back now (as the default mode
+        does when the host frees it), though it stays alive for that work."""
+        work = self.work
+        held = work.holds.get(stream.skey)
+        if not held:
+            return
+        released = work.released
+        for cdata, n in list(held.items()):
+            # Queued work holds n references; the storage's Python object one more.
+            if cdata not in released and _USE_COUNT(cdata) <= n + 1:
+                block = self._blocks.get(cdata)
+                if block is not None:
+                    released.add(cdata)
+                    self._release(block)
+
+    def _release(self, block: _Block) -> None:
+        """The host freed ``block``: its memory goes back to its allocation stream's pool."""
+        self._allocated[block.device] -= block.nbytes
+        if block.key is not None:
+            for checker in self._checkers():
+                checker.tensors_accessed.accesses.pop(block.key, None)
+        live = {id(c) for c in self._checkers()}
+        for skey, (cid, seq, user) in block.uses.items():
+            if skey in block.recorded or cid not in live:
+                continue  # record_stream: the allocator waits for that stream's work
+            pending = self._pending.setdefault((cid, block.alloc.skey), [])
+            pending.append((block.describe(), user, seq, block.alloc))
 
     def rekey(self, blocks: list[_Block]) -> None:
         """Storages that were resized in place (``out=`` arguments) have new addresses."""
@@ -546,6 +573,8 @@ class Emulator:
         if stream.capture is None:
             self.clocks.run(stream.skey, name, stream.name, duration, host_reads)
         checker = self._checker_for(stream)
+        if self.work is not None:
+            self._host_released(stream)
         self._check_reuse(checker, stream)
         wkeys = {b.key for b in writes if b.key is not None}
         rkeys = {b.key for b in reads if b.key is not None} - wkeys
@@ -964,7 +993,7 @@ class Emulator:
             stream = self.current_stream(graph.device)
             if stream.capture is not None:
                 raise NotImplementedError("replaying a CUDA graph inside a capture is not emulated")
-            dead = [what for ref, what in graph.externals if ref() is None]
+            dead = [what for ref, what in graph.externals if self._dropped(ref)]
             if dead:
                 reps = [
                     self.report(
@@ -988,6 +1017,20 @@ class Emulator:
                 self.work.issue(stream, "cudaGraphLaunch", lambda: self._replay_nodes(graph, held))
                 return
         self._replay_nodes(graph)
+
+    def _dropped(self, ref: Any) -> bool:
+        """Whether the host has freed the storage ``ref`` (a weak reference) points to; in
+        the asynchronous mode, also one that only queued work still holds."""
+        st = ref()
+        if st is None:
+            return True
+        if self.work is None:
+            return False
+        block = self._blocks.get(st._cdata)
+        if block is None:
+            return True
+        held = self.work.holds.get(block.alloc.skey, {}).get(block.cdata, 0)
+        return _USE_COUNT(block.cdata) <= held + 1
 
     def _replay_nodes(self, graph: _Graph, held: Any = None) -> None:
         order = self._random_order(graph.nodes)
