@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
@@ -145,6 +147,29 @@ class SchedulerConfig(BaseModel):
             raise
         except ValidationError as exc:
             raise ConfigValidationError.with_message(_describe(exc), exc.errors(include_url=False)) from None
+
+    @classmethod
+    def model_validate(cls, obj: Any, *args: Any, **kwargs: Any) -> SchedulerConfig:  # type: ignore[override]
+        """As pydantic's, with this class's error messages for a mapping of options (pydantic
+        would call ``__init__`` and report its error as "0 validation errors")."""
+        if isinstance(obj, Mapping) and not args and not kwargs:
+            return cls(**obj)
+        return super().model_validate(obj, *args, **kwargs)
+
+    @classmethod
+    def model_validate_json(cls, json_data: Any, *args: Any, **kwargs: Any) -> SchedulerConfig:  # type: ignore[override]
+        """As pydantic's, with this class's error messages (see :meth:`model_validate`)."""
+        if args or kwargs:
+            return super().model_validate_json(json_data, *args, **kwargs)
+        try:
+            options = json.loads(json_data)
+        except ValueError as exc:
+            raise ConfigValidationError.with_message(f"SchedulerConfig JSON is not valid JSON: {exc}") from None
+        if not isinstance(options, dict):
+            raise ConfigValidationError.with_message(
+                f"SchedulerConfig JSON must be an object of options, got {type(options).__name__}"
+            )
+        return cls(**options)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise ConfigValidationError.with_message(

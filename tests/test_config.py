@@ -72,3 +72,19 @@ def test_wrapping_twice_or_wrapping_a_non_module_is_refused():
         ss.StreamScheduledModule(sm)
     with pytest.raises(TypeError, match="nn.Module"):
         ss.StreamScheduledModule(torch.randn(2))
+
+
+@pytest.mark.parametrize("parse", ["model_validate", "model_validate_json"])
+def test_model_validate_gives_the_same_clear_error(parse):
+    """pydantic's model_validate calls the config's __init__, whose error it would report
+    as "0 validation errors": the classmethods give the constructor's message."""
+    import json
+
+    options = {"num_streams": -1, "executor": "fast"}
+    arg = options if parse == "model_validate" else json.dumps(options)
+    with pytest.raises(ss.ConfigError, match=r"num_streams=-1: .*executor=.fast.: should be .auto.") as info:
+        getattr(SchedulerConfig, parse)(arg)
+    assert isinstance(info.value, ValidationError) and info.value.errors()
+    good = SchedulerConfig(num_streams=3, executor="serial")
+    assert SchedulerConfig.model_validate(good.model_dump(exclude={"leaf_modules"})) == good
+    assert SchedulerConfig.model_validate_json(good.model_dump_json(exclude={"leaf_modules"})) == good
