@@ -14,10 +14,24 @@ modules whose output rank is their input's (``Linear``, norms, activations, drop
 one more (``Embedding``); element-wise operations and methods (broadcasting: the
 largest rank); views and reshapes with explicit sizes; ``transpose``, ``permute``,
 ``unsqueeze``, ``flatten``, ``expand``, ``repeat``; reductions with explicit ``dim`` and
-``keepdim``; ``matmul``; ``cat`` and ``stack``; indexing with ints, slices, ``None``
-and ``...``. Anything else (``squeeze()``, whose rank depends on sizes; indexing with a
-tensor; an opaque call's value) has no known rank, and the values computed from it
-neither: iterating their shape fails as before.
+``keepdim``; ``matmul``, ``mm``, ``addmm``, ``bmm``, ``baddbmm``; ``cat`` and ``stack``;
+indexing with ints, slices, ``None`` and ``...``; ``arange``, ``linspace``, ``eye``, the
+``*_like`` factories and ``zeros``/``ones``/``empty``/``full``/``rand``/``randn`` given
+ints, sizes read from a shape (``x.shape[0]``, ``x.size(1)``) or a shape of known length.
+Anything else (``squeeze()``, whose rank depends on sizes; indexing with a tensor; an
+opaque call's value) has no known rank, and the values computed from it neither:
+iterating their shape fails as before.
+
+Sequences of tensors: the items of ``split``, ``chunk``, ``tensor_split`` (the input's
+rank), ``unbind`` (one less), ``max``/``min``/``median`` with a ``dim`` and ``sort``/
+``topk`` (values and indices) have a known rank. Their *number* is known only where it
+does not depend on a size: ``split`` with a list of sizes, ``tensor_split`` with a count
+or a list of indices. ``split(n)``, ``chunk(n)`` (fewer pieces than ``n`` for a small
+size) and ``unbind`` are unpacked only as fx does (``a, b, c = ...``), never iterated.
+
+A known rank also answers ``x.dim()``, ``x.ndimension()`` and ``x.ndim`` while tracing
+(``frontend.trace``): a branch on a rank is decided once per trace, as a rank of an
+input is the same on every call a trace serves.
 """
 
 from __future__ import annotations
@@ -68,6 +82,12 @@ _SAME_FUNCTIONS = {
     torch.roll,
     torch.nan_to_num,
     torch.clone,
+    torch.zeros_like,
+    torch.ones_like,
+    torch.empty_like,
+    torch.full_like,
+    torch.rand_like,
+    torch.randn_like,
     F.relu,
     F.gelu,
     F.silu,
@@ -146,6 +166,30 @@ _RMS_NORM = getattr(nn, "RMSNorm", None)
 if _RMS_NORM is not None:
     _SAME_MODULES = _SAME_MODULES + (_RMS_NORM,)
 
+# Methods and functions giving a sequence of tensors (``RankTracker._split``).
+# max(dim), min(dim), median(dim): (values, indices); with no argument one tensor of rank 0.
+_PAIR_REDUCTIONS = frozenset({"max", "min", "median", "sort", "topk"})
+_SPLIT_METHODS = frozenset({"split", "chunk", "unbind", "tensor_split"}) | _PAIR_REDUCTIONS
+_SPLIT_FUNCTIONS = {
+    torch.split: "split",
+    torch.chunk: "chunk",
+    torch.unbind: "unbind",
+    torch.tensor_split: "tensor_split",
+}
+
+# Functions whose output has one rank whatever their arguments'.
+_FIXED_RANK_FUNCTIONS = {
+    torch.arange: 1,
+    torch.linspace: 1,
+    torch.eye: 2,
+    torch.mm: 2,
+    torch.addmm: 2,
+    torch.bmm: 3,
+    torch.baddbmm: 3,
+}
+# Factories given their sizes (``RankTracker._factory``); ``*_like`` take their input's rank.
+_SIZED_FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.rand, torch.randn, torch.full}
+
 _SIZES_METHODS = frozenset({"view", "reshape", "expand", "repeat", "new_zeros", "new_ones", "new_empty"})
 
 
@@ -158,10 +202,23 @@ class RankTracker:
         self.placeholders = 0
         self.rank: dict[fx.Node, int] = {}
         self.len: dict[fx.Node, int] = {}
+        # Sequences of tensors (``split``, ``unbind``, ``max(dim)``...): the rank of
+        # every item, whatever their number.
+        self.items: dict[fx.Node, int] = {}
+        # Single sizes (``x.shape[0]``, ``x.size(-1)``): what a factory given one graph
+        # value is given.
+        self.sizes: set[fx.Node] = set()
 
     def length(self, node: fx.Node) -> Optional[int]:
-        """How many items the value of ``node`` has, where known (a shape)."""
+        """How many items the value of ``node`` has, where known (a shape, or a split
+        into a constant number of pieces)."""
         return self.len.get(node)
+
+    def rank_of(self, node: fx.Node) -> Optional[int]:
+        """The rank of the tensor value of ``node``, where known (``x.dim()``, ``x.ndim``)."""
+        if self.inputs is None:
+            return None
+        return self.rank.get(node)
 
     def note(self, node: fx.Node, kind: str, target: Any, args: tuple, kwargs: dict, root: Any) -> None:
         """Note what is known of a node just created."""
@@ -221,6 +278,9 @@ class RankTracker:
         if name == "size" and x is not None and len(args) == 1 and not kwargs:
             self.len[node] = x
             return None
+        if name == "size" and len(args) == 2 and type(args[1]) is int and not kwargs:
+            self.sizes.add(node)
+            return None
         if name in _SIZES_METHODS and not kwargs:
             # The rank is the number of sizes given, whatever the input's.
             sizes = args[1:]
@@ -229,6 +289,8 @@ class RankTracker:
             return len(sizes) if all(isinstance(s, (int, fx.Proxy, fx.Node)) for s in sizes) else None
         if x is None:
             return None
+        if name in _SPLIT_METHODS:
+            return self._split(node, name, x, args[1:], kwargs)
         if name in _SAME_METHODS:
             return x
         if name in _BROADCAST_METHODS:
@@ -259,6 +321,15 @@ class RankTracker:
                 return None
         if fn is len:
             return None
+        if fn in _FIXED_RANK_FUNCTIONS:
+            return _FIXED_RANK_FUNCTIONS[fn]
+        if fn in _SIZED_FACTORIES:
+            return self._factory(args[:1] if fn is torch.full else args, kwargs)
+        if fn in _SPLIT_FUNCTIONS:
+            x = self._r(args[0]) if args else None
+            if x is not None:
+                self._split(node, _SPLIT_FUNCTIONS[fn], x, args[1:], kwargs)
+            return None
         if fn in _SAME_FUNCTIONS:
             return self._r(args[0]) if args else self._r(kwargs.get("input"))
         if fn in _BROADCAST_FUNCTIONS or (fn is torch.where and len(args) == 3):
@@ -287,7 +358,77 @@ class RankTracker:
             return self._r(args[0])
         return None
 
+    def _factory(self, args: tuple, kwargs: dict) -> Optional[int]:
+        """``torch.zeros(2, n)``, ``torch.ones(shape)``, ``torch.full(shape, v)``: as many
+        dimensions as sizes given. One graph value alone may be a size or a whole shape:
+        only a shape of known length or a size read from a shape is counted."""
+        sizes = args if args else ()
+        if "size" in kwargs:
+            sizes = (kwargs["size"],)
+        if not sizes:
+            return None
+        if len(sizes) == 1:
+            (only,) = sizes
+            if type(only) is int:
+                return 1
+            n = self._n(only)
+            if n is not None:
+                return n
+            node = only.node if isinstance(only, fx.Proxy) else only
+            return 1 if isinstance(node, fx.Node) and node in self.sizes else None
+        if all(type(s) is int or (isinstance(s, (fx.Node, fx.Proxy)) and self._n(s) is None) for s in sizes):
+            return len(sizes)  # several arguments: each one size
+        return None
+
+    def _split(self, node: fx.Node, name: str, x: int, args: tuple, kwargs: dict) -> Optional[int]:
+        """A method or function giving a sequence of tensors: the rank of its items,
+        and its length where that is constant. ``x``: the input's rank. ``None``: the
+        node is not one tensor."""
+        if name in _PAIR_REDUCTIONS:
+            # max(dim), min(dim), sort, topk, ...: (values, indices), or one tensor.
+            if name in ("sort", "topk"):
+                return self._items(node, x, 2)
+            dim = args[0] if args else kwargs.get("dim")
+            if isinstance(dim, (fx.Node, fx.Proxy)):
+                return None  # max(other): a tensor of broadcast rank, unknown here
+            if dim is None:
+                return 0 if not args and not kwargs else None
+            keepdim = args[1] if len(args) > 1 else kwargs.get("keepdim", False)
+            if type(dim) is not int or type(keepdim) is not bool:
+                return None
+            return self._items(node, x if keepdim else x - 1, 2)
+        if name == "unbind":
+            # As many items as the dimension's size: their rank only.
+            return self._items(node, x - 1, None)
+        pieces = args[0] if args else kwargs.get("split_size_or_sections", kwargs.get("sections"))
+        count: Optional[int] = None
+        if name == "split" and type(pieces) in (list, tuple) and all(type(p) is int for p in pieces):
+            count = len(pieces)  # explicit sizes: exactly that many pieces (or an error)
+        elif name == "tensor_split" and type(pieces) is int:
+            count = pieces  # n pieces, some possibly empty, whatever the size
+        elif name == "tensor_split" and type(pieces) in (list, tuple) and all(type(p) is int for p in pieces):
+            count = len(pieces) + 1
+        # split(int) and chunk(n): how many pieces depends on the size; their rank does not.
+        return self._items(node, x, count)
+
+    def _items(self, node: fx.Node, rank: int, count: Optional[int]) -> None:
+        self.items[node] = rank
+        if count is not None:
+            self.len[node] = count
+        return None
+
     def _getitem(self, node: fx.Node, base: Any, index: Any) -> Optional[int]:
+        base_node = base.node if isinstance(base, fx.Proxy) else base
+        if isinstance(base_node, fx.Node) and base_node in self.items:
+            # An item of a sequence of tensors, or a slice of it.
+            if type(index) is int:
+                return self.items[base_node]
+            if type(index) is slice:
+                self.items[node] = self.items[base_node]
+                n = self.len.get(base_node)
+                if n is not None and all(type(b) in (int, type(None)) for b in (index.start, index.stop, index.step)):
+                    self.len[node] = len(range(n)[index])
+            return None
         n = self._n(base) if isinstance(base, (fx.Node, fx.Proxy)) else None
         if n is not None:
             # An item or a slice of a shape.
@@ -295,6 +436,8 @@ class RankTracker:
                 type(b) in (int, type(None)) for b in (index.start, index.stop, index.step)
             ):
                 self.len[node] = len(range(n)[index])
+            elif type(index) is int:
+                self.sizes.add(node)
             return None
         x = self._r(base)
         if x is None:

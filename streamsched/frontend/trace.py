@@ -500,13 +500,30 @@ _PROXY_OWN_ATTRIBUTES = frozenset({"tracer", "node"})
 
 
 class _Attribute(fx.proxy.Attribute):
-    """fx's lazy attribute proxy (``x.shape``), with the same ``len`` and iteration."""
+    """fx's lazy attribute proxy (``x.shape``), with the same ``len`` and iteration; and
+    ``x.dim()`` of a value of known rank answered with the rank."""
 
     def __len__(self) -> int:
         return _proxy_len(self)
 
     def __iter__(self) -> Any:
         return _proxy_iter(self, inspect.currentframe())
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.attr in ("dim", "ndimension") and not args and not kwargs:
+            rank = _known_rank(self.root)
+            if rank is not None:
+                return rank
+        return super().__call__(*args, **kwargs)
+
+
+def _known_rank(proxy: Any) -> Optional[int]:
+    """The rank of a traced tensor where the ranks tell it (``frontend.ranks``): the
+    trace holds only for calls whose inputs have the ranks it was made for, and the
+    ranks tracked follow from those alone, so the number may be baked into the trace."""
+    if not isinstance(proxy, fx.Proxy) or not isinstance(proxy.tracer, _LeafTracer):
+        return None
+    return proxy.tracer.ranks.rank_of(proxy.node)
 
 
 def _proxy_len(proxy: fx.Proxy) -> int:

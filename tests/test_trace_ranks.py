@@ -1,0 +1,221 @@
+"""Rank rules of the tracer (``frontend.ranks``) beyond shapes: ``x.dim()`` and ``x.ndim``
+answered from the known rank, and the items of ``split``/``chunk``/``unbind``/``max(dim)``
+given their rank (a length only where the number of pieces is a constant).
+
+Each model here branches on a rank or builds a shape from an item's shape, as
+transformers' attention and masks do; without the rule its module runs as one opaque
+task. Every call is compared with eager on fresh inputs of changing sizes (a trace is
+made per rank, never per size)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import streamsched as ss
+from streamsched.testing import assert_path
+
+from .helpers import assert_close
+
+
+def _g(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _run(model, inputs, executor="serial", whole=True):
+    """Each input tuple through a fresh wrapper and eager, in order; every call after a
+    rank's first runs the plan, and with ``whole`` every call's plan is traced whole (no
+    module runs as one opaque task)."""
+    sm = ss.StreamScheduledModule(model, executor=executor)
+    for args in inputs:
+        with torch.no_grad():
+            assert_close(sm(*args), model(*args))
+        assert_path(sm, "recorded", "plan")
+        if whole:
+            assert sm.plan.opaque == [], (tuple(a.shape for a in args), sm.plan.opaque)
+    return sm
+
+
+class RankBranch(nn.Module):
+    """Branches on ranks as ``DebertaV2Encoder`` (``mask.dim() <= 2``) and ``GPT2Model``
+    (``mask.ndim < 4``) do."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+        self.out = nn.Linear(d, d)
+
+    def forward(self, x, mask):
+        h = self.proj(x)
+        if mask.dim() <= 2:
+            mask = mask[:, None, :, None]
+        elif mask.ndim < 4:
+            mask = mask[:, None, :, :].sum(-1, keepdim=True)
+        if h.ndimension() == 3:
+            h = h.unsqueeze(1)
+        return self.out(h * mask).sum(1)
+
+
+class Outer(nn.Module):
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, *args):
+        return self.head(self.inner(*args))
+
+
+def test_dim_and_ndim_are_the_known_rank():
+    """Masks of rank 2 and 3 take different branches: each rank gets its own trace, both
+    traced whole; sizes change within a rank."""
+    torch.manual_seed(0)
+    model = Outer(RankBranch()).eval()
+    inputs = []
+    for seed, (b, t, mask_rank) in enumerate([(2, 5, 2), (3, 4, 2), (2, 5, 3), (3, 6, 3), (4, 3, 2)]):
+        x = torch.randn(b, t, 8, generator=_g(seed))
+        mask = torch.rand(b, t, generator=_g(seed + 10)) if mask_rank == 2 else torch.rand(b, t, t, generator=_g(seed))
+        inputs.append((x, mask))
+    for executor in ("serial", "threads"):
+        sm = _run(model, inputs, executor)
+        assert sm.plan.opaque == [], sm.plan.opaque
+        assert sm.plan.coverage_calls == (3, 3)
+
+
+class FusedQKV(nn.Module):
+    """``GPT2Attention``: one projection split in three, shapes built from an item's
+    shape (``(*q.shape[:-1], -1, head_dim)``)."""
+
+    def __init__(self, d: int = 8, head_dim: int = 2):
+        super().__init__()
+        self.d, self.head_dim = d, head_dim
+        self.c_attn = nn.Linear(d, 3 * d)
+        self.c_proj = nn.Linear(d, d)
+
+    def forward(self, x):
+        q, k, v = self.c_attn(x).split(self.d, dim=2)
+        shape = (*q.shape[:-1], -1, self.head_dim)
+        q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
+        a = torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v
+        a = a.transpose(1, 2)
+        return self.c_proj(a.reshape(*a.shape[:-2], -1))
+
+
+class Pieces(nn.Module):
+    """``chunk`` (as many pieces as asked, or fewer: a size decides), ``unbind`` and
+    ``max(dim)``: only their items' ranks are used."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.a = nn.Linear(d // 2, d)
+        self.b = nn.Linear(d, d)
+
+    def forward(self, x):
+        lo, hi = x.chunk(2, dim=-1)
+        h = self.a(lo * hi)
+        first = torch.stack([h, h.flip(-1)]).unbind(0)[0]
+        top = first.max(dim=-1, keepdim=True).values
+        peak, _ = h.max(-1)
+        return self.b(first.view(*first.shape[:-1], -1) - top) + peak[..., None]
+
+
+@pytest.mark.parametrize("inner", [FusedQKV, Pieces])
+def test_items_of_a_split_have_the_input_rank(inner):
+    torch.manual_seed(0)
+    model = Outer(inner()).eval()
+    inputs = [(torch.randn(b, t, 8, generator=_g(seed)),) for seed, (b, t) in enumerate([(2, 5), (3, 4), (1, 7)])]
+    sm = _run(model, inputs)
+    assert sm.plan.opaque == [], sm.plan.opaque
+
+
+class Loops(nn.Module):
+    """Iterates pieces: ``split`` with explicit sizes has that many pieces whatever the
+    input's size; ``chunk(3)`` of a batch of 2 has two, so iterating it must not trace
+    (a trace of three pieces would be wrong for the next batch size)."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.a = nn.Linear(3, d)
+        self.b = nn.Linear(5, d)
+        self.c = nn.Linear(d, d)
+
+    def forward(self, x):
+        outs = [layer(piece) for layer, piece in zip([self.a, self.b], x.split([3, 5], dim=-1))]
+        y = outs[0] + outs[1]
+        rows = [self.c(piece).sum(0) for piece in y.chunk(3, dim=0)]
+        return torch.stack(rows).sum(0)
+
+
+def test_only_a_constant_number_of_pieces_is_iterated():
+    torch.manual_seed(0)
+    model = Outer(Loops()).eval()
+    inputs = [(torch.randn(b, 4, 8, generator=_g(seed)),) for seed, b in enumerate([3, 2, 6, 3, 1])]
+    sm = _run(model, inputs, whole=False)
+    # The chunk loop makes Loops opaque: its calls run as written, with the batch's count.
+    assert [o.path for o in sm.plan.opaque] == ["inner"]
+
+
+class SplitIterated(nn.Module):
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.a = nn.Linear(3, d)
+        self.b = nn.Linear(5, d)
+
+    def forward(self, x):
+        a, b = [layer(piece) for layer, piece in zip([self.a, self.b], x.split([3, 5], dim=-1))]
+        return a * b
+
+
+def test_split_with_explicit_sizes_is_iterated():
+    torch.manual_seed(0)
+    model = Outer(SplitIterated()).eval()
+    inputs = [(torch.randn(b, 4, 8, generator=_g(seed)),) for seed, b in enumerate([3, 2, 5])]
+    sm = _run(model, inputs)
+    assert sm.plan.opaque == [], sm.plan.opaque
+    assert sm.plan.coverage_calls == (3, 3)
+
+
+class Conv1D(nn.Module):
+    """GPT-2's projection: ``addmm`` on a flattened view, viewed back."""
+
+    def __init__(self, nf: int, nx: int):
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.1)
+        self.bias = nn.Parameter(torch.randn(nf) * 0.1)
+
+    def forward(self, x):
+        size_out = x.size()[:-1] + (self.nf,)
+        x = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
+        assert x.ndim == 2  # read from addmm's rank
+        return x.view(size_out)
+
+
+class Positions(nn.Module):
+    """Positions made in the forward (``arange`` of a traced size, a ``zeros`` of sizes
+    read from a shape), embedded and projected, then split into heads from their shape."""
+
+    def __init__(self, d: int = 8, head_dim: int = 2):
+        super().__init__()
+        self.head_dim = head_dim
+        self.wpe = nn.Embedding(16, d)
+        self.proj = Conv1D(d, d)
+        self.mix = nn.Linear(head_dim, head_dim)
+
+    def forward(self, x):
+        positions = torch.arange(x.shape[1]).unsqueeze(0)
+        bias = torch.zeros(x.shape[0], x.size(1), 1) + torch.ones(x.shape[-1])
+        h = self.proj(x + self.wpe(positions)) * bias
+        heads = self.mix(h.view(*h.shape[:-1], -1, self.head_dim))
+        return heads.flatten(-2)
+
+
+def test_factories_and_addmm_have_their_ranks():
+    torch.manual_seed(0)
+    model = Outer(Positions()).eval()
+    inputs = [(torch.randn(b, t, 8, generator=_g(seed)),) for seed, (b, t) in enumerate([(2, 5), (3, 4), (1, 7)])]
+    for executor in ("serial", "threads"):
+        sm = _run(model, inputs, executor)
+        assert sm.plan.opaque == [], sm.plan.opaque
+        assert sm.plan.coverage_calls == (4, 4)  # Conv1D is a leaf call too
