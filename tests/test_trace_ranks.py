@@ -219,3 +219,75 @@ def test_factories_and_addmm_have_their_ranks():
         sm = _run(model, inputs, executor)
         assert sm.plan.opaque == [], sm.plan.opaque
         assert sm.plan.coverage_calls == (4, 4)  # Conv1D is a leaf call too
+
+
+# --- dtypes fixed by a cast ------------------------------------------------------------------
+
+
+class Float32Scores(nn.Module):
+    """``GPTNeoSelfAttention._attn``: scores cast to float32, masked with that dtype's
+    minimum (``torch.finfo(w.dtype)``), back to the values' dtype; and XLNet's masks:
+    ``(m > 0).to(float)`` and a branch on the mask's dtype."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.q = nn.Linear(d, d)
+        self.k = nn.Linear(d, d)
+        self.v = nn.Linear(d, d)
+
+    def forward(self, x, m):
+        q, k = self.q(x).to(torch.float32), self.k(x).to(torch.float32)
+        w = torch.matmul(q, k.transpose(-1, -2))
+        mask = (m > 0).to(torch.float32)
+        pair = (mask[:, :, None] * mask[:, None, :]) > 0
+        if pair.dtype != torch.bool:  # a comparison gives bools whatever its operands
+            pair = pair > 0
+        low = torch.tensor(torch.finfo(w.dtype).min, dtype=w.dtype)
+        w = torch.where(pair, w, low)
+        if mask.dtype == torch.float16:
+            w = w - 65500 * (1 - pair.to(w))
+        v = self.v(x)
+        return torch.softmax(w, dim=-1).to(v.dtype) @ v
+
+
+class InputDtype(nn.Module):
+    """Branches on an input's dtype: never decided from the first call (a trace serves
+    inputs of every dtype), so the module runs as written and each dtype takes its own
+    branch."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.a = nn.Linear(d, d)
+
+    def forward(self, x, m):
+        h = self.a(x.float())
+        if x.dtype == torch.float64:
+            return h * 2
+        return h
+
+
+def test_dtype_fixed_by_a_cast_is_known():
+    torch.manual_seed(0)
+    model = Outer(Float32Scores()).eval()
+    inputs = [
+        (torch.randn(b, t, 8, generator=_g(seed)), torch.randn(b, t, generator=_g(seed + 7)))
+        for seed, (b, t) in enumerate([(2, 5), (3, 4), (1, 6)])
+    ]
+    for executor in ("serial", "threads"):
+        sm = _run(model, inputs, executor)
+        assert sm.plan.coverage_calls == (4, 4)
+
+
+def test_an_inputs_dtype_is_never_baked_in():
+    torch.manual_seed(0)
+    model = Outer(InputDtype()).eval()
+    inputs = []
+    for seed, dtype in enumerate([torch.float32, torch.float64, torch.float32, torch.float64]):
+        x = torch.randn(2, 3, 8, generator=_g(seed)).to(dtype)
+        inputs.append((x, torch.randn(2, 3, generator=_g(seed))))
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    for args in inputs:
+        with torch.no_grad():
+            expected = model(*args)
+            assert_close(sm(*args), expected)
+        assert_path(sm, "recorded", "plan")

@@ -32,6 +32,14 @@ size) and ``unbind`` are unpacked only as fx does (``a, b, c = ...``), never ite
 A known rank also answers ``x.dim()``, ``x.ndimension()`` and ``x.ndim`` while tracing
 (``frontend.trace``): a branch on a rank is decided once per trace, as a rank of an
 input is the same on every call a trace serves.
+
+Dtypes are tracked where an explicit dtype fixes them, whatever the inputs': a cast
+(``.to(torch.float32)``, ``.float()``, ``.to(other)`` of a known dtype), a factory given
+``dtype=``, a comparison (``bool``), and operations keeping the dtype of operands so
+known (views, ``where``, ``matmul`` and ``+ - * /`` of floating tensors of one dtype or
+with Python numbers). ``x.dtype`` of such a value is answered while tracing
+(``torch.finfo(w.dtype).min`` in GPT-Neo, XLNet's ``if mask.dtype == torch.float16``).
+The inputs' and parameters' dtypes are never used: a trace serves calls of any dtype.
 """
 
 from __future__ import annotations
@@ -190,6 +198,93 @@ _FIXED_RANK_FUNCTIONS = {
 # Factories given their sizes (``RankTracker._factory``); ``*_like`` take their input's rank.
 _SIZED_FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.rand, torch.randn, torch.full}
 
+# Dtypes (``RankTracker._dtype``).
+_CAST_METHODS = {
+    "float": torch.float32,
+    "double": torch.float64,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bool": torch.bool,
+    "long": torch.int64,
+    "int": torch.int32,
+}
+_DTYPE_KEEPING_METHODS = frozenset(
+    """
+    contiguous clone detach transpose permute view reshape expand expand_as repeat unsqueeze squeeze
+    flatten masked_fill masked_fill_ neg triu tril flip roll t view_as reshape_as split chunk unbind
+    """.split()
+)
+_DTYPE_KEEPING_FUNCTIONS = {
+    torch.transpose,
+    torch.permute,
+    torch.reshape,
+    torch.unsqueeze,
+    torch.squeeze,
+    torch.flatten,
+    torch.neg,
+    torch.triu,
+    torch.tril,
+    torch.flip,
+    torch.roll,
+    torch.clone,
+    operator.neg,
+    torch.split,
+    torch.chunk,
+    torch.unbind,
+}
+_COMPARISONS = frozenset("eq ne lt le gt ge".split())
+_COMPARISON_FUNCTIONS = {
+    operator.eq,
+    operator.ne,
+    operator.lt,
+    operator.le,
+    operator.gt,
+    operator.ge,
+    torch.eq,
+    torch.ne,
+    torch.lt,
+    torch.le,
+    torch.gt,
+    torch.ge,
+}
+_ARITHMETIC = frozenset("add sub mul div".split())
+_ARITHMETIC_FUNCTIONS = {operator.add, operator.sub, operator.mul, operator.truediv, torch.add, torch.sub, torch.mul}
+_LIKE_FACTORIES = {
+    torch.zeros_like,
+    torch.ones_like,
+    torch.empty_like,
+    torch.full_like,
+    torch.rand_like,
+    torch.randn_like,
+}
+_FACTORY_DTYPES = {
+    torch.zeros,
+    torch.ones,
+    torch.empty,
+    torch.full,
+    torch.arange,
+    torch.eye,
+    torch.linspace,
+    torch.rand,
+    torch.randn,
+    torch.tensor,
+} | _LIKE_FACTORIES
+
+
+def _arithmetic(dtype: Optional[torch.dtype], others: list) -> Optional[torch.dtype]:
+    """``+ - * /`` of a floating tensor of ``dtype`` with tensors of the same dtype or
+    Python numbers: that dtype (a number never widens a floating tensor)."""
+    if dtype is None or not dtype.is_floating_point:
+        return None
+    for other in others:
+        if isinstance(other, torch.dtype):
+            if other != dtype:
+                return None
+        elif type(other) not in (int, float, bool):
+            return None
+    return dtype
+
+
 _SIZES_METHODS = frozenset({"view", "reshape", "expand", "repeat", "new_zeros", "new_ones", "new_empty"})
 
 
@@ -208,6 +303,8 @@ class RankTracker:
         # Single sizes (``x.shape[0]``, ``x.size(-1)``): what a factory given one graph
         # value is given.
         self.sizes: set[fx.Node] = set()
+        # Dtypes fixed by an explicit cast (``x.to(torch.float32)``): ``x.dtype``.
+        self.dtypes: dict[fx.Node, torch.dtype] = {}
 
     def length(self, node: fx.Node) -> Optional[int]:
         """How many items the value of ``node`` has, where known (a shape, or a split
@@ -222,12 +319,104 @@ class RankTracker:
 
     def note(self, node: fx.Node, kind: str, target: Any, args: tuple, kwargs: dict, root: Any) -> None:
         """Note what is known of a node just created."""
+        try:
+            dtype = self._dtype(kind, target, args, kwargs)
+            if dtype is not None:
+                self.dtypes[node] = dtype
+        except Exception:  # noqa: BLE001 - an argument shaped unlike the rule expects: unknown
+            pass
         if self.inputs is None:
             return
         try:
             self._note(node, kind, target, args, kwargs, root)
         except Exception:  # noqa: BLE001 - an argument shaped unlike the rule expects: unknown
             pass
+
+    def dtype_of(self, node: fx.Node) -> Optional[torch.dtype]:
+        """The dtype of the tensor value of ``node``, where an explicit cast fixed it
+        (``x.dtype``)."""
+        return self.dtypes.get(node)
+
+    def _d(self, value: Any) -> Optional[torch.dtype]:
+        node = value.node if isinstance(value, fx.Proxy) else value
+        if isinstance(node, fx.Node):
+            return self.dtypes.get(node)
+        return None
+
+    def _is_tensor(self, value: Any) -> bool:
+        node = value.node if isinstance(value, fx.Proxy) else value
+        return isinstance(node, fx.Node) and (node in self.rank or node in self.dtypes)
+
+    def _dtype(self, kind: str, target: Any, args: tuple, kwargs: dict) -> Optional[torch.dtype]:
+        """The dtype of a new node's value where it follows from an explicit dtype alone:
+        a cast to a named dtype, a factory given one, a comparison, or an operation
+        that keeps the dtype of operands whose dtypes are so known. The inputs' and
+        parameters' dtypes are never used (a trace serves inputs of any dtype)."""
+        if kind == "call_method":
+            name, x = target, args[0] if args else None
+            named = [a for a in (*args[1:], *kwargs.values()) if isinstance(a, torch.dtype)]
+            if name in ("to", "type"):
+                if named:
+                    return named[0]
+                if name == "to" and len(args) == 2 and isinstance(args[1], torch.Tensor):
+                    return args[1].dtype
+                if name == "to" and len(args) == 2 and not kwargs:
+                    return self._d(args[1]) if self._is_tensor(args[1]) else None
+                return None
+            if name in _CAST_METHODS and len(args) == 1:
+                return _CAST_METHODS[name]
+            if name == "type_as":
+                return self._d(args[1])
+            if name == "view" and len(args) == 2 and isinstance(args[1], torch.dtype):
+                return args[1]
+            if name in _DTYPE_KEEPING_METHODS and "dtype" not in kwargs and not named:
+                return self._d(x)
+            if name in _COMPARISONS and self._is_tensor(x):
+                return torch.bool
+            if name in _ARITHMETIC:
+                return _arithmetic(
+                    self._d(x), [self._d(a) if isinstance(a, (fx.Node, fx.Proxy)) else a for a in args[1:]]
+                )
+            return None
+        if kind != "call_function":
+            return None
+        if target in _FACTORY_DTYPES:
+            d = kwargs.get("dtype")
+            if isinstance(d, torch.dtype):
+                return d
+            if target in _LIKE_FACTORIES and d is None and args:
+                return self._d(args[0])
+            return None
+        if target is operator.getitem:
+            return self._d(args[0]) if self._is_tensor(args[0]) else None
+        if target in _COMPARISON_FUNCTIONS and any(self._is_tensor(a) for a in args[:2]):
+            return torch.bool
+        if target in (operator.invert, torch.logical_not) and self._d(args[0]) is torch.bool:
+            return torch.bool
+        if target in _DTYPE_KEEPING_FUNCTIONS and "dtype" not in kwargs:
+            return self._d(args[0])
+        if target in (torch.cat, torch.concat, torch.stack):
+            parts = args[0] if args else kwargs.get("tensors")
+            dtypes = {self._d(p) for p in parts}
+            return dtypes.pop() if len(dtypes) == 1 else None
+        if target in (torch.matmul, operator.matmul, torch.bmm, torch.mm):
+            a, b = self._d(args[0]), self._d(args[1])
+            return a if a is not None and a == b else None
+        if target is torch.where and len(args) == 3:
+            a, b = self._d(args[1]), self._d(args[2])
+            return a if a is not None and a == b else None
+        if target in _ARITHMETIC_FUNCTIONS:
+            values = [self._d(a) if isinstance(a, (fx.Node, fx.Proxy)) else a for a in args]
+            return (
+                _arithmetic(values[0], values[1:])
+                if isinstance(values[0], torch.dtype)
+                else (
+                    _arithmetic(values[1], values[:1])
+                    if len(values) == 2 and isinstance(values[1], torch.dtype)
+                    else None
+                )
+            )
+        return None
 
     def _r(self, value: Any) -> Optional[int]:
         """The rank of an argument: a graph value's, 0 for a Python number."""

@@ -470,6 +470,11 @@ class _Proxy(fx.Proxy):
             rank = _known_rank(self)
             if rank is not None:
                 return rank
+        elif name == "dtype" and isinstance(self.tracer, _LeafTracer):
+            # Fixed by an explicit cast (``x.to(torch.float32)``), whatever the inputs.
+            dtype = self.tracer.ranks.dtype_of(self.node)
+            if dtype is not None:
+                return dtype
         return _Attribute(self, name)
 
     def __setitem__(self, index: Any, value: Any) -> None:
