@@ -291,3 +291,30 @@ def test_an_inputs_dtype_is_never_baked_in():
             expected = model(*args)
             assert_close(sm(*args), expected)
         assert_path(sm, "recorded", "plan")
+
+
+class AutocastScores(nn.Module):
+    """Under autocast a float32 matmul gives bfloat16: its dtype is not the operands'."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.q = nn.Linear(d, d)
+
+    def forward(self, x, m):
+        q = self.q(x).float()
+        w = q @ q.transpose(-1, -2)
+        if w.dtype == torch.float32:
+            return w.sum(-1, keepdim=True) * x
+        return w.float().mean(-1, keepdim=True) * x
+
+
+def test_autocast_matmul_dtype_is_not_assumed():
+    torch.manual_seed(0)
+    model = Outer(AutocastScores()).eval()
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    for seed in range(3):
+        args = (torch.randn(2, 3, 8, generator=_g(seed)), torch.randn(2, 3, generator=_g(seed)))
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            expected = model(*args)
+            assert_close(sm(*args), expected, atol=1e-2, rtol=1e-2)
+        assert_path(sm, "recorded", "plan")

@@ -51,6 +51,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from .trace_guard import autocast_state
+
 __all__ = ["RankTracker"]
 
 # Same rank as the first tensor argument, whatever the other arguments.
@@ -400,6 +402,8 @@ class RankTracker:
             dtypes = {self._d(p) for p in parts}
             return dtypes.pop() if len(dtypes) == 1 else None
         if target in (torch.matmul, operator.matmul, torch.bmm, torch.mm):
+            if autocast_state():
+                return None  # autocast computes them in its own dtype
             a, b = self._d(args[0]), self._d(args[1])
             return a if a is not None and a == b else None
         if target is torch.where and len(args) == 3:
