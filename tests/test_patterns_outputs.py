@@ -70,3 +70,44 @@ def test_fused_outputs_may_be_written_in_place_by_the_caller(make, executor):
         assert_close(list(grads(model).values()), list(grads(ref).values()), what=f"call {call} ({path}): grads")
         if call > 0:
             assert sm.plan.fused_groups, "the heads were meant to be fused"
+
+
+class ViewsWideHeads(nn.Module):
+    """Heads that one wide kernel computes (a Linear pair, a Conv2d pair), their values
+    viewed inside the forward and returned for the caller to view."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(D, 3)
+        self.b = nn.Linear(D, 5)
+        self.c = nn.Conv2d(3, 4, 1)
+        self.d = nn.Conv2d(3, 6, 1)
+
+        self.view_conv = True  # eager cannot view a channels_last result so
+
+    def forward(self, x, img):
+        c = self.c(img)
+        c = c.view(img.shape[0], -1) if self.view_conv else c.flatten(1)
+        return self.a(x).view(-1), self.b(x), c, self.d(img)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels_last"])
+def test_parts_of_a_wide_kernel_have_eagers_strides(grad, channels_last):
+    torch.manual_seed(0)
+    model = ViewsWideHeads()
+    model.view_conv = not channels_last
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    for call in range(3):
+        x, img = torch.randn(4, D), torch.randn(2, 3, 5, 5)
+        if channels_last:
+            img = img.contiguous(memory_format=torch.channels_last)
+        with torch.set_grad_enabled(grad):
+            out = sm(x, img)
+            expected = model(x, img)
+        path = assert_path(sm, "recorded", "plan")
+        assert_close(out, expected, what=f"call {call} ({path})")
+        assert [t.stride() for t in out] == [t.stride() for t in expected], f"call {call} ({path}): strides"
+        out[1].view(-1)  # the caller's view of a returned part works as on eager's value
+        if call > 0:
+            assert len(sm.plan.fused_groups) == 2, "the heads were meant to be fused"

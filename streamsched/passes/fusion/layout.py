@@ -72,6 +72,16 @@ def member_copy(x: torch.Tensor, layout: Layout, n: int, shape: tuple[int, ...],
     return to_stack(x, layout, n, shape)[index].clone()
 
 
+def eager_strides(x: torch.Tensor) -> torch.Tensor:
+    """A member's part of its group's output with the strides eager's own value has: the
+    part itself when dense (a slice of a stack), else a copy laid out as its strides
+    suggest (contiguous, or channels_last after a channels_last convolution): a ``view``
+    of it then works where eager's works."""
+    if x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last):
+        return x
+    return x.clone(memory_format=torch.preserve_format)
+
+
 def split_member_copy(x: torch.Tensor, sizes: tuple[int, ...], dim: int, index: int) -> torch.Tensor:
     """Member ``index`` of a ``("split", dim)`` value (a wide kernel's output) in storage
     of its own (see :func:`member_copy`)."""

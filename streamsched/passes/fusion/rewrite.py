@@ -37,6 +37,7 @@ from .layout import (
     STACK,
     Layout,
     cat_members,
+    eager_strides,
     fold,
     member_copy,
     select_members,
@@ -258,6 +259,33 @@ class Rewriter:
                     todo.append(user)
         return False
 
+    def _needs_eager_strides(self, member: fx.Node) -> bool:
+        """Whether something reading ``member`` may need it contiguous, as eager's value
+        is, where the group hands it out as a strided view (a wide kernel's split, a
+        folded layout): a ``view`` (it refuses other strides), a module or function whose
+        code the plan does not see (it may view it), or the caller (the graph returns it,
+        or a view of it)."""
+        for user in member.users:
+            if user in self.members:
+                continue
+            if user.op == "output":
+                return True
+            if user.op == "call_method" and user.target in ("view", "view_as"):
+                return True
+            if user.op == "call_function" and user.target in (torch.Tensor.view, torch.Tensor.view_as):
+                return True
+            if user.op == "call_module":
+                module = submodule(self.root, user.target)
+                if not type(module).__module__.startswith("torch.nn."):
+                    return True
+            if user.op == "call_function" and not getattr(user.target, "__module__", "").startswith(
+                ("torch", "_operator", "operator", "builtins")
+            ):
+                return True
+            if is_glue(user) and self._needs_eager_strides(user):
+                return True
+        return False
+
     def rewrite_consumers(self) -> None:
         """Point every reader of a fused member at the member's part of its group's output."""
         # Members whose value a consumer writes in place: it gets storage of its own, as in
@@ -336,6 +364,11 @@ class Rewriter:
                 unstacked[s.kernel_node] = parts
             item = self._insert(operator.getitem, (parts, s.index), m)
             self.position[item] = self.position[s.kernel_node] + 0.2
+            if self._needs_eager_strides(m):
+                # Eager's value is dense; the part is a view with the kernel output's
+                # strides (copied only where it is not dense).
+                item = self._insert(eager_strides, (item,), m)
+                self.position[item] = self.position[s.kernel_node] + 0.25
             m.replace_all_uses_with(item, delete_user_cb=lambda u: u not in self.members)
 
     def erase_members(self) -> None:
