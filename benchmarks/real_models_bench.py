@@ -1,11 +1,15 @@
-"""Real models, eager vs wrapped vs ``torch.compile``, on the CPU.
+"""Real models, eager vs wrapped vs ``torch.compile``, on the CPU: inference and a training step.
 
     STREAMSCHED_DISABLE_EXT=1 .venv-cuda/bin/python benchmarks/real_models_bench.py \\
-        --out profiles/cpu/real-models [--models a,b] [--rounds 15] [--threads 1] [--no-compile]
+        --out profiles/cpu/real-models [--models a,b] [--rounds 15] [--threads 1] [--no-compile] \\
+        [--no-infer | --no-train]
 
 torchvision, timm and Hugging Face transformers models (random weights from their
-configurations, nothing downloaded), each in ``eval()`` under ``torch.no_grad()``, run
-three ways on the same inputs:
+configurations, nothing downloaded). Two tables, each on by default (``--no-infer``,
+``--no-train`` leave one out).
+
+**Inference**: each model in ``eval()`` under ``torch.no_grad()``, run these ways on the
+same inputs:
 
 - ``eager``: the model as written; every ratio divides by it;
 - ``eager (copy)``: a second copy of the model as written, timed like the others: the
@@ -16,9 +20,26 @@ three ways on the same inputs:
   settle on the model's own forward: the row's ``plan`` says what was decided and why);
 - ``torch.compile``: ``torch.compile(model)``, default mode (compile time reported apart).
 
-Each variant is checked against eager (largest absolute difference on the timed input),
-then all are timed in the same interleaved rounds (``benchmarks.suite.timing``): one
-sample per variant per round, the order rotated every round, a sample lasting about
+Each variant is checked against eager (largest absolute difference on the timed input).
+
+**Training**: each model in ``train()`` with every dropout-like rate set to 0
+(:func:`derandomize`, so that copies compute the same gradients; BatchNorm updates its
+running statistics every step, in every variant alike). One sample call is a full step:
+forward, the loss ``sum(t.float().square().mean())`` over the output's tensors (a Hugging
+Face output's ``logits``, else its ``last_hidden_state``: :func:`loss_tensors`),
+``backward()``, ``torch.optim.SGD(lr=1e-3, momentum=0.9).step()``,
+``zero_grad(set_to_none=True)``. Variants, each on its own deep copy of the model with its
+own optimizer: ``eager``, ``eager (copy)`` (the noise floor) and ``streamsched`` (default
+options; the optimizer is built after the first call, which may move parameters into
+fused storage, over ``sm.module.parameters()``; then steps run until the executor trial,
+which times each candidate's forward and backward, has settled, at most 60). Gradients
+are checked once, after that: each variant's parameter ``.grad`` after one forward and
+backward on fresh inputs against eager's on a copy loaded with the variant's current
+weights (``ok`` up to :data:`GRAD_RTOL` of the largest element of each eager gradient,
+:data:`GRAD_FLOOR` of the model's largest at least; nothing is stepped).
+
+Both tables are timed in interleaved rounds (``benchmarks.suite.timing``): one sample
+per variant per round, the order rotated every round, a sample lasting about
 ``--sample-ms``. Reported per variant: median, minimum and p10-p90 spread of the samples,
 the ratio of medians (eager median / variant median: above 1 is faster than eager) and
 the median of the per-round ratios (each round's eager sample over the variant's, taken
@@ -27,7 +48,8 @@ close together in time, so less exposed to slow drifts of a shared machine).
 These libraries live in ``.venv-cuda`` (the CUDA build of torch runs fine on a CPU); the
 in-tree native extension is built for the main ``.venv``'s torch, hence
 ``STREAMSCHED_DISABLE_EXT=1`` (the pure-Python runtime). ``--out`` takes a folder
-(``real_models.json`` and ``real_models.md`` are written there after every model).
+(``real_models.json`` and ``real_models.md`` are written there after every model; a
+model's row has ``variants``, the inference table, and ``train``, the training one).
 """
 
 from __future__ import annotations
@@ -36,6 +58,7 @@ import argparse
 import copy
 import gc
 import json
+import math
 import os
 import statistics
 import sys
@@ -44,7 +67,7 @@ import warnings
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -59,7 +82,7 @@ from torch import nn  # noqa: E402
 import streamsched as ss  # noqa: E402
 from benchmarks.suite.correctness import compare, tolerance  # noqa: E402
 from benchmarks.suite.report import environment  # noqa: E402
-from benchmarks.suite.timing import Clock, Stats, measure_interleaved  # noqa: E402
+from benchmarks.suite.timing import Clock, Measurement, Stats, measure_interleaved  # noqa: E402
 from benchmarks.zoo.real import (  # noqa: E402
     Inputs,
     MLPEnsemble,
@@ -123,6 +146,8 @@ CASES = [
         "1x3x224x224",
     ),
     Case("inception_v3", "timm", timm_model("inception_v3"), images(1, 149), "1x3x149x149; inception towers"),
+    Case("convnext_atto", "timm", timm_model("convnext_atto"), images(1, 128), "1x3x128x128"),
+    Case("repvgg_a0", "timm", timm_model("repvgg_a0"), images(1, 128), "1x3x128x128"),
     Case(
         "mlp_x16",
         "torch",
@@ -205,11 +230,42 @@ def _plan_info(sm: ss.StreamScheduledModule, first_s: float, trial_calls: int) -
     }
 
 
-def run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
+def _summarize(measured: dict[str, Measurement], info: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per variant: its ``info`` and the statistics of its samples against eager's."""
+    eager = measured["eager"].samples_ms
+    variants: dict[str, dict[str, Any]] = {}
+    for name, m in measured.items():
+        stats = Stats.of(m.samples_ms)
+        per_round = [e / v for e, v in zip(eager, m.samples_ms)]
+        variants[name] = {
+            **info[name],
+            **{k: round(v, 4) for k, v in stats.to_dict().items()},
+            "speedup_vs_eager": round(statistics.median(eager) / stats.median_ms, 4),
+            "median_round_ratio": round(statistics.median(per_round), 4),
+            "calls_per_sample": m.calls_per_sample,
+            "samples_ms": [round(s, 4) for s in m.samples_ms],
+        }
+    for name in info:
+        if name not in measured:
+            variants[name] = info[name]
+    return variants
+
+
+def _measure(fns: dict[str, Callable[[], Any]], args: argparse.Namespace) -> dict[str, Measurement]:
+    return measure_interleaved(
+        fns,
+        Clock(torch.device("cpu")),
+        rounds=args.rounds,
+        warmup=args.warmup,
+        target_sample_s=args.sample_ms / 1e3,
+        max_calls=200,
+    )
+
+
+def run_inference(case: Case, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     torch.manual_seed(0)
     model = case.build().eval()
     call_args, call_kwargs = case.inputs(1)
-    row: dict[str, Any] = {"name": case.name, "library": case.library, "input": case.note, "variants": {}}
     with torch.no_grad():
         reference = model(*call_args, **call_kwargs)
         tol = tolerance(reference, 1e-4)
@@ -251,30 +307,209 @@ def run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
             info[name]["ok"] = c.max_abs_err <= tol
             if c.reason:
                 info[name]["mismatch"] = c.reason
-        measured = measure_interleaved(
-            fns,
-            Clock(torch.device("cpu")),
-            rounds=args.rounds,
-            warmup=args.warmup,
-            target_sample_s=args.sample_ms / 1e3,
-            max_calls=200,
-        )
-    eager = measured["eager"].samples_ms
-    for name, m in measured.items():
-        stats = Stats.of(m.samples_ms)
-        per_round = [e / v for e, v in zip(eager, m.samples_ms)]
-        row["variants"][name] = {
-            **info[name],
-            **{k: round(v, 4) for k, v in stats.to_dict().items()},
-            "speedup_vs_eager": round(statistics.median(eager) / stats.median_ms, 4),
-            "median_round_ratio": round(statistics.median(per_round), 4),
-            "calls_per_sample": m.calls_per_sample,
-            "samples_ms": [round(s, 4) for s in m.samples_ms],
-        }
-    for name in info:
-        if name not in measured:
-            row["variants"][name] = info[name]
+        measured = _measure(fns, args)
+    return _summarize(measured, info)
+
+
+# --- training -------------------------------------------------------------------------------
+
+_RATE_ATTRIBUTES = ("p", "drop_prob", "drop_rate", "dropout", "attention_dropout", "dropout_p", "layerdrop")
+
+GRAD_RTOL = 1e-3
+"""Largest difference of a parameter's gradient from eager's, relative to the largest
+element of eager's gradient of that parameter, or to :data:`GRAD_FLOOR` times the
+largest element of any of eager's gradients where that is larger (float32 sums in
+another order differ by about 1e-6 of it; a wrong or missing gradient by all of it)."""
+
+GRAD_FLOOR = 1e-3
+"""A gradient that is zero in exact arithmetic (the key bias of attention: softmax
+ignores a constant added to a row) comes out as float32 noise, 1e-19 here, 1e-18 there:
+each parameter's scale is at least this fraction of the model's largest gradient."""
+
+
+def derandomize(model: nn.Module) -> nn.Module:
+    """Every dropout-like rate of ``model`` set to 0 (module attributes and the
+    transformers config's ``*dropout*``/``*drop_prob*`` probabilities), so that two
+    copies of the model compute the same gradients."""
+    for m in model.modules():
+        for name in _RATE_ATTRIBUTES:
+            value = getattr(m, name, None)
+            if isinstance(value, float) and value > 0:
+                setattr(m, name, 0.0)
+        config = getattr(m, "config", None)
+        if config is not None and hasattr(config, "to_dict"):
+            for key, value in list(vars(config).items()):
+                if "drop" in key and isinstance(value, float) and value > 0:
+                    setattr(config, key, 0.0)
+    return model
+
+
+def loss_tensors(out: Any) -> list[torch.Tensor]:
+    """What the training loss reads: a Hugging Face output's ``logits`` (else its
+    ``last_hidden_state``), else every floating-point tensor in ``out`` (nested tuples,
+    lists and dicts)."""
+    if isinstance(out, torch.Tensor):
+        return [out] if out.is_floating_point() else []
+    for key in ("logits", "last_hidden_state"):
+        value = out.get(key) if isinstance(out, Mapping) else getattr(out, key, None)
+        if isinstance(value, torch.Tensor):
+            return [value]
+    if isinstance(out, Mapping):
+        values: Any = out.values()
+    elif isinstance(out, (tuple, list)):
+        values = out
+    else:
+        return []
+    return [t for v in values for t in loss_tensors(v)]
+
+
+def training_loss(out: Any) -> torch.Tensor:
+    """``sum(t.float().square().mean())`` over :func:`loss_tensors`."""
+    tensors = loss_tensors(out)
+    if not tensors:
+        raise TypeError(f"no floating-point tensor in the model's output ({type(out).__name__})")
+    return sum((t.float().square().mean() for t in tensors), torch.zeros(()))
+
+
+def grad_error(model: nn.Module, reference: dict[str, torch.Tensor]) -> tuple[float, float, str | None]:
+    """``(relative, absolute, reason)``: the largest ``|grad - reference|`` over the
+    parameters, relative to each one's scale (the largest ``|reference|`` of it, at least
+    :data:`GRAD_FLOOR` times the largest of all), and absolute; ``reason`` names the
+    first parameter whose gradient is missing, extra or mis-shaped (errors are then
+    infinite)."""
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    extra = [n for n, g in grads.items() if g is not None and n not in reference]
+    if extra:
+        return math.inf, math.inf, f"{extra[0]} has a .grad, eager's has none"
+    largest = max((float(r.abs().max()) for r in reference.values() if r.numel()), default=0.0)
+    rel = absolute = 0.0
+    for name, ref in reference.items():
+        g = grads.get(name)
+        if g is None:
+            return math.inf, math.inf, f"no .grad for {name}"
+        if g.shape != ref.shape:
+            return math.inf, math.inf, f"{name}.grad has shape {tuple(g.shape)}, expected {tuple(ref.shape)}"
+        if not ref.numel():
+            continue
+        diff = float((g.double() - ref.double()).abs().max())
+        scale = max(float(ref.double().abs().max()), GRAD_FLOOR * largest)
+        absolute = max(absolute, diff)
+        rel = max(rel, diff / scale if scale > 0 else (math.inf if diff > 0 else 0.0))
+    return rel, absolute, None
+
+
+def _check_grads(
+    base: nn.Module, model: nn.Module, call: Callable[[], Any], check_args: tuple, check_kwargs: dict
+) -> dict[str, Any]:
+    """One backward of ``call`` against eager's on the same weights (a copy of ``base``
+    loaded with ``model``'s current state) and the same input; nothing is stepped."""
+    ref = copy.deepcopy(base)
+    ref.load_state_dict(model.state_dict())
+    ref.zero_grad(set_to_none=True)
+    training_loss(ref(*check_args, **check_kwargs)).backward()
+    reference = {n: p.grad.detach().clone() for n, p in ref.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    training_loss(call()).backward()
+    rel, absolute, reason = grad_error(model, reference)
+    model.zero_grad(set_to_none=True)
+    out: dict[str, Any] = {
+        "grad_rel_err": rel if math.isfinite(rel) else None,
+        "grad_abs_err": absolute if math.isfinite(absolute) else None,
+        "grad_params": len(reference),
+        "ok": rel <= GRAD_RTOL,
+    }
+    if reason:
+        out["mismatch"] = reason
+    return out
+
+
+def _train_step(
+    model: nn.Module, params: list[torch.Tensor], call_args: tuple, call_kwargs: dict
+) -> Callable[[], None]:
+    optimizer = torch.optim.SGD(params, lr=1e-3, momentum=0.9)
+
+    def step() -> None:
+        training_loss(model(*call_args, **call_kwargs)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def run_training(case: Case, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    torch.manual_seed(0)
+    base = derandomize(case.build()).train()
+    call_args, call_kwargs = case.inputs(1)
+    # Each variant trains its own copy with its own optimizer.
+    eager, twin = copy.deepcopy(base), copy.deepcopy(base)
+    fns: dict[str, Callable[[], Any]] = {
+        "eager": _train_step(eager, list(eager.parameters()), call_args, call_kwargs),
+        "eager (copy)": _train_step(twin, list(twin.parameters()), call_args, call_kwargs),
+    }
+    sm = ss.StreamScheduledModule(copy.deepcopy(base))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        # The first call traces, fuses (which may move parameters) and plans: the
+        # optimizer is built over the parameters it leaves.
+        out, first_s = _timed(lambda: sm(*call_args, **call_kwargs))
+        training_loss(out).backward()
+        sm.zero_grad(set_to_none=True)
+        fns["streamsched"] = _train_step(sm, list(sm.module.parameters()), call_args, call_kwargs)
+        # The executor trial times forward and backward of the next steps.
+        calls = 0
+        while calls < 60 and (calls < 5 or getattr(sm._ss.last, "trial", None) is not None):
+            fns["streamsched"]()
+            calls += 1
+    info: dict[str, dict[str, Any]] = {
+        "eager": {},
+        "eager (copy)": {},
+        "streamsched": {**_plan_info(sm, first_s, calls), "settled": getattr(sm._ss.last, "trial", None) is None},
+    }
+    # Gradients, once, on fresh inputs: each variant's current weights, eager on a copy.
+    check_args, check_kwargs = case.inputs(2)
+    for name, model, call in (
+        ("eager", eager, lambda: eager(*check_args, **check_kwargs)),
+        ("eager (copy)", twin, lambda: twin(*check_args, **check_kwargs)),
+        ("streamsched", sm.module, lambda: sm(*check_args, **check_kwargs)),
+    ):
+        info[name].update(_check_grads(base, model, call, check_args, check_kwargs))
+    return _summarize(_measure(fns, args), info)
+
+
+def run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
+    row: dict[str, Any] = {"name": case.name, "library": case.library, "input": case.note}
+    if args.infer:
+        row["variants"] = run_inference(case, args)
+        gc.collect()
+    if args.train:
+        row["train"] = run_training(case, args)
+        gc.collect()
     return row
+
+
+def _cell(r: dict[str, Any] | None) -> str:
+    if r is None or "speedup_vs_eager" not in r:
+        return "error" if r and "error" in r else ""
+    flag = "" if r.get("ok", True) else " WRONG"
+    return f"{r['speedup_vs_eager']:.3f}x ({r['median_round_ratio']:.3f}){flag}"
+
+
+def _runs(plan: dict[str, Any]) -> str:
+    runs = plan["executor"]
+    if plan.get("trial"):
+        best = plan["trial"]["best_us"]
+        runs += " (" + ", ".join(f"{k} {us / 1e3:.2f}" for k, us in sorted(best.items(), key=lambda kv: kv[1])) + " ms)"
+    elif plan["mode"] == "eager-dispatch":
+        runs += " (untraceable, no branch calls)"
+    if plan.get("settled") is False:
+        runs += f"; trial not settled after {plan['settle_calls']} steps"
+    return runs
+
+
+def _grads(r: dict[str, Any]) -> str:
+    if r.get("ok"):
+        return f"ok ({r['grad_rel_err']:.1e})"
+    return f"WRONG ({r.get('mismatch') or r.get('grad_rel_err')})"
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -288,42 +523,56 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         "Speedup over eager: ratio of medians (median of the per-round ratios in brackets); "
         "above 1 is faster than eager.",
-        "",
-        "| model | input | eager ms | eager (copy) | streamsched | torch.compile | streamsched runs | compile s |",
-        "|---|---|---:|---:|---:|---:|---|---:|",
     ]
-    for row in report["models"]:
+    infer = [row for row in report["models"] if "variants" in row]
+    if infer:
+        lines += [
+            "",
+            "## Inference (`eval()`, `torch.no_grad()`)",
+            "",
+            "| model | input | eager ms | eager (copy) | streamsched | torch.compile | streamsched runs | compile s |",
+            "|---|---|---:|---:|---:|---:|---|---:|",
+        ]
+    for row in infer:
         v = row["variants"]
-        eager = v["eager"]
-
-        def cell(name: str, v: dict = v) -> str:
-            r = v.get(name)
-            if r is None or "speedup_vs_eager" not in r:
-                return "error" if r and "error" in r else ""
-            flag = "" if r.get("ok", True) else " WRONG"
-            return f"{r['speedup_vs_eager']:.3f}x ({r['median_round_ratio']:.3f}){flag}"
-
-        plan = v["streamsched"]
-        runs = plan["executor"]
-        if plan.get("trial"):
-            best = plan["trial"]["best_us"]
-            runs += (
-                " (" + ", ".join(f"{k} {us / 1e3:.2f}" for k, us in sorted(best.items(), key=lambda kv: kv[1])) + " ms)"
-            )
-        elif plan["mode"] == "eager-dispatch":
-            runs += " (untraceable, no branch calls)"
         compile_s = v.get("torch.compile", {}).get("compile_s", "")
         lines.append(
-            f"| {row['name']} ({row['library']}) | {row['input']} | {eager['median_ms']:.2f} | "
-            f"{cell('eager (copy)')} | {cell('streamsched')} | {cell('torch.compile')} | {runs} | {compile_s} |"
+            f"| {row['name']} ({row['library']}) | {row['input']} | {v['eager']['median_ms']:.2f} | "
+            f"{_cell(v.get('eager (copy)'))} | {_cell(v.get('streamsched'))} | {_cell(v.get('torch.compile'))} | "
+            f"{_runs(v['streamsched'])} | {compile_s} |"
+        )
+    train = [row for row in report["models"] if "train" in row]
+    if train:
+        lines += [
+            "",
+            "## Training step (`train()`: forward, loss, backward, SGD with momentum, zero_grad)",
+            "",
+            "| model | input | eager ms | eager (copy) | streamsched | gradients "
+            "| streamsched runs (trial: forward + backward) |",
+            "|---|---|---:|---:|---:|---|---|",
+        ]
+    for row in train:
+        v = row["train"]
+        lines.append(
+            f"| {row['name']} ({row['library']}) | {row['input']} | {v['eager']['median_ms']:.2f} | "
+            f"{_cell(v.get('eager (copy)'))} | {_cell(v.get('streamsched'))} | {_grads(v['streamsched'])} | "
+            f"{_runs(v['streamsched'])} |"
         )
     lines += [
         "",
         "`eager (copy)`: a second copy of the model as written, in the same rounds: how far apart two identical "
         "models measure (the noise floor of the other columns).",
         "`streamsched runs`: what the wrapper settled on after its first calls (`eager`: the model's own forward, "
-        "measured faster than the schedule or nothing to schedule), with the fastest trial call of each candidate.",
+        "measured faster than the schedule or nothing to schedule), with the fastest trial call of each candidate "
+        "(in training, a call's forward and its backward).",
     ]
+    if train:
+        lines.append(
+            "`gradients`: every parameter's `.grad` after one forward and backward on fresh inputs, against eager "
+            "on a copy with the same weights (largest difference relative to the largest element of eager's "
+            f"gradient of that parameter, at least {GRAD_FLOOR:.0e} of the model's largest; ok up to "
+            f"{GRAD_RTOL:.0e}). Dropout-like rates are set to 0 in training."
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -338,6 +587,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample-ms", type=float, default=100.0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-compile", dest="compile", action="store_false")
+    parser.add_argument(
+        "--infer", action=argparse.BooleanOptionalAction, default=True, help="the inference table (default: on)"
+    )
+    parser.add_argument(
+        "--train", action=argparse.BooleanOptionalAction, default=True, help="the training-step table (default: on)"
+    )
     parser.add_argument("--no-compile-for", default="", help="models not to compile (comma-separated)")
     parser.add_argument(
         "--keep-compile-cache", action="store_true", help="use inductor's usual on-disk cache (warm compile times)"
@@ -358,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = args.out
     out_dir.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
-        "schema": "streamsched.real-models/1",
+        "schema": "streamsched.real-models/2",
         "environment": environment(torch.device("cpu")),
         "options": {
             "rounds": args.rounds,
@@ -366,6 +621,8 @@ def main(argv: list[str] | None = None) -> int:
             "sample_ms": args.sample_ms,
             "threads": args.threads,
             "compile": args.compile,
+            "infer": args.infer,
+            "train": args.train,
             "compile_cache": "usual" if args.keep_compile_cache else "fresh (cold compile times)",
         },
         "models": [],
@@ -373,18 +630,26 @@ def main(argv: list[str] | None = None) -> int:
     for i, name in enumerate(names, 1):
         _log(f"[{i}/{len(names)}] {name}")
         row = run_case(BY_NAME[name], args)
-        gc.collect()
         report["models"].append(row)
-        for variant, r in row["variants"].items():
-            if "speedup_vs_eager" in r:
-                ratio = f"{r['speedup_vs_eager']:.3f}x ({r['median_round_ratio']:.3f})"
-                _log(f"    {variant:14s} {r['median_ms']:9.3f} ms  {ratio}")
-            else:
-                _log(f"    {variant:14s} {r}")
+        for table in ("variants", "train"):
+            for variant, r in row.get(table, {}).items():
+                label = f"{'train ' if table == 'train' else ''}{variant}"
+                if "speedup_vs_eager" in r:
+                    ratio = f"{r['speedup_vs_eager']:.3f}x ({r['median_round_ratio']:.3f})"
+                    ok = "" if r.get("ok", True) else " WRONG"
+                    _log(f"    {label:20s} {r['median_ms']:9.3f} ms  {ratio}{ok}")
+                else:
+                    _log(f"    {label:20s} {r}")
         (out_dir / "real_models.json").write_text(json.dumps(report, indent=1))
         (out_dir / "real_models.md").write_text(markdown(report))
     print(markdown(report))
-    bad = [f"{m['name']}: {v}" for m in report["models"] for v, r in m["variants"].items() if r.get("ok") is False]
+    bad = [
+        f"{m['name']}: {'train ' if table == 'train' else ''}{v}"
+        for m in report["models"]
+        for table in ("variants", "train")
+        for v, r in m.get(table, {}).items()
+        if r.get("ok") is False
+    ]
     if bad:
         print("WRONG: " + "; ".join(bad), file=sys.stderr)
         return 1
