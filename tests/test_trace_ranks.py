@@ -318,3 +318,60 @@ def test_autocast_matmul_dtype_is_not_assumed():
             expected = model(*args)
             assert_close(sm(*args), expected, atol=1e-2, rtol=1e-2)
         assert_path(sm, "recorded", "plan")
+
+
+# --- indexing with a tensor; modules with a forward of their own ------------------------------
+
+
+class LearnedPositions(nn.Embedding):
+    """Whisper's positional embedding: an ``nn.Embedding`` whose own forward indexes the
+    weight (rank 3 with position ids, 2 from a slice)."""
+
+    def forward(self, input_ids, position_ids=None):
+        if position_ids is None:
+            return self.weight[: input_ids.shape[1]]
+        return self.weight[position_ids]
+
+
+class Decoder(nn.Module):
+    def __init__(self, d: int = 8, with_ids: bool = True):
+        super().__init__()
+        self.with_ids = with_ids
+        self.embed = nn.Embedding(16, d)
+        self.positions = LearnedPositions(16, d)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        if self.with_ids:
+            position_ids = torch.arange(h.shape[1], device=h.device) + 0
+            position_ids = position_ids.unsqueeze(0).repeat(h.shape[0], 1)
+            p = self.positions(ids, position_ids)
+            keep = (ids > 2)[..., None].expand_as(h)
+            h = h + p
+            picked = h[keep]  # a boolean index: one dimension
+            assert picked.ndim == 1
+        else:
+            p = self.positions(ids)
+            h = h + p.view(*p.shape[:-1], 2, -1).flatten(-2)
+        heads = h.view(*h.shape[:-1], 2, -1)
+        return self.proj(heads.flatten(-2))
+
+
+@pytest.mark.parametrize("with_ids", [True, False], ids=["position_ids", "slice"])
+@pytest.mark.parametrize("leaf", [False, True], ids=["traced", "leaf"])
+def test_indexing_with_a_tensor_and_embedding_subclasses(with_ids, leaf):
+    """Integer and boolean tensor indices give their ranks; an ``nn.Embedding`` subclass
+    with a forward of its own, run as one call (``leaf_modules``), has no rank of
+    ``nn.Embedding``'s (its slice is rank 2, not 3)."""
+    torch.manual_seed(0)
+    model = Outer(Decoder(with_ids=with_ids)).eval()
+    sm = ss.StreamScheduledModule(model, executor="serial", leaf_modules=(LearnedPositions,) if leaf else ())
+    for seed, (b, t) in enumerate([(2, 5), (3, 4), (2, 6)]):
+        ids = torch.randint(0, 16, (b, t), generator=_g(seed))
+        with torch.no_grad():
+            assert_close(sm(ids), model(ids))
+        assert_path(sm, "recorded", "plan")
+        # As a leaf, the subclass's value has no known rank: the code reading its shape
+        # cannot be traced, and the module calling it runs as written.
+        assert [o.path for o in sm.plan.opaque] == (["inner"] if leaf else []), sm.plan.opaque

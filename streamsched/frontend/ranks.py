@@ -11,11 +11,13 @@ trace does not specialise on them.
 
 A rank is known for: graph inputs; parameters and buffers (``get_attr``); the leaf
 modules whose output rank is their input's (``Linear``, norms, activations, dropout) or
-one more (``Embedding``); element-wise operations and methods (broadcasting: the
+one more (``Embedding``), where the class runs torch's own ``forward`` (a subclass's
+forward may return any rank); element-wise operations and methods (broadcasting: the
 largest rank); views and reshapes with explicit sizes; ``transpose``, ``permute``,
 ``unsqueeze``, ``flatten``, ``expand``, ``repeat``; reductions with explicit ``dim`` and
 ``keepdim``; ``matmul``, ``mm``, ``addmm``, ``bmm``, ``baddbmm``; ``cat`` and ``stack``;
-indexing with ints, slices, ``None`` and ``...``; ``arange``, ``linspace``, ``eye``, the
+indexing with ints, slices, ``None`` and ``...``, or with one tensor of known rank and
+dtype (integers: its dimensions replace the first; booleans: theirs become one); ``arange``, ``linspace``, ``eye``, the
 ``*_like`` factories and ``zeros``/``ones``/``empty``/``full``/``rand``/``randn`` given
 ints, sizes read from a shape (``x.shape[0]``, ``x.size(1)``) or a shape of known length.
 Anything else (``squeeze()``, whose rank depends on sizes; indexing with a tensor; an
@@ -37,7 +39,8 @@ Dtypes are tracked where an explicit dtype fixes them, whatever the inputs': a c
 (``.to(torch.float32)``, ``.float()``, ``.to(other)`` of a known dtype), a factory given
 ``dtype=``, a comparison (``bool``), and operations keeping the dtype of operands so
 known (views, ``where``, ``matmul`` and ``+ - * /`` of floating tensors of one dtype or
-with Python numbers). ``x.dtype`` of such a value is answered while tracing
+with Python numbers, ``+ - *`` of integer tensors with ints; ``arange`` of ints is
+``int64``). ``x.dtype`` of such a value is answered while tracing
 (``torch.finfo(w.dtype).min`` in GPT-Neo, XLNet's ``if mask.dtype == torch.float16``).
 The inputs' and parameters' dtypes are never used: a trace serves calls of any dtype.
 """
@@ -197,6 +200,8 @@ _FIXED_RANK_FUNCTIONS = {
     torch.bmm: 3,
     torch.baddbmm: 3,
 }
+# The factories themselves: fx replaces torch's names while tracing (autowrap).
+_ARANGE, _FULL = torch.arange, torch.full
 # Factories given their sizes (``RankTracker._factory``); ``*_like`` take their input's rank.
 _SIZED_FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.rand, torch.randn, torch.full}
 
@@ -273,19 +278,25 @@ _FACTORY_DTYPES = {
 } | _LIKE_FACTORIES
 
 
-def _arithmetic(dtype: Optional[torch.dtype], others: list) -> Optional[torch.dtype]:
+def _arithmetic(dtype: Optional[torch.dtype], others: list, division: bool = False) -> Optional[torch.dtype]:
     """``+ - * /`` of a floating tensor of ``dtype`` with tensors of the same dtype or
-    Python numbers: that dtype (a number never widens a floating tensor)."""
-    if dtype is None or not dtype.is_floating_point:
+    Python numbers: that dtype (a number never widens a floating tensor); ``+ - *`` of
+    an integer tensor with tensors of its dtype or Python ints: that dtype."""
+    if dtype is None or dtype is torch.bool or dtype.is_complex:
         return None
+    numbers: tuple[type, ...] = (int, float, bool) if dtype.is_floating_point else (int, bool)
+    if division and not dtype.is_floating_point:
+        return None  # true division of integers gives floats
     for other in others:
         if isinstance(other, torch.dtype):
             if other != dtype:
                 return None
-        elif type(other) not in (int, float, bool):
+        elif type(other) not in numbers:
             return None
     return dtype
 
+
+_SAME_FORWARDS = frozenset(cls.forward for cls in _SAME_MODULES)
 
 _SIZES_METHODS = frozenset({"view", "reshape", "expand", "repeat", "new_zeros", "new_ones", "new_empty"})
 
@@ -345,6 +356,13 @@ class RankTracker:
             return self.dtypes.get(node)
         return None
 
+    def _is_int(self, value: Any) -> bool:
+        """A Python int, or a size read from a shape (an int on every call)."""
+        if type(value) is int:
+            return True
+        node = value.node if isinstance(value, fx.Proxy) else value
+        return isinstance(node, fx.Node) and node in self.sizes
+
     def _is_tensor(self, value: Any) -> bool:
         node = value.node if isinstance(value, fx.Proxy) else value
         return isinstance(node, fx.Node) and (node in self.rank or node in self.dtypes)
@@ -376,9 +394,8 @@ class RankTracker:
             if name in _COMPARISONS and self._is_tensor(x):
                 return torch.bool
             if name in _ARITHMETIC:
-                return _arithmetic(
-                    self._d(x), [self._d(a) if isinstance(a, (fx.Node, fx.Proxy)) else a for a in args[1:]]
-                )
+                others = [self._d(a) if isinstance(a, (fx.Node, fx.Proxy)) else a for a in args[1:]]
+                return _arithmetic(self._d(x), others, division=name == "div")
             return None
         if kind != "call_function":
             return None
@@ -386,6 +403,8 @@ class RankTracker:
             d = kwargs.get("dtype")
             if isinstance(d, torch.dtype):
                 return d
+            if target is _ARANGE and d is None and args and all(self._is_int(a) for a in args):
+                return torch.int64  # arange of integers
             if target in _LIKE_FACTORIES and d is None and args:
                 return self._d(args[0])
             return None
@@ -411,15 +430,12 @@ class RankTracker:
             return a if a is not None and a == b else None
         if target in _ARITHMETIC_FUNCTIONS:
             values = [self._d(a) if isinstance(a, (fx.Node, fx.Proxy)) else a for a in args]
-            return (
-                _arithmetic(values[0], values[1:])
-                if isinstance(values[0], torch.dtype)
-                else (
-                    _arithmetic(values[1], values[:1])
-                    if len(values) == 2 and isinstance(values[1], torch.dtype)
-                    else None
-                )
-            )
+            division = target is operator.truediv
+            if isinstance(values[0], torch.dtype):
+                return _arithmetic(values[0], values[1:], division)
+            if len(values) == 2 and isinstance(values[1], torch.dtype):
+                return _arithmetic(values[1], values[:1], division)
+            return None
         return None
 
     def _r(self, value: Any) -> Optional[int]:
@@ -455,9 +471,12 @@ class RankTracker:
         elif kind == "call_module":
             module = _attribute(root, str(target))
             x = self._r(args[0]) if args else None
-            if isinstance(module, _SAME_MODULES):
+            # Only where the class runs torch's own forward: a subclass's forward (a
+            # leaf_modules class, an opaque one) may give any rank.
+            forward = type(module).forward
+            if isinstance(module, _SAME_MODULES) and forward in _SAME_FORWARDS:
                 rank = x
-            elif isinstance(module, nn.Embedding) and x is not None:
+            elif isinstance(module, nn.Embedding) and forward is nn.Embedding.forward and x is not None:
                 rank = x + 1
         elif kind == "call_method":
             rank = self._method(node, target, args, kwargs)
@@ -517,7 +536,7 @@ class RankTracker:
         if fn in _FIXED_RANK_FUNCTIONS:
             return _FIXED_RANK_FUNCTIONS[fn]
         if fn in _SIZED_FACTORIES:
-            return self._factory(args[:1] if fn is torch.full else args, kwargs)
+            return self._factory(args[:1] if fn is _FULL else args, kwargs)
         if fn in _SPLIT_FUNCTIONS:
             x = self._r(args[0]) if args else None
             if x is not None:
@@ -634,6 +653,17 @@ class RankTracker:
             return None
         x = self._r(base)
         if x is None:
+            return None
+        if isinstance(index, (fx.Node, fx.Proxy)):
+            # One tensor as the index: integers pick along the first dimension (the
+            # index's dimensions replace it), booleans select (theirs become one).
+            r, dtype = self._r(index), self._d(index)
+            if r is None or dtype is None:
+                return None
+            if dtype in (torch.int64, torch.int32):
+                return x - 1 + r if x >= 1 else None
+            if dtype is torch.bool:
+                return x - r + 1 if r <= x else None
             return None
         items = index if type(index) is tuple else (index,)
         if sum(item is Ellipsis for item in items) > 1:
