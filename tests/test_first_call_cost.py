@@ -8,6 +8,7 @@
 """
 
 import copy
+import gc
 import importlib.util
 import sys
 from pathlib import Path
@@ -302,3 +303,59 @@ def test_a_fused_nodes_cost_is_the_sum_of_its_members_costs(monkeypatch, make, x
             assert len(set(costs)) > 1, "a wide group whose members cost the same tests nothing"
         expected = dev.launch_us + sum(max(0.0, c - dev.launch_us) for c in costs)
         assert fused_nodes[group.node].meta["streamsched_cost_us"] == pytest.approx(expected, rel=1e-12)
+
+
+# --- the collector during the recording call -------------------------------------------------
+
+
+class _CollectorProbe(nn.Module):
+    """A leaf task that notes whether the cyclic collector is on when it runs."""
+
+    def __init__(self, fail: bool = False):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.seen: list[bool] = []
+        self.fail = fail
+
+    def forward(self, x):
+        self.seen.append(gc.isenabled())
+        if self.fail:
+            raise ValueError("planted failure in forward")
+        return self.lin(x)
+
+
+class _Probed(nn.Module):
+    def __init__(self, fail: bool = False):
+        super().__init__()
+        self.probe = _CollectorProbe(fail)
+        self.other = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.probe(x) + self.other(x)
+
+
+def test_the_recording_call_runs_with_the_collector_paused_and_restores_it():
+    assert gc.isenabled()
+    torch.manual_seed(0)
+    model = _Probed()
+    sm = ss.StreamScheduledModule(copy.deepcopy(model), leaf_modules=(_CollectorProbe,), executor="serial")
+    x = torch.randn(2, 4)
+    out = sm(x)
+    assert_path(sm, "recorded")
+    assert_close(out, model(x))
+    assert sm.module.probe.seen == [False] and gc.isenabled()
+    fresh = torch.randn(2, 4)
+    assert_close(sm(fresh), model(fresh))
+    assert_path(sm, "plan")
+    assert sm.module.probe.seen == [False, True]  # later calls: the collector as it was
+    gc.disable()
+    try:
+        sm2 = ss.StreamScheduledModule(copy.deepcopy(model), leaf_modules=(_CollectorProbe,), executor="serial")
+        sm2(x)
+        assert not gc.isenabled()  # left off, as it was
+    finally:
+        gc.enable()
+    failing = ss.StreamScheduledModule(_Probed(fail=True), leaf_modules=(_CollectorProbe,), executor="serial")
+    with pytest.raises(ValueError, match="planted failure"):
+        failing(x)
+    assert failing.module.probe.seen == [False] and gc.isenabled()

@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import fx
 
+from .._gc import cyclic_gc_paused
 from .leafcalls import recording_counter, store_counts
 from .nodes import submodule_resolver
 from .opaque_outputs import leaf_label, misleads
@@ -87,6 +88,7 @@ def tensor_metas(meta: ValueMeta) -> list[TensorMeta]:
     return []
 
 
+@cyclic_gc_paused
 def run_and_record(
     graph: fx.Graph,
     root: torch.nn.Module,

@@ -10,15 +10,14 @@ and stream assignment that plan describes. The runtime compiles it
 from __future__ import annotations
 
 import copy
-import functools
-import gc
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Optional
 
 import torch
 from torch import fx
 
+from .._gc import cyclic_gc_paused
 from ..config import SchedulerConfig
 from ..frontend.effects import Effects
 from ..frontend.leafcalls import opaque_leaf_calls, traced_coverage
@@ -119,32 +118,9 @@ def signature_text(tensors: list[torch.Tensor]) -> str:
     return ", ".join(parts) or "no tensor inputs"
 
 
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _cyclic_gc_paused(fn: _F) -> _F:
-    """Run ``fn`` with Python's cyclic garbage collector paused.
-
-    Planning builds tens of thousands of small objects (fx nodes, groups, tasks) that all
-    survive it, and each generation-0 collection re-scans the young ones: on a 1,000-member
-    model that was a sixth of the first call. Nothing planning makes is garbage in a
-    cycle worth collecting early; the collector resumes (as it was) when planning ends.
-    """
-
-    @functools.wraps(fn)
-    def paused(*args: Any, **kwargs: Any) -> Any:
-        was_enabled = gc.isenabled()
-        gc.disable()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            if was_enabled:
-                gc.enable()
-
-    return paused  # type: ignore[return-value]
-
-
-@_cyclic_gc_paused
+# Planning builds tens of thousands of small objects that all survive it (fx nodes,
+# groups, tasks): on a 1,000-member model collections over them were a sixth of the call.
+@cyclic_gc_paused
 def make_schedule(
     traced: Traced,
     metas: dict[fx.Node, ValueMeta],
