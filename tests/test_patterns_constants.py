@@ -50,6 +50,13 @@ class WritesANumpyConstant(Pair):
         return acc + self.right(x)
 
 
+class TensorOfANumpyArray(Pair):
+    def forward(self, x):
+        acc = torch.tensor(np.zeros((D, D), dtype=np.float32))  # a factory a node cannot hold
+        acc += self.left(x)
+        return acc + self.right(x)
+
+
 class NoiseLikeAGlobal(Pair):
     def forward(self, x):
         noise = torch.randn_like(GLOBAL)  # a factory reading a real tensor: a node
@@ -69,6 +76,7 @@ CASES = {
     "noise": AddsNoise,
     "returns_constant": ReturnsAConstant,
     "numpy_constant": WritesANumpyConstant,
+    "tensor_of_numpy": TensorOfANumpyArray,
     "noise_like_global": NoiseLikeAGlobal,
 }
 EXECUTORS = {"serial": {"executor": "serial"}, "threads": {"executor": "threads", "min_task_cost": 0.0}}

@@ -170,7 +170,12 @@ class GradModeGuard(TorchFunctionMode):
             )
         kwargs = kwargs or {}
         if self.tracer is not None and func in FACTORIES and not _has_proxy(args, kwargs):
-            return self.tracer.create_proxy("call_function", func, args, kwargs)
+            try:
+                return self.tracer.create_proxy("call_function", func, args, kwargs)
+            except NotImplementedError:
+                # An argument a node cannot hold (``torch.tensor(numpy_array)``): made
+                # now, a constant that every call gets a copy of (copy_fresh_constants).
+                pass
         return func(*args, **kwargs)
 
 
