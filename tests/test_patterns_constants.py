@@ -5,6 +5,8 @@ carried from one call to the next, a fresh output object each call."""
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 import torch
@@ -57,6 +59,14 @@ class TensorOfANumpyArray(Pair):
         return acc + self.right(x)
 
 
+class PythonLayerDrop(Pair):
+    def forward(self, x):
+        y = self.left(x)
+        if random.random() < 0.5:  # a Python random number: drawn anew every call in eager
+            y = y + self.right(x)
+        return y
+
+
 class NoiseLikeAGlobal(Pair):
     def forward(self, x):
         noise = torch.randn_like(GLOBAL)  # a factory reading a real tensor: a node
@@ -77,6 +87,7 @@ CASES = {
     "returns_constant": ReturnsAConstant,
     "numpy_constant": WritesANumpyConstant,
     "tensor_of_numpy": TensorOfANumpyArray,
+    "python_random": PythonLayerDrop,
     "noise_like_global": NoiseLikeAGlobal,
 }
 EXECUTORS = {"serial": {"executor": "serial"}, "threads": {"executor": "threads", "min_task_cost": 0.0}}
@@ -93,15 +104,17 @@ def test_tensors_made_from_plain_values_are_made_every_call(name, executor):
     for call in range(6):
         inputs = _inputs(name)
         torch.manual_seed(100 + call)
+        random.seed(call)
         expected = model(*inputs)
         torch.manual_seed(100 + call)
+        random.seed(call)
         actual = sm(*inputs)
         paths.add(assert_path(sm, "recorded", "plan", "eager-dispatch"))
         assert_close(actual, expected, what=f"{name} call {call} ({paths})")
         returned.append(actual)
         if isinstance(actual, tuple):
             actual[1].add_(10)  # the caller owns what it got: later calls must not see this
-    if name != "noise_like_global":  # random numbers drawn from a real tensor: not traced
+    if name not in ("noise_like_global", "python_random"):  # random draws outside the graph: not traced
         assert "plan:serial" in paths or "plan:threads" in paths
     if name == "returns_constant":
         assert len({id(out[1]) for out in returned}) == len(returned)

@@ -162,6 +162,20 @@ class GradModeGuard(TorchFunctionMode):
         super().__init__()
         self.tracer = tracer
 
+    def __enter__(self) -> GradModeGuard:
+        _python_random_refused(True)
+        try:
+            return super().__enter__()
+        except BaseException:
+            _python_random_refused(False)
+            raise
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return super().__exit__(*exc)
+        finally:
+            _python_random_refused(False)
+
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         if func is torch._C._set_grad_enabled:
             raise SideEffectDuringTrace(
@@ -177,6 +191,68 @@ class GradModeGuard(TorchFunctionMode):
                 # now, a constant that every call gets a copy of (copy_fresh_constants).
                 pass
         return func(*args, **kwargs)
+
+
+# Python's own random numbers (``random.random()``, ``random.uniform(0, 1)``: LayerDrop in
+# some models) drawn while tracing would be drawn once and baked into the trace as
+# plain values: refused on the tracing threads, the module that draws them runs as
+# written. The module's functions are patched while any trace runs.
+_RANDOM_FUNCTIONS = (
+    "random",
+    "uniform",
+    "randint",
+    "randrange",
+    "choice",
+    "choices",
+    "sample",
+    "shuffle",
+    "gauss",
+    "normalvariate",
+    "getrandbits",
+    "betavariate",
+    "expovariate",
+)
+_random_lock = threading.Lock()
+_random_tracing: dict[int, int] = {}
+_random_originals: dict[str, Any] = {}
+
+
+def _refusing(name: str, fn: Any) -> Any:
+    def draw(*args: Any, **kwargs: Any) -> Any:
+        if _random_tracing.get(threading.get_ident()):
+            raise SideEffectDuringTrace(
+                f"random.{name}() draws a Python random number while tracing: it would be drawn once and every "
+                "call would reuse it"
+            )
+        return fn(*args, **kwargs)
+
+    draw.__wrapped__ = fn  # type: ignore[attr-defined]
+    return draw
+
+
+def _python_random_refused(on: bool) -> None:
+    import random
+
+    thread = threading.get_ident()
+    with _random_lock:
+        if on:
+            _random_tracing[thread] = _random_tracing.get(thread, 0) + 1
+            if not _random_originals:
+                for name in _RANDOM_FUNCTIONS:
+                    fn = getattr(random, name, None)
+                    if fn is not None:
+                        _random_originals[name] = fn
+                        setattr(random, name, _refusing(name, fn))
+            return
+        left = _random_tracing.get(thread, 0) - 1
+        if left > 0:
+            _random_tracing[thread] = left
+        else:
+            _random_tracing.pop(thread, None)
+        if not _random_tracing:
+            for name, fn in _random_originals.items():
+                setattr(random, name, fn)
+            _random_originals.clear()
 
 
 def _has_proxy(args: tuple, kwargs: dict) -> bool:
