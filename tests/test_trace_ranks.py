@@ -375,3 +375,29 @@ def test_indexing_with_a_tensor_and_embedding_subclasses(with_ids, leaf):
         # As a leaf, the subclass's value has no known rank: the code reading its shape
         # cannot be traced, and the module calling it runs as written.
         assert [o.path for o in sm.plan.opaque] == (["inner"] if leaf else []), sm.plan.opaque
+
+
+class SequenceReduction(nn.Module):
+    """Segformer's efficient attention: tokens laid out as an image, reduced by a
+    strided convolution, and read back as tokens from the convolution's shape."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.sr = nn.Conv2d(d, d, kernel_size=2, stride=2)
+        self.norm = nn.BatchNorm2d(d)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x, height: int = 4):
+        b, n, c = x.shape
+        image = x.permute(0, 2, 1).reshape(b, c, height, -1)
+        reduced = nn.functional.avg_pool2d(self.norm(self.sr(image)), 1)
+        tokens = reduced.reshape(*reduced.shape[:2], -1).permute(0, 2, 1)
+        return self.proj(tokens).mean(1, keepdim=True) + x
+
+
+def test_convolutions_and_pooling_keep_the_rank():
+    torch.manual_seed(0)
+    model = Outer(SequenceReduction()).eval()
+    inputs = [(torch.randn(b, 4 * w, 8, generator=_g(seed)),) for seed, (b, w) in enumerate([(2, 4), (3, 6), (1, 2)])]
+    sm = _run(model, inputs)
+    assert sm.plan.coverage_calls == (4, 4)
