@@ -393,6 +393,26 @@ def test_members_whose_children_differ_in_mode_are_not_fused_together(train):
     assert 4 not in sizes and 3 in sizes, sizes
 
 
+class _CopiedNormAct(nn.BatchNorm1d):
+    """As timm's BatchNormAct2d: a torch.nn subclass whose forward is its own copy of the
+    base's (a rank check, then the functional call) and never calls the base's forward.
+    Its forward traces now that ranks are known; it must stay one call, fused by vmap."""
+
+    def forward(self, x):
+        assert x.ndim == 2, f"expected 2D input (got {x.ndim}D input)"
+        y = nn.functional.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.1, 1e-5)
+        return torch.relu(y)
+
+
+@pytest.mark.parametrize("cls", [_NormAct, _CopiedNormAct], ids=["calls-super", "own-copy"])
+def test_subclasses_of_torch_leaf_modules_stay_one_fusable_call(cls):
+    members = [cls(nn.ReLU()) if cls is _NormAct else cls(8) for _ in range(4)]
+    model = _FourNormActs(members).eval()
+    sm = check_against_eager(model, (torch.randn(5, 8),), calls=3)
+    assert [g.size for g in sm.plan.fused_groups] == [4]
+    assert not sm.plan.opaque  # a leaf, not a class made opaque by a failed trace
+
+
 def test_members_alike_in_everything_are_fused():
     model = _FourNormActs([_NormAct(nn.ReLU(), scale=2.0) for _ in range(4)]).eval()
     sm = check_against_eager(model, (torch.randn(5, 8),), calls=3)

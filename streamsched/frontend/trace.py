@@ -445,6 +445,8 @@ class _LeafTracer(fx.Tracer):
         # fx cannot trace a compiled module; its compiled code runs as one opaque task.
         if _is_compiled_module(m):
             return True
+        if _extends_torch_leaf(type(m)):
+            return True
         return super().is_leaf_module(m, module_qualified_name)
 
     def path_of_module(self, mod: torch.nn.Module) -> str:
@@ -691,6 +693,38 @@ def is_compiled_module(m: Any) -> bool:
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     optimized = getattr(eval_frame, "OptimizedModule", None)
     return optimized is not None and isinstance(m, optimized)
+
+
+_TORCH_CONTAINERS = (
+    torch.nn.Module,
+    torch.nn.Sequential,
+    torch.nn.ModuleList,
+    torch.nn.ModuleDict,
+    torch.nn.ParameterList,
+    torch.nn.ParameterDict,
+)
+
+
+@functools.cache
+def _extends_torch_leaf(cls: type) -> bool:
+    """Whether ``cls``, defined outside ``torch.nn``, subclasses a ``torch.nn`` module that
+    fx keeps as a leaf (``BatchNorm2d``, ``Linear``, ``LayerNorm``...; not a container).
+    Such a subclass (timm's ``BatchNormAct2d``) is a leaf as its base is: one module call,
+    which fusion batches across members with ``vmap`` over the member's own code. Traced
+    through, its base's forward becomes functional calls no group can batch, and whether
+    that forward traces at all hangs on checks like ``input.dim()``.
+
+    Not ``nn.Embedding`` subclasses: transformers' learned positional embeddings (BART's,
+    Whisper's) are ``nn.Embedding`` subclasses whose forward computes positions from the
+    input's shape; traced, their value's rank is known (``frontend.ranks``) and the code
+    reading its shape traces, where a leaf's value has no rank and makes its caller
+    opaque."""
+    if cls.__module__.startswith(("torch.nn", "torch.ao.nn")) or issubclass(cls, torch.nn.Embedding):
+        return False
+    for base in cls.__mro__[1:]:
+        if base.__module__.startswith(("torch.nn", "torch.ao.nn")):
+            return base not in _TORCH_CONTAINERS
+    return False
 
 
 def _is_compiled_module(m: torch.nn.Module) -> bool:
