@@ -401,3 +401,29 @@ def test_convolutions_and_pooling_keep_the_rank():
     inputs = [(torch.randn(b, 4 * w, 8, generator=_g(seed)),) for seed, (b, w) in enumerate([(2, 4), (3, 6), (1, 2)])]
     sm = _run(model, inputs)
     assert sm.plan.coverage_calls == (4, 4)
+
+
+class ScaledEmbedding(nn.Embedding):
+    """BART's word embedding: torch's forward scaled (``F.embedding`` inside)."""
+
+    def forward(self, ids):
+        return super().forward(ids) * 2.0
+
+
+class ScaledTokens(nn.Module):
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.embed = ScaledEmbedding(16, d)
+        self.mix = nn.Linear(d // 2, d // 2)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        return self.mix(h.view(*h.shape[:-1], 2, -1)).flatten(-2)
+
+
+def test_functional_embedding_adds_a_dimension():
+    torch.manual_seed(0)
+    model = Outer(ScaledTokens()).eval()
+    inputs = [(torch.randint(0, 16, (b, t), generator=_g(seed)),) for seed, (b, t) in enumerate([(2, 5), (3, 4)])]
+    sm = _run(model, inputs)
+    assert sm.plan.coverage_calls == (3, 3)

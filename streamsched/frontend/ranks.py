@@ -11,7 +11,7 @@ trace does not specialise on them.
 
 A rank is known for: graph inputs; parameters and buffers (``get_attr``); the leaf
 modules whose output rank is their input's (``Linear``, norms, activations, dropout) or
-one more (``Embedding``), where the class runs torch's own ``forward`` (a subclass's
+one more (``Embedding``; ``F.embedding`` too), where the class runs torch's own ``forward`` (a subclass's
 forward may return any rank); element-wise operations and methods (broadcasting: the
 largest rank); views and reshapes with explicit sizes; ``transpose``, ``permute``,
 ``unsqueeze``, ``flatten``, ``expand``, ``repeat``; reductions with explicit ``dim`` and
@@ -584,6 +584,9 @@ class RankTracker:
             if x is not None:
                 self._split(node, _SPLIT_FUNCTIONS[fn], x, args[1:], kwargs)
             return None
+        if fn is F.embedding:
+            x = self._r(args[0]) if args else self._r(kwargs.get("input"))
+            return None if x is None else x + 1  # a vector per index
         if fn in _SAME_FUNCTIONS:
             return self._r(args[0]) if args else self._r(kwargs.get("input"))
         if fn in _BROADCAST_FUNCTIONS or (fn is torch.where and len(args) == 3):
