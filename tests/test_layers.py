@@ -17,7 +17,7 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "streamsched"
 
 LAYERS = ["base", "frontend", "ir", "passes", "planning", "runtime", "observe", "api"]
-BASE = {"errors", "config", "branch", "_generation", "_native", "envinfo", "_lru", "_version", "_C"}
+BASE = {"errors", "config", "branch", "_generation", "_native", "envinfo", "_lru", "_version", "_C", "_gc"}
 
 
 def _modules() -> dict[str, pathlib.Path]:

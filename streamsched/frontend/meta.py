@@ -19,6 +19,7 @@ from .._gc import cyclic_gc_paused
 from .leafcalls import recording_counter, store_counts
 from .nodes import submodule_resolver
 from .opaque_outputs import leaf_label, misleads
+from .rank_checks import RELIED, RankAssumptionError, check_relied
 
 __all__ = ["TensorMeta", "ValueMeta", "describe", "run_and_record", "tensor_metas"]
 
@@ -209,6 +210,12 @@ def _run(
             # Values the new graph reads no more after this point: dropped with the rest.
             position = {n: k for k, n in enumerate(nodes)}
             held = [n for n in env if max((position[u] for u in n.users), default=-1) <= i]
+        if RELIED in node.meta:
+            try:
+                check_relied(node, value)
+            except RankAssumptionError as exc:
+                on_error(exc, node)
+                raise
         env[node] = value
         if record is not None:
             record[node] = describe(value)

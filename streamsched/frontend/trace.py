@@ -52,6 +52,7 @@ from .nodes import AUGMENTED_OPERATORS, submodule_resolver
 from .opaque_functions import OpaqueFunction, UnsafeOpaqueCall
 from .opaque_outputs import OutputCheck, Skeleton, leaf_label, learn, learned, skeleton_of
 from .output_tree import OutputTree
+from .rank_checks import rely_on
 from .ranks import RankTracker
 from .trace_guard import (
     GradModeGuard,
@@ -530,19 +531,24 @@ def _known_rank(proxy: Any) -> Optional[int]:
     ranks tracked follow from those alone, so the number may be baked into the trace."""
     if not isinstance(proxy, fx.Proxy) or not isinstance(proxy.tracer, _LeafTracer):
         return None
-    return proxy.tracer.ranks.rank_of(proxy.node)
+    rank = proxy.tracer.ranks.rank_of(proxy.node)
+    if rank is not None:
+        rely_on(proxy.node, "rank", rank)
+    return rank
 
 
 def _proxy_len(proxy: fx.Proxy) -> int:
     n = proxy.tracer.ranks.length(proxy.node) if isinstance(proxy.tracer, _LeafTracer) else None
     if n is None:
         return fx.Proxy.__len__(proxy)
+    rely_on(proxy.node, "length", n)
     return n
 
 
 def _proxy_iter(proxy: fx.Proxy, frame: Any) -> Any:
     n = proxy.tracer.ranks.length(proxy.node) if isinstance(proxy.tracer, _LeafTracer) else None
     if n is not None:
+        rely_on(proxy.node, "length", n)
         return iter([proxy[i] for i in range(n)])
     # fx's own rule, read in the frame calling ``__iter__`` (fx reads the frame calling
     # its own): ``a, b = proxy`` unpacks, anything else fails.

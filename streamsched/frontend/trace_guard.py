@@ -28,6 +28,7 @@ refuses any grad-mode switch while a trace runs; :func:`autocast_state` and
 
 from __future__ import annotations
 
+import random
 import threading
 from typing import Any, Optional
 
@@ -231,8 +232,6 @@ def _refusing(name: str, fn: Any) -> Any:
 
 
 def _python_random_refused(on: bool) -> None:
-    import random
-
     thread = threading.get_ident()
     with _random_lock:
         if on:

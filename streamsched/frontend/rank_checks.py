@@ -1,0 +1,53 @@
+"""What the trace baked in from ranks, checked on the recording call.
+
+Where the tracer answers ``x.dim()``, ``len(x.shape)`` or iterates ``x.shape[:-1]`` from
+the ranks it tracks (``frontend.ranks``), the answer becomes part of the graph: a view
+to ``(*x.shape[:-1], 2, -1)`` has as many size arguments as the rank said. A rank rule
+that is wrong for some operation would make a graph that computes something else, and
+the recording call returns what the graph computes. So each value whose rank or length
+the trace relied on is marked on its node (:func:`rely_on`), and the recording call
+(``frontend.meta``) compares the mark with the real value as soon as the node has run
+(:func:`check_relied`): a difference raises :class:`RankAssumptionError`, naming the node
+and both figures, before any result is returned. A trace is made per rank of every
+input, and each new size of a signature is recorded before it is planned, so every graph
+the wrapper runs was checked on a call of its own sizes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import fx
+
+__all__ = ["rely_on", "check_relied", "RankAssumptionError", "RELIED"]
+
+# node.meta key: ("rank" | "length", the number the trace used)
+RELIED = "streamsched_relied_rank"
+
+
+class RankAssumptionError(RuntimeError):
+    """A rank the trace was made with differs from the real value's: the graph would not
+    compute what the model does."""
+
+
+def rely_on(node: fx.Node, kind: str, number: int) -> None:
+    """Mark that the trace used ``node``'s rank (``kind="rank"``) or length (``"length"``)."""
+    node.meta[RELIED] = (kind, number)
+
+
+def check_relied(node: fx.Node, value: Any) -> None:
+    """Raise if ``value``, the real value of ``node``, is not what the trace relied on."""
+    kind, number = node.meta[RELIED]
+    if kind == "rank":
+        real = value.dim() if isinstance(value, torch.Tensor) else None
+    else:
+        real = len(value) if isinstance(value, (tuple, list, torch.Size)) else None
+    if real != number:
+        raise RankAssumptionError(
+            f"streamsched traced '{node.name}' ({node.format_node()}) assuming its {kind} is {number}, "
+            f"but the call gave {real if real is not None else type(value).__name__}: the traced graph would not "
+            "compute what the model does, so the call is refused. This is a gap in streamsched's rank rules "
+            "(frontend/ranks.py): please report it; meanwhile, listing the module that computes this value in "
+            "leaf_modules keeps it out of the trace"
+        )
