@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import itertools
 import logging
 import threading
 import time
@@ -181,6 +182,11 @@ class _State:
         self.hot: Optional[tuple] = None
         self.lock = threading.RLock()
         self.generation = _generation.current()
+        # The model's first parameter (or buffer) and its (dtype, device) when traces were
+        # made: ``model.to(...)``, ``.half()``, ``.cuda()`` on the model itself (not the
+        # wrapper) moves no generation, and traced code may have read them as constants
+        # (transformers' ``self.device`` and ``self.dtype``).
+        self.probe, self.probed = _placement_probe(model)
         self.hook_registrations = _generation.hook_registrations()
         self.calls = 0
         self.executors = ExecutorPool(_native.native())
@@ -240,6 +246,13 @@ class _AttachedForward:
         raise TypeError(
             "a model attached to a StreamScheduledModule cannot be pickled or copied: call sm.detach() first"
         )
+
+
+def _placement_probe(model: nn.Module) -> tuple[Optional[torch.Tensor], Optional[tuple]]:
+    """The model's first parameter (else buffer) and its (dtype, device) now."""
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        return tensor, (tensor.dtype, tensor.device)
+    return None, None
 
 
 def _identity(value: Any) -> Any:
@@ -487,6 +500,7 @@ class StreamScheduledModule(nn.Module):
             if st.nested is not None:
                 st.nested.invalidate()
             st.generation = _generation.current()
+            st.probe, st.probed = _placement_probe(self.module)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
@@ -531,6 +545,10 @@ class StreamScheduledModule(nn.Module):
         st = self._ss
         if st.generation != _generation.current():
             self._revalidate()
+        probe = st.probe
+        if probe is not None and (probe.dtype, probe.device) != st.probed:
+            log.info("streamsched: %s was moved or cast; re-tracing", type(self.module).__name__)
+            self.invalidate()
         module = self.module
         if inside_model_call:
             if global_hooks():
@@ -591,6 +609,11 @@ class StreamScheduledModule(nn.Module):
         # A module hook registered since: a hooked module runs as a call of its own.
         stale = st.hook_registrations != _generation.hook_registrations()
         st.hook_registrations = _generation.hook_registrations()
+        # The first parameter may be another one now (re-wired); a cast or move of the
+        # model at the same time must still count.
+        probe, probed = _placement_probe(self.module)
+        stale = stale or probed != st.probed
+        st.probe, st.probed = probe, probed
         for traced in list(st.traces.values()):
             if not isinstance(traced, Traced):
                 continue

@@ -52,3 +52,53 @@ def test_tensor_attributes_reassigned_or_updated_are_read_every_call(executor):
         out = sm(x)
         path = assert_path(sm, "recorded", "plan")
         assert_close(out, model(x), what=f"call {call} ({path})")
+
+
+# --- the model itself cast or moved after wrapping ---------------------------------
+
+
+class ReadsItsPlacement(nn.Module):
+    """Reads its parameters' dtype and device as plain Python values, as transformers'
+    ``self.dtype`` / ``self.device`` do: a trace bakes them in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.heads = nn.ModuleList(nn.Linear(8, 4) for _ in range(4))
+
+    def forward(self, x):
+        w = next(self.parameters())
+        eps = torch.finfo(w.dtype).eps  # 1.2e-7 in float32, 2.2e-16 in float64
+        pos = torch.arange(x.shape[0], device=w.device, dtype=w.dtype)[:, None]
+        return torch.stack([h(x) for h in self.heads]).sum(0) + pos + eps * 1e6
+
+
+def _calls(sm, model, make, n=4):
+    for _ in range(n):
+        x = make()
+        assert_close(sm(x), model(x), atol=1e-6, rtol=1e-6)
+    assert_path(sm, "recorded", "plan", "as-written")
+
+
+def test_casting_the_model_itself_after_wrapping_re_traces():
+    """``model.double()`` on the wrapped model (not the wrapper) moves no module
+    generation; a trace made in float32 baked float32's epsilon in (off by 0.12)."""
+    model = ReadsItsPlacement()
+    sm = ss.StreamScheduledModule(model)
+    _calls(sm, model, lambda: torch.randn(3, 8))
+    model.double()
+    _calls(sm, model, lambda: torch.randn(3, 8, dtype=torch.float64))
+    model.float()
+    _calls(sm, model, lambda: torch.randn(3, 8))
+
+
+def test_moving_the_model_itself_after_wrapping_re_traces():
+    """``model.cuda()`` on the wrapped model: a trace made on the CPU baked its device in,
+    and every later call failed on mixed devices."""
+    from streamsched.emulated_cuda import EmulatedCuda
+
+    with EmulatedCuda():
+        model = ReadsItsPlacement()
+        sm = ss.StreamScheduledModule(model)
+        _calls(sm, model, lambda: torch.randn(3, 8))
+        model.cuda()
+        _calls(sm, model, lambda: torch.randn(3, 8, device="cuda"))
