@@ -933,17 +933,13 @@ class StreamScheduledModule(nn.Module):
                 # The bucket was decided while this trial went on (stalled, or decided
                 # at another size): take that verdict.
                 self._apply_decision(schedule, decision)
-                if schedule.eager:
-                    return self._forward_as_written(args, kwargs)
-                return schedule.rebuild(self._run(schedule, tensors))
+                return self._run_decided(schedule, tensors, args, kwargs)
         if trial.pending:
             # Training calls whose backward has run since count now.
             trial.collect()
             if trial.done():
                 self._finish_trial(schedule, trial)
-                if schedule.eager:
-                    return self._forward_as_written(args, kwargs)
-                return schedule.rebuild(self._run(schedule, tensors))
+                return self._run_decided(schedule, tensors, args, kwargs)
         name = trial.next()
         device = schedule.plan.device
         cuda = device.startswith("cuda")
@@ -991,12 +987,18 @@ class StreamScheduledModule(nn.Module):
                 trial.add_pending(name, forward_s, sample)
                 return out
             if trial.backward:
-                trial.given_up += 1  # no gradient this time: nothing comparable to time
+                trial.missed()  # no gradient this time: nothing comparable to time
                 return out
         trial.add(name, forward_s)
         if trial.done():
             self._finish_trial(schedule, trial)
         return out
+
+    def _run_decided(self, schedule: _Compiled, tensors: list[torch.Tensor], args: tuple, kwargs: dict) -> Any:
+        """A call of a signature whose trial has just been decided, run the way decided."""
+        if schedule.eager:
+            return self._forward_as_written(args, kwargs)
+        return schedule.rebuild(self._run(schedule, tensors))
 
     def _finish_trial(self, schedule: _Compiled, trial: Trial) -> None:
         schedule.plan, schedule.eager = trial.decide(schedule.plan)

@@ -181,3 +181,21 @@ def test_autograd_grad_during_the_trial_equals_eager():
         (want,) = torch.autograd.grad(model(x).square().sum(), x)
         assert_close(gx, want)
     assert any(p.startswith("plan:") for p in seen), seen
+
+
+def test_a_training_trial_whose_outputs_stop_carrying_gradients_still_decides():
+    """Parameters frozen mid-trial (the same signature: inputs and modes unchanged): the
+    outputs carry no gradient, so no backward can be timed; the trial times forwards."""
+    model = Heads()
+    sm = ss.StreamScheduledModule(model)
+    sm(torch.randn(5, 16))
+    _train(sm, model, 3)
+    assert sm._ss.last.trial is not None and sm._ss.last.trial.backward
+    model.requires_grad_(False)
+    for _ in range(40):
+        x = torch.randn(5, 16)
+        assert_close(sm(x), model(x))
+        if sm._ss.last.trial is None:
+            break
+    assert sm._ss.last.trial is None
+    assert "forward and backward" not in sm.plan.reason

@@ -197,23 +197,29 @@ class Trial:
             # No call's output was backpropagated before the next call (inference with
             # grad enabled): time forwards only; the forward times taken so far count.
             self.backward = False
-            for item in waiting:
-                item[2].remove()
             for name, forward_s, _sample, _waited in dropped + waiting:
                 if name in self.live:
                     self.add(name, forward_s)
-            self.pending = []
+            self._drop_pending()
             return
-        self.given_up += len(dropped)
-        if self.given_up >= self._MAX_GIVEN_UP:
-            # Backward stopped coming: time forwards only, from scratch, so that no
-            # candidate is judged on a mix of both.
-            for item in self.pending:
-                item[2].remove()
-            self.pending = []
+        self.missed(len(dropped))
+
+    def missed(self, calls: int = 1) -> None:
+        """``calls`` training calls gave no backward time (given up, or an output with no
+        gradient); after ``_MAX_GIVEN_UP`` in a row the trial times forwards only, from
+        scratch, so that no candidate is judged on a mix of both."""
+        self.given_up += calls
+        if self.given_up >= self._MAX_GIVEN_UP and self.backward:
+            self._drop_pending()
             self.backward = False
             self.live = list(self.candidates)
             self.samples = {c: [] for c in self.candidates}
+
+    def _drop_pending(self) -> None:
+        """Take the backward timers still out off their tensors: no longer wanted."""
+        for item in self.pending:
+            item[2].remove()
+        self.pending = []
 
     def next(self) -> str:
         name = self.live[self.turn % len(self.live)]
@@ -253,9 +259,7 @@ class Trial:
 
     def decide(self, plan: Plan) -> tuple[Plan, bool]:
         """The plan with the decision and its figures, and whether to run the model as written."""
-        for item in self.pending:  # backward samples still out: no longer wanted
-            item[2].remove()
-        self.pending = []
+        self._drop_pending()
         best = {c: round(min(v) * 1e6, 1) for c, v in self.samples.items() if v}
         executor = self.executor
         scheduled = [c for c in (executor, "serial") if c in self.live and c in self.samples]
