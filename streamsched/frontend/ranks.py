@@ -71,6 +71,14 @@ _SAME_METHODS = frozenset(
 _BROADCAST_METHODS = frozenset(
     "add sub mul div pow masked_fill maximum minimum eq ne lt le gt ge logical_and logical_or".split()
 )
+_LIKE_FACTORIES = {
+    torch.zeros_like,
+    torch.ones_like,
+    torch.empty_like,
+    torch.full_like,
+    torch.rand_like,
+    torch.randn_like,
+}
 _SAME_FUNCTIONS = {
     torch.sigmoid,
     torch.tanh,
@@ -95,12 +103,7 @@ _SAME_FUNCTIONS = {
     torch.roll,
     torch.nan_to_num,
     torch.clone,
-    torch.zeros_like,
-    torch.ones_like,
-    torch.empty_like,
-    torch.full_like,
-    torch.rand_like,
-    torch.randn_like,
+    *_LIKE_FACTORIES,
     F.relu,
     F.gelu,
     F.silu,
@@ -298,14 +301,6 @@ _COMPARISON_FUNCTIONS = {
 }
 _ARITHMETIC = frozenset("add sub mul div".split())
 _ARITHMETIC_FUNCTIONS = {operator.add, operator.sub, operator.mul, operator.truediv, torch.add, torch.sub, torch.mul}
-_LIKE_FACTORIES = {
-    torch.zeros_like,
-    torch.ones_like,
-    torch.empty_like,
-    torch.full_like,
-    torch.rand_like,
-    torch.randn_like,
-}
 _FACTORY_DTYPES = {
     torch.zeros,
     torch.ones,
