@@ -90,6 +90,17 @@ def _cuda_device(request, monkeypatch):
 
 
 @pytest.fixture
+def one_intra_op_thread():
+    """One intra-op thread for tests whose decisions rest on timings (the ``auto`` trial):
+    two OpenMP threads on a shared 2-core machine made tiny calls take tens of
+    milliseconds at random, longer than the delays the tests plant."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
 def emulated_cuda(_cuda_device):
     """The emulated device of a `cuda`-marked test (skips where a real GPU runs the test)."""
     if _cuda_device is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import time
 from typing import Any
 
 import torch
@@ -211,3 +212,11 @@ def random_dag_spec(draw_int, n_ops: int, d_in: int) -> list[tuple[str, tuple[in
         spec.append((kind, (a,), width))
         widths.append(width)
     return spec
+
+
+def spin(seconds: float) -> None:
+    """Busy-wait (a sleep would hand the core to other processes, and on a busy machine the
+    call after it waits for the core to come back: that would be timed as the next call's)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass

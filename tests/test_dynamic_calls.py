@@ -57,14 +57,7 @@ class WithCache(nn.Module):
         return out
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Timed decisions on a shared 2-core machine: two OpenMP threads made tiny calls take
-    tens of milliseconds at random, which no trial can read."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 # --- new sizes of a known structure --------------------------------------------------

@@ -5,7 +5,6 @@ decisions do not depend on this machine's speed or noise."""
 
 from __future__ import annotations
 
-import time
 from collections import namedtuple
 
 import pytest
@@ -19,19 +18,12 @@ from streamsched.runtime.serial import SerialExecutor
 from streamsched.runtime.threads import ThreadExecutor
 from streamsched.testing import assert_path
 
-from .helpers import Towers, assert_close
+from .helpers import Towers, assert_close, spin
 
 Out = namedtuple("Out", ["y", "aux"])
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # With two intra-op threads on a busy 2-core machine, a tiny matmul can stall for tens
-    # of milliseconds waiting for its second thread: longer than the planted delays.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 class Heads(nn.Module):
@@ -47,14 +39,6 @@ class Heads(nn.Module):
         return Out(torch.cat([head(h) for head in self.heads], dim=1), {"h": h})
 
 
-def _spin(seconds):
-    """Busy-wait (a sleep would hand the core to other processes, and on a busy machine the
-    call after it waits for the core to come back: that would be timed as the next call's)."""
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
-
-
 def _slow_serial(monkeypatch, seconds=0.02, when=lambda inputs: True):
     """Make the serial executor (the schedule's) slow; returns a list counting its runs."""
     runs = []
@@ -63,7 +47,7 @@ def _slow_serial(monkeypatch, seconds=0.02, when=lambda inputs: True):
     def slow(self, program, inputs, *args, **kwargs):
         runs.append(1)
         if when(inputs):
-            _spin(seconds)
+            spin(seconds)
         return original(self, program, inputs, *args, **kwargs)
 
     monkeypatch.setattr(SerialExecutor, "run", slow)
@@ -78,7 +62,7 @@ def _slow_forward(monkeypatch, cls, seconds=0.02, when=lambda x: True):
     def slow(self, x):
         runs.append(1)
         if when(x):
-            _spin(seconds)
+            spin(seconds)
         return original(self, x)
 
     monkeypatch.setattr(cls, "forward", slow)
@@ -228,7 +212,7 @@ def test_a_parallel_plan_competes_with_serial_and_the_models_forward(monkeypatch
     original = ThreadExecutor.run
 
     def slow_threads(self, *args, **kwargs):
-        _spin(0.05)
+        spin(0.05)
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(ThreadExecutor, "run", slow_threads)

@@ -5,8 +5,6 @@ the decisions do not depend on this machine's speed or noise."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 from torch import nn
@@ -16,15 +14,9 @@ import streamsched as ss
 from streamsched.runtime.serial import SerialExecutor
 from streamsched.testing import last_path
 
-from .helpers import assert_close
+from .helpers import assert_close, spin
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 class Heads(nn.Module):
@@ -38,12 +30,6 @@ class Heads(nn.Module):
         return torch.cat([head(h) for head in self.heads], dim=1)
 
 
-def _spin(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
-
-
 class _SlowBackward(torch.autograd.Function):
     """The identity, with a backward that takes ``seconds`` more."""
 
@@ -54,7 +40,7 @@ class _SlowBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        _spin(ctx.seconds)
+        spin(ctx.seconds)
         return grad, None
 
 
@@ -76,7 +62,7 @@ def _forward_slower(monkeypatch, seconds: float = 0.003) -> None:
     original = Heads.forward
 
     def forward(self, x):
-        _spin(seconds)
+        spin(seconds)
         return original(self, x)
 
     monkeypatch.setattr(Heads, "forward", forward)
