@@ -67,6 +67,10 @@ from .runtime.synclog import SyncLog
 
 __all__ = ["StreamScheduledModule"]
 
+_module_call = nn.Module.__call__
+_is_compiling = torch.compiler.is_compiling
+_tracing_state = torch._C._get_tracing_state
+
 log = logging.getLogger(__name__)
 
 
@@ -161,6 +165,10 @@ class _State:
     def __init__(self, model: nn.Module, config: SchedulerConfig):
         self.binder = CallBinder(model)
         self.bind = ShapeCachedBinder(self.binder).bind
+        # Calls of plain tensors only, as many as ``forward`` has parameters (none with a
+        # default): their spec, once one such call was bound (the same for all of them).
+        self.tensors_arity: Optional[int] = self.binder._simple_arity
+        self.tensors_spec: Any = None
         # What eager dispatch reads of the model, and keeps between its calls.
         self.dispatch = eager_dispatch.DispatchContext.for_model(model, config, self.binder, self._nested_site)
         self.traces: LRU = LRU(config.plan_cache_size)
@@ -257,6 +265,17 @@ def _placement_probe(model: nn.Module) -> tuple[Optional[torch.Tensor], Optional
 
 def _identity(value: Any) -> Any:
     return value
+
+
+_Tensor = torch.Tensor
+
+
+def _all_plain_tensors(args: tuple) -> bool:
+    """Whether every argument is a ``torch.Tensor`` itself (no subclass, no other value)."""
+    for a in args:
+        if type(a) is not _Tensor:
+            return False
+    return True
 
 
 def _alias_pattern(tensors: list[torch.Tensor]) -> tuple:
@@ -502,6 +521,30 @@ class StreamScheduledModule(nn.Module):
             st.generation = _generation.current()
             st.probe, st.probed = _placement_probe(self.module)
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # nn.Module.__call__ with no hook of the wrapper's own, none global, no jit trace
+        # and no compiled call only calls forward: the wrapper goes straight to its entry.
+        # Anything else takes nn.Module's own __call__, which fires the hooks around it.
+        if (
+            not _is_compiling()
+            and self._compiled_call_impl is None
+            and not (self._forward_hooks or self._forward_pre_hooks or self._backward_hooks or self._backward_pre_hooks)
+            and not global_hooks()
+            and self._plain_forward
+            and "forward" not in self.__dict__
+            and not _tracing_state()
+        ):
+            return self._entry(args, kwargs, False)
+        return _module_call(self, *args, **kwargs)
+
+    # Whether this class's forward is the wrapper's own (a subclass may override it; then
+    # every call goes through nn.Module.__call__, which calls that forward).
+    _plain_forward = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._plain_forward = cls.forward is StreamScheduledModule.forward
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
             return self._entry_uncompiled(args, kwargs)
@@ -541,7 +584,12 @@ class StreamScheduledModule(nn.Module):
     def _call(self, args: tuple, kwargs: dict, inside_model_call: bool = False) -> Any:
         """One call, under the lock: bind, find or make the plan, run it.
         ``inside_model_call``: made by the model's own ``__call__`` (see :meth:`attach`),
-        whose hooks have fired around it already."""
+        whose hooks have fired around it already.
+
+        Every call pays this path before the model's own work, so its common cases are
+        written out: a call of plain tensors, as many as ``forward`` has required
+        parameters, takes its spec from the previous such call (no bind), and a call with
+        the previous call's signature that runs the model as written returns from here."""
         st = self._ss
         if st.generation != _generation.current():
             self._revalidate()
@@ -554,16 +602,34 @@ class StreamScheduledModule(nn.Module):
             if global_hooks():
                 # Global hooks fire on every submodule call: the forward as written.
                 return self._forward_as_written(args, kwargs)
-        elif has_hooks(module) or global_hooks():
+        elif (
+            module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
+        ) and has_hooks(module):
             return self._call_with_hooks(args, kwargs)
-        try:
-            leaves, spec = st.bind(args, kwargs)
-        except TypeError as exc:
-            raise TypeError(f"{type(self.module).__name__}.forward(): {exc}") from None
-        tensors = [leaves[i] for i in spec.tensor_positions]
+        elif global_hooks():
+            return self._call_with_hooks(args, kwargs)
+        spec = st.tensors_spec
+        if spec is not None and not kwargs and len(args) == st.tensors_arity and _all_plain_tensors(args):
+            # Positional tensors only: the binder would return the same spec and the
+            # arguments themselves as leaves.
+            tensors = list(args)
+        else:
+            try:
+                leaves, spec = st.bind(args, kwargs)
+            except TypeError as exc:
+                raise TypeError(f"{type(self.module).__name__}.forward(): {exc}") from None
+            tensors = [leaves[i] for i in spec.tensor_positions]
+            if (
+                spec is not st.tensors_spec
+                and not kwargs
+                and len(args) == st.tensors_arity
+                and len(tensors) == len(args)
+                and _all_plain_tensors(args)
+            ):
+                st.tensors_spec = spec
         key = (
             spec.key,
-            tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in tensors),
+            tuple([(t.shape, t.dtype, t.device, t.requires_grad) for t in tensors]),
             st.mode_id,
             torch.is_grad_enabled(),
             autocast_state(),
@@ -572,6 +638,12 @@ class StreamScheduledModule(nn.Module):
         if hot is not None and hot[0] == key:
             # The same signature as the previous call: no LRU bookkeeping.
             schedule = hot[1]
+            if schedule.eager and schedule.alias_pattern is None and st.observer is None:
+                # Settled to run the model as written: nothing else to decide.
+                st.calls += 1
+                st.last = schedule
+                st.last_path = "as-written"
+                return type(module).forward(module, *args, **kwargs)
         else:
             schedule = st.plans.get_fresh(key)
             if schedule is None and st.observer is None:

@@ -16,6 +16,7 @@ from streamsched import _generation
 from streamsched.frontend.binder import ShapeCachedBinder as _Binder
 from streamsched.frontend.trace import CallBinder
 from streamsched.module import StreamScheduledModule
+from streamsched.testing import assert_path
 
 from .helpers import assert_close
 
@@ -141,3 +142,171 @@ def test_containers_built_by_a_forward_do_not_move_the_generation(monkeypatch):
     assert _generation.current() > moved
     model.n = 4  # a flag the trace read
     assert_close(sm(x), model(x))
+
+
+# --- the wrapper's own call: shortcuts past nn.Module.__call__, the bind and the key ---
+
+
+class Pair(nn.Module):
+    """Two alike towers over ``x``, plus ``y`` (a tensor, or a number baked into the trace)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4))
+        self.b = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4))
+
+    def forward(self, x, y):
+        return self.a(x) * self.b(x) + y
+
+
+class _Marked(torch.Tensor):
+    """A tensor subclass: not a plain tensor, so no positional-tensor shortcut."""
+
+
+@pytest.mark.parametrize("executor", ["auto", "serial"])
+def test_hooks_on_the_wrapper_itself_fire_on_every_call(executor):
+    torch.manual_seed(0)
+    model = Pair()
+    sm = ss.StreamScheduledModule(model, executor=executor)
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    for _ in range(6):  # past the first call and the trial: the settled path
+        sm(x, y)
+    seen = []
+    pre = sm.register_forward_pre_hook(lambda m, args: (-args[0], args[1]))
+    post = sm.register_forward_hook(lambda m, args, out: (seen.append(m), out * 3.0)[1])
+    for _ in range(3):
+        x = torch.randn(3, 4)
+        assert_close(sm(x, y), model(-x, y) * 3.0)
+    assert seen == [sm] * 3
+    pre.remove()
+    post.remove()
+    back = sm.register_full_backward_hook(lambda m, gin, gout: seen.append("backward"))
+    xg = torch.randn(3, 4, requires_grad=True)
+    sm(xg, y).sum().backward()
+    assert seen[-1] == "backward"
+    back.remove()
+    x = torch.randn(3, 4)
+    assert_close(sm(x, y), model(x, y))
+    assert len(seen) == 4
+
+
+def test_global_module_hooks_see_the_wrapper_call():
+    model = Pair()
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    for _ in range(3):
+        sm(x, y)
+    called = []
+    handle = nn.modules.module.register_module_forward_hook(lambda m, args, out: called.append(m))
+    try:
+        with pytest.warns(ss.HooksWarning):
+            assert_close(sm(x, y), model(x, y))
+    finally:
+        handle.remove()
+    # The wrapper's own call fired it once, and the model's call (as written) once.
+    assert called.count(sm) == 1 and called.count(model) == 2
+
+
+def test_a_forward_replaced_on_the_wrapper_or_by_a_subclass_is_the_one_called():
+    torch.manual_seed(0)
+    model = Pair()
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    for _ in range(3):
+        sm(x, y)
+    # Libraries (accelerate's hooks) set an instance attribute ``forward`` around the old one.
+    old = sm.forward
+    sm.forward = lambda *args, **kwargs: old(*args, **kwargs) + 1.0
+    assert_close(sm(x, y), model(x, y) + 1.0)
+    del sm.forward
+    assert_close(sm(x, y), model(x, y))
+
+    class Doubled(ss.StreamScheduledModule):
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs) * 2.0
+
+    doubled = Doubled(Pair())
+    for _ in range(3):
+        x = torch.randn(3, 4)
+        assert_close(doubled(x, y), doubled.module(x, y) * 2.0)
+
+
+def test_positional_tensor_calls_skip_the_bind_and_other_values_do_not():
+    torch.manual_seed(0)
+    model = Pair()
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    for _ in range(3):
+        x = torch.randn(3, 4)
+        assert_close(sm(x, y), model(x, y))
+        assert_path(sm, "recorded", "plan")
+    assert sm._ss.tensors_spec is not None
+    # A number where a tensor was: a static value of its own trace, keyed by value.
+    for value in (2.0, 3.0, 2.0):
+        x = torch.randn(3, 4)
+        assert_close(sm(x, value), model(x, value))
+    # A tensor subclass: the full bind.
+    marked = torch.randn(3, 4).as_subclass(_Marked)
+    assert_close(sm(marked, y), model(marked, y))
+    # Too few or too many arguments: Python's error, naming the forward.
+    with pytest.raises(TypeError, match=r"Pair\.forward\(\)"):
+        sm(x)
+    with pytest.raises(TypeError, match=r"Pair\.forward\(\)"):
+        sm(x, y, y)
+    x = torch.randn(3, 4)
+    assert_close(sm(x, y), model(x, y))
+    assert_path(sm, "plan")
+
+
+class Cache:
+    """Holds a tensor, like transformers' DynamicCache: an object argument."""
+
+    def __init__(self) -> None:
+        self.k = torch.randn(2, 16)
+
+
+class WithCache(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, past: object = None) -> torch.Tensor:
+        out = self.a(x) + self.b(x)
+        return out if past is None else out + past.k.sum()
+
+
+def test_a_call_settled_as_written_reports_its_own_plan_and_path():
+    torch.manual_seed(0)
+    model = WithCache()
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    for _ in range(3):
+        x, cache = torch.randn(3, 16), Cache()
+        assert_close(sm(x, past=cache), model(x, past=cache))
+        assert_path(sm, "as-written")
+        assert sm.plan.executor == "eager"
+        x = torch.randn(3, 16)
+        assert_close(sm(x), model(x))
+        assert_path(sm, "recorded", "plan")
+        assert sm.plan.executor == "serial"
+    # The same signature as the previous call (the shortcut), after a call that planned
+    # a new signature in between.
+    x, cache = torch.randn(3, 16), Cache()
+    sm(x, past=cache)
+    sm(torch.randn(5, 16))  # a new size: recorded and planned
+    assert_path(sm, "recorded")
+    assert_close(sm(x, past=cache), model(x, past=cache))
+    assert_path(sm, "as-written")
+    assert sm.plan.executor == "eager"
+    # A planned signature called twice in a row still runs its plan.
+    x = torch.randn(3, 16)
+    sm(x)
+    assert_close(sm(x), model(x))
+    assert_path(sm, "plan")
+    # Grad mode is part of the signature: a call with gradients gets them.
+    with torch.no_grad():
+        sm(x, past=cache)
+    xg = torch.randn(3, 16, requires_grad=True)
+    out = sm(xg, past=cache)
+    assert out.requires_grad
+    out.sum().backward()
+    assert xg.grad is not None
