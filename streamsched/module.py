@@ -195,6 +195,9 @@ class _State:
         # wrapper) moves no generation, and traced code may have read them as constants
         # (transformers' ``self.device`` and ``self.dtype``).
         self.probe, self.probed = _placement_probe(model)
+        # Traces that relied on the dtypes of parameters (``Traced.dtypes_hold``): a
+        # submodule cast on its own moves neither the probe nor a generation.
+        self.dtype_guarded: list[Traced] = []
         self.hook_registrations = _generation.hook_registrations()
         self.calls = 0
         self.executors = ExecutorPool(_native.native())
@@ -520,6 +523,7 @@ class StreamScheduledModule(nn.Module):
                 st.nested.invalidate()
             st.generation = _generation.current()
             st.probe, st.probed = _placement_probe(self.module)
+            st.dtype_guarded = []
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # nn.Module.__call__ with no hook of the wrapper's own, none global, no jit trace
@@ -596,6 +600,9 @@ class StreamScheduledModule(nn.Module):
         probe = st.probe
         if probe is not None and (probe.dtype, probe.device) != st.probed:
             log.info("streamsched: %s was moved or cast; re-tracing", type(self.module).__name__)
+            self.invalidate()
+        elif st.dtype_guarded and not all(t.dtypes_hold() for t in st.dtype_guarded):
+            log.info("streamsched: a parameter of %s was cast; re-tracing", type(self.module).__name__)
             self.invalidate()
         module = self.module
         if inside_model_call:
@@ -708,7 +715,12 @@ class StreamScheduledModule(nn.Module):
         when the program is the same (the flag was never read by traced code)."""
         try:
             fresh = trace_model(
-                self.module, self._ss.binder, traced.spec, tuple(self.config.leaf_modules), traced.ranks
+                self.module,
+                self._ss.binder,
+                traced.spec,
+                tuple(self.config.leaf_modules),
+                traced.ranks,
+                traced.dtypes,
             )
         except TraceError:
             return False
@@ -717,13 +729,16 @@ class StreamScheduledModule(nn.Module):
         traced.flags = fresh.flags
         return True
 
-    def _trace(self, trace_key: Any, spec: Any, ranks: tuple[int, ...]) -> Traced:
+    def _trace(self, trace_key: Any, spec: Any, ranks: tuple[int, ...], dtypes: tuple) -> Traced:
         st = self._ss
         traced = st.traces.get_fresh(trace_key)
         if traced is None:
             leaf_types = tuple(self.config.leaf_modules)
-            traced = trace_model(self.module, st.binder, spec, leaf_types, ranks)
+            traced = trace_model(self.module, st.binder, spec, leaf_types, ranks, dtypes)
             st.traces.put(trace_key, traced)
+            if traced.dtype_guards:
+                live = {id(t) for t in st.traces.values()}  # those the LRU dropped: not checked
+                st.dtype_guarded = [t for t in st.dtype_guarded if id(t) in live] + [traced]
         return traced
 
     def _new_signature(self, key: Any, spec: Any, tensors: list[torch.Tensor], args: tuple, kwargs: dict) -> Any:
@@ -818,12 +833,14 @@ class StreamScheduledModule(nn.Module):
         # made under one autocast state: a forward's own autocast block shows as a change
         # of that state only against the state the trace started in (frontend.trace).
         # The inputs' ranks too: a traced shape's length is its value's rank (frontend.ranks).
+        # And their dtypes: the dtypes of its values follow from them (and the parameters').
         ranks = tuple(t.dim() for t in tensors)
-        trace_key = (spec.key, st.mode_id, autocast_state(), ranks)
+        dtypes = tuple(t.dtype for t in tensors)
+        trace_key = (spec.key, st.mode_id, autocast_state(), ranks, dtypes)
         if not self.config.strict and isinstance(st.traces.get_fresh(trace_key), TraceError):
             return self._eager_dispatch(spec, tensors, st.traces[trace_key], trace_key, args, kwargs)
         try:
-            traced = self._trace(trace_key, spec, ranks)
+            traced = self._trace(trace_key, spec, ranks, dtypes)
         except TraceError as exc:
             if self.config.strict:
                 raise

@@ -32,12 +32,25 @@ all the same raises :class:`OpaqueFunctionSideEffect` instead of diverging silen
 
 Its outputs are learned as any leaf call's (``opaque_outputs``): a mask builder that
 returns ``None`` (SDPA's causal fast path) is handed to the traced code as ``None``.
+
+What an opaque call's items are, the trace cannot see. For one family of functions a
+rule says (:func:`known_items`): an attention function of transformers' attention
+interface (``AttentionInterface``: ``sdpa_attention_forward``, the flash and flex ones,
+any registered one) is called ``(module, query, key, value, mask, ...)`` and returns
+``(attn_output, attn_weights)``, ``attn_output`` of the query's rank and dtype (laid out
+``(batch, length, heads, head_dim)`` where the query is ``(batch, heads, length,
+head_dim)``). The traced code may then read ``attn_output.shape`` (GPT-2's attention
+reshapes ``(*attn_output.shape[:-2], -1)``). Where the trace relied on it, the call
+checks its output each time it runs (:meth:`OpaqueFunction.expect`): another rank or
+dtype raises :class:`~streamsched.frontend.rank_checks.RankAssumptionError` instead of
+going on in a graph made for the promised one.
 """
 
 from __future__ import annotations
 
 import dis
 import os
+import sys
 import sysconfig
 import threading
 import types
@@ -47,8 +60,17 @@ import torch
 from torch import fx
 
 from .. import _generation
+from .rank_checks import RankAssumptionError, real_of
 
-__all__ = ["OpaqueFunction", "OpaqueFunctionSideEffect", "UnsafeOpaqueCall", "candidate", "patched", "current"]
+__all__ = [
+    "OpaqueFunction",
+    "OpaqueFunctionSideEffect",
+    "UnsafeOpaqueCall",
+    "candidate",
+    "patched",
+    "current",
+    "known_items",
+]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -107,6 +129,13 @@ class OpaqueFunction:
         self.__module__ = getattr(fn, "__module__", None) or "streamsched"
         self.__name__ = getattr(fn, "__name__", "opaque_function")
         self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
+        # index of an item of the output -> (rank, dtype) the trace relied on (None: not that)
+        self.expected: dict[int, tuple[Optional[int], Optional[torch.dtype]]] = {}
+
+    def expect(self, index: int, rank: Optional[int], dtype: Optional[torch.dtype]) -> None:
+        """The trace relied on item ``index`` of the output having ``rank`` and ``dtype``
+        (where not ``None``), as a rule said (:func:`known_items`): checked on every call."""
+        self.expected[index] = (rank, dtype)
 
     def __call__(self, *values: Any) -> Any:
         args = _fill(self.args, values)
@@ -115,12 +144,31 @@ class OpaqueFunction:
         previous = _generation._on_setattr.get(thread)
         _generation._on_setattr[thread] = self._refuse
         try:
-            return self.fn(*args, **kwargs)
+            out = self.fn(*args, **kwargs)
         finally:
             if previous is None:
                 _generation._on_setattr.pop(thread, None)
             else:
                 _generation._on_setattr[thread] = previous
+        if self.expected:
+            self._check(out)
+        return out
+
+    def _check(self, out: Any) -> None:
+        for index, expected in self.expected.items():
+            item = out[index] if type(out) in (tuple, list) and index < len(out) else None
+            for kind, number in zip(("rank", "dtype"), expected):
+                if number is None:
+                    continue
+                real = real_of(kind, item)
+                if real != number:
+                    raise RankAssumptionError(
+                        f"{_qualname(self.fn)} (run as one opaque call of a traced forward) returned item {index} "
+                        f"with {kind} {real if real is not None else type(item).__name__}, where the trace relied on "
+                        f"{number} (streamsched's rule for attention functions: the query's rank and dtype). The "
+                        "traced graph would not compute what the model does, so the call is refused. Name the class "
+                        "of the module calling it in leaf_modules=(...) so that its forward runs as written"
+                    )
 
     def _refuse(self, module: Any, name: str) -> None:
         if id(module) in self.modules:
@@ -137,6 +185,33 @@ class OpaqueFunction:
 
 def _qualname(fn: Any) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', getattr(fn, '__name__', '?'))}"
+
+
+# --- what a rule knows of a call's output ---------------------------------------------------
+
+
+def _attention_functions() -> tuple[Any, ...]:
+    """The functions registered in transformers' attention interface (none where
+    transformers is not loaded)."""
+    utils = sys.modules.get("transformers.modeling_utils")
+    interface = getattr(utils, "AttentionInterface", None)
+    table = getattr(interface, "_global_mapping", None)
+    if type(table) is not dict:
+        return ()
+    local = getattr(getattr(utils, "ALL_ATTENTION_FUNCTIONS", None), "_local_mapping", None)
+    return (*table.values(), *(local.values() if type(local) is dict else ()))
+
+
+def known_items(fn: Any, args: tuple, kwargs: dict) -> dict[int, Any]:
+    """Items of the output of the call ``fn(*args, **kwargs)`` whose rank and dtype are
+    those of an argument, by a rule: index -> that argument. An attention function of
+    transformers' attention interface ``(module, query, key, value, ...)`` returns its
+    output, of the query's rank and dtype, first."""
+    # (While a trace runs, the table holds the dispatcher standing for the function.)
+    if any(fn is getattr(f, "__wrapped__", f) for f in _attention_functions()):
+        query = args[1] if len(args) > 1 else kwargs.get("query")
+        return {0: query} if isinstance(query, fx.Proxy) else {}
+    return {}
 
 
 # --- picking the function ------------------------------------------------------------------

@@ -20,34 +20,41 @@ from typing import Any
 import torch
 from torch import fx
 
-__all__ = ["rely_on", "check_relied", "RankAssumptionError", "RELIED"]
+__all__ = ["rely_on", "check_relied", "real_of", "RankAssumptionError", "RELIED"]
 
-# node.meta key: ("rank" | "length", the number the trace used)
+# node.meta key: {"rank" | "length" | "dtype": what the trace used}
 RELIED = "streamsched_relied_rank"
 
 
 class RankAssumptionError(RuntimeError):
-    """A rank the trace was made with differs from the real value's: the graph would not
-    compute what the model does."""
+    """A rank (or a length, or a dtype) the trace was made with differs from the real
+    value's: the graph would not compute what the model does."""
 
 
-def rely_on(node: fx.Node, kind: str, number: int) -> None:
-    """Mark that the trace used ``node``'s rank (``kind="rank"``) or length (``"length"``)."""
-    node.meta[RELIED] = (kind, number)
+def rely_on(node: fx.Node, kind: str, number: Any) -> None:
+    """Mark that the trace used ``node``'s rank (``kind="rank"``), length (``"length"``)
+    or dtype (``"dtype"``)."""
+    node.meta.setdefault(RELIED, {})[kind] = number
+
+
+def real_of(kind: str, value: Any) -> Any:
+    """The rank, length or dtype of ``value`` (``None`` where it has none)."""
+    if kind == "rank":
+        return value.dim() if isinstance(value, torch.Tensor) else None
+    if kind == "dtype":
+        return value.dtype if isinstance(value, torch.Tensor) else None
+    return len(value) if isinstance(value, (tuple, list, torch.Size)) else None
 
 
 def check_relied(node: fx.Node, value: Any) -> None:
     """Raise if ``value``, the real value of ``node``, is not what the trace relied on."""
-    kind, number = node.meta[RELIED]
-    if kind == "rank":
-        real = value.dim() if isinstance(value, torch.Tensor) else None
-    else:
-        real = len(value) if isinstance(value, (tuple, list, torch.Size)) else None
-    if real != number:
-        raise RankAssumptionError(
-            f"streamsched traced '{node.name}' ({node.format_node()}) assuming its {kind} is {number}, "
-            f"but the call gave {real if real is not None else type(value).__name__}: the traced graph would not "
-            "compute what the model does, so the call is refused. This is a gap in streamsched's rank rules "
-            "(frontend/ranks.py): please report it; meanwhile, listing the module that computes this value in "
-            "leaf_modules keeps it out of the trace"
-        )
+    for kind, number in node.meta[RELIED].items():
+        real = real_of(kind, value)
+        if real != number:
+            raise RankAssumptionError(
+                f"streamsched traced '{node.name}' ({node.format_node()}) assuming its {kind} is {number}, "
+                f"but the call gave {real if real is not None else type(value).__name__}: the traced graph would "
+                "not compute what the model does, so the call is refused. This is a gap in streamsched's rank and "
+                "dtype rules (frontend/ranks.py): please report it; meanwhile, listing the module that computes "
+                "this value in leaf_modules keeps it out of the trace"
+            )

@@ -54,6 +54,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from .nodes import AUGMENTED_OPERATORS
+from .opaque_outputs import OutputCheck
 from .trace_guard import autocast_state
 
 __all__ = ["RankTracker"]
@@ -264,6 +266,7 @@ _DTYPE_KEEPING_METHODS = frozenset(
     """
     contiguous clone detach transpose permute view reshape expand expand_as repeat unsqueeze squeeze
     flatten masked_fill masked_fill_ neg triu tril flip roll t view_as reshape_as split chunk unbind
+    gather index_select
     """.split()
 )
 _DTYPE_KEEPING_FUNCTIONS = {
@@ -283,6 +286,8 @@ _DTYPE_KEEPING_FUNCTIONS = {
     torch.split,
     torch.chunk,
     torch.unbind,
+    torch.gather,
+    torch.index_select,
 }
 _COMPARISONS = frozenset("eq ne lt le gt ge".split())
 _COMPARISON_FUNCTIONS = {
@@ -301,6 +306,57 @@ _COMPARISON_FUNCTIONS = {
 }
 _ARITHMETIC = frozenset("add sub mul div".split())
 _ARITHMETIC_FUNCTIONS = {operator.add, operator.sub, operator.mul, operator.truediv, torch.add, torch.sub, torch.mul}
+# Operations that give a floating input's dtype (or raise): activations, norms, dropout,
+# softmax without a dtype, floating reductions. On integers some give the default dtype.
+_INPLACE_OPERATORS = frozenset(AUGMENTED_OPERATORS)
+_FLOAT_KEEPING_METHODS = frozenset(
+    """
+    softmax log_softmax relu sigmoid tanh exp log sqrt rsqrt erf cos sin abs square reciprocal
+    sum mean amax amin cumsum relu_ sigmoid_ tanh_ exp_
+    """.split()
+)
+_FLOAT_KEEPING_FUNCTIONS = {
+    torch.sigmoid,
+    torch.tanh,
+    torch.relu,
+    torch.exp,
+    torch.log,
+    torch.sqrt,
+    torch.rsqrt,
+    torch.abs,
+    torch.cos,
+    torch.sin,
+    torch.erf,
+    torch.softmax,
+    torch.log_softmax,
+    torch.sum,
+    torch.mean,
+    torch.amax,
+    torch.amin,
+    F.relu,
+    F.gelu,
+    F.silu,
+    F.mish,
+    F.elu,
+    F.leaky_relu,
+    F.softmax,
+    F.log_softmax,
+    F.dropout,
+    F.layer_norm,
+    F.group_norm,
+    F.normalize,
+    F.softplus,
+    F.hardtanh,
+    F.hardswish,
+    F.hardsigmoid,
+    F.sigmoid,
+    F.tanh,
+    F.linear,
+    F.scaled_dot_product_attention,
+    F.conv1d,
+    F.conv2d,
+    F.conv3d,
+}
 _FACTORY_DTYPES = {
     torch.zeros,
     torch.ones,
@@ -340,10 +396,13 @@ _SIZES_METHODS = frozenset({"view", "reshape", "expand", "repeat", "new_zeros", 
 
 class RankTracker:
     """The ranks of a trace's tensor values and the lengths of its shape values, by node.
-    ``inputs``: the ranks of the graph's inputs in order (``None``: none known)."""
+    ``inputs``: the ranks of the graph's inputs in order (``None``: none known);
+    ``dtypes``: their dtypes (``None``: none known)."""
 
-    def __init__(self, inputs: Optional[Sequence[int]]):
+    def __init__(self, inputs: Optional[Sequence[int]], dtypes: Optional[Sequence[torch.dtype]] = None):
         self.inputs = list(inputs) if inputs is not None else None
+        # Under autocast, ops compute in autocast's own dtypes: only explicit casts count.
+        self.input_dtypes = list(dtypes) if dtypes is not None and not autocast_state() else None
         self.placeholders = 0
         self.rank: dict[fx.Node, int] = {}
         self.len: dict[fx.Node, int] = {}
@@ -353,8 +412,19 @@ class RankTracker:
         # Single sizes (``x.shape[0]``, ``x.size(-1)``): what a factory given one graph
         # value is given.
         self.sizes: set[fx.Node] = set()
-        # Dtypes fixed by an explicit cast (``x.to(torch.float32)``): ``x.dtype``.
+        # Dtypes fixed by an explicit cast (``x.to(torch.float32)``), or following from
+        # the inputs' and parameters' dtypes: ``x.dtype``.
         self.dtypes: dict[fx.Node, torch.dtype] = {}
+        # What a value's rank or dtype rests on besides the trace's key (the inputs'
+        # ranks and dtypes): ("param", module, name, dtype), a parameter's or buffer's
+        # dtype; ("opaque", target, index, rank, dtype), what a rule promised of an
+        # opaque call's item. Every source of a value's arguments is one of its own.
+        self.sources: dict[fx.Node, frozenset] = {}
+        # The sources of every value whose rank, length or dtype the trace used
+        # (:meth:`relied`): checked on every call (``frontend.trace``).
+        self.assumed: set = set()
+        # Opaque calls whose items a rule knows: node -> {index: (rank, dtype, source)}.
+        self.promised: dict[fx.Node, dict[int, tuple]] = {}
 
     def length(self, node: fx.Node) -> Optional[int]:
         """How many items the value of ``node`` has, where known (a shape, or a split
@@ -367,10 +437,37 @@ class RankTracker:
             return None
         return self.rank.get(node)
 
+    def relied(self, node: fx.Node) -> None:
+        """The trace used what is known of ``node``'s value: what that rests on must hold
+        on every call."""
+        self.assumed |= self.sources.get(node, frozenset())
+
+    def promise(
+        self, node: fx.Node, index: int, rank: Optional[int], dtype: Optional[torch.dtype], target: Any
+    ) -> None:
+        """A rule knows item ``index`` of opaque call ``node``'s value (``target``, its
+        :class:`~streamsched.frontend.opaque_functions.OpaqueFunction`, checks it on every
+        call the trace relied on it)."""
+        if rank is None and dtype is None:
+            return
+        source = ("opaque", target, index, rank, dtype)
+        self.promised.setdefault(node, {})[index] = (rank, dtype, source)
+
     def note(self, node: fx.Node, kind: str, target: Any, args: tuple, kwargs: dict, root: Any) -> None:
         """Note what is known of a node just created."""
+        index = None
+        if kind == "placeholder":
+            index = self.placeholders
+            self.placeholders += 1
+        sources: set = set()
+        for a in (*args, *kwargs.values()):
+            fx.node.map_aggregate(a, lambda v: sources.update(self._sources(v)))
+        if sources:
+            self.sources[node] = frozenset(sources)
+        if self._passed_on(node, kind, target, args):
+            return
         try:
-            dtype = self._dtype(kind, target, args, kwargs)
+            dtype = self._dtype(kind, target, args, kwargs, root, index, node)
             if dtype is not None:
                 self.dtypes[node] = dtype
         except Exception:  # noqa: BLE001 - an argument shaped unlike the rule expects: unknown
@@ -378,13 +475,43 @@ class RankTracker:
         if self.inputs is None:
             return
         try:
-            self._note(node, kind, target, args, kwargs, root)
+            self._note(node, kind, target, args, kwargs, root, index)
         except Exception:  # noqa: BLE001 - an argument shaped unlike the rule expects: unknown
             pass
 
+    def _sources(self, value: Any) -> frozenset:
+        node = value.node if isinstance(value, fx.Proxy) else value
+        return self.sources.get(node, frozenset()) if isinstance(node, fx.Node) else frozenset()
+
+    def _assume(self, node: fx.Node, source: tuple) -> None:
+        self.sources[node] = self.sources.get(node, frozenset()) | {source}
+
+    def _passed_on(self, node: fx.Node, kind: str, target: Any, args: tuple) -> bool:
+        """An opaque call's value read through its structure check (the same value), or
+        an item of it a rule knows: noted here."""
+        if kind != "call_function" or not args:
+            return False
+        base = args[0].node if isinstance(args[0], fx.Proxy) else args[0]
+        if not isinstance(base, fx.Node) or base not in self.promised:
+            return False
+        if isinstance(target, OutputCheck):
+            self.promised[node] = self.promised[base]
+            return True
+        if target is operator.getitem and len(args) == 2 and type(args[1]) is int:
+            known = self.promised[base].get(args[1])
+            if known is None:
+                return True
+            rank, dtype, source = known
+            if rank is not None:
+                self.rank[node] = rank
+            if dtype is not None:
+                self.dtypes[node] = dtype
+            self._assume(node, source)
+            return True
+        return False
+
     def dtype_of(self, node: fx.Node) -> Optional[torch.dtype]:
-        """The dtype of the tensor value of ``node``, where an explicit cast fixed it
-        (``x.dtype``)."""
+        """The dtype of the tensor value of ``node``, where known (``x.dtype``)."""
         return self.dtypes.get(node)
 
     def _d(self, value: Any) -> Optional[torch.dtype]:
@@ -404,11 +531,39 @@ class RankTracker:
         node = value.node if isinstance(value, fx.Proxy) else value
         return isinstance(node, fx.Node) and (node in self.rank or node in self.dtypes)
 
-    def _dtype(self, kind: str, target: Any, args: tuple, kwargs: dict) -> Optional[torch.dtype]:
-        """The dtype of a new node's value where it follows from an explicit dtype alone:
-        a cast to a named dtype, a factory given one, a comparison, or an operation
-        that keeps the dtype of operands whose dtypes are so known. The inputs' and
-        parameters' dtypes are never used (a trace serves inputs of any dtype)."""
+    def _dtype(
+        self, kind: str, target: Any, args: tuple, kwargs: dict, root: Any, index: Optional[int], node: fx.Node
+    ) -> Optional[torch.dtype]:
+        """The dtype of a new node's value where it follows from an explicit dtype (a
+        cast to a named dtype, a factory given one, a comparison), from the inputs' and
+        parameters' dtypes (outside autocast), or from operations on operands whose
+        dtypes are so known, by torch's rules."""
+        derived = self.input_dtypes is not None
+        if kind == "placeholder":
+            if derived and index is not None and index < len(self.input_dtypes):  # type: ignore[arg-type]
+                return self.input_dtypes[index]  # type: ignore[index]
+            return None
+        if kind == "get_attr":
+            found = _owner(root, str(target)) if derived else None
+            if found is None:
+                return None
+            owner, name, value = found
+            self._assume(node, ("param", owner, name, value.dtype))
+            return value.dtype
+        if kind == "call_module":
+            if not derived:
+                return None
+            module = _attribute(root, str(target))
+            forward = type(module).forward
+            if isinstance(module, nn.Embedding) and forward is nn.Embedding.forward:
+                weight = module._parameters.get("weight")
+                if weight is None:
+                    return None
+                self._assume(node, ("param", module, "weight", weight.dtype))
+                return weight.dtype
+            if isinstance(module, _SAME_MODULES) and forward in _SAME_FORWARDS and args:
+                return _floating(self._d(args[0]))  # torch's ops give their input's dtype, or raise
+            return None
         if kind == "call_method":
             name, x = target, args[0] if args else None
             named = [a for a in (*args[1:], *kwargs.values()) if isinstance(a, torch.dtype)]
@@ -432,7 +587,15 @@ class RankTracker:
                 return torch.bool
             if name in _ARITHMETIC:
                 others = [self._d(a) if isinstance(a, (fx.Node, fx.Proxy)) else a for a in args[1:]]
-                return _arithmetic(self._d(x), others, division=name == "div")
+                return _arithmetic(self._d(x), others, division=name == "div") or self._promoted(
+                    args[:2], kwargs, name == "div"
+                )
+            if name in _FLOAT_KEEPING_METHODS and not named:
+                return _floating(self._d(x))
+            if name in ("clamp", "clamp_", "clip"):
+                return _arithmetic(self._d(x), [*args[1:], *kwargs.values()])
+            if name in ("maximum", "minimum"):
+                return self._promoted(args[:2], kwargs)
             return None
         if kind != "call_function":
             return None
@@ -464,16 +627,69 @@ class RankTracker:
             return a if a is not None and a == b else None
         if target is torch.where and len(args) == 3:
             a, b = self._d(args[1]), self._d(args[2])
-            return a if a is not None and a == b else None
+            return a if a is not None and a == b else self._promoted(args[1:], kwargs)
         if target in _ARITHMETIC_FUNCTIONS:
             values = [self._d(a) if isinstance(a, (fx.Node, fx.Proxy)) else a for a in args]
-            division = target is operator.truediv
+            division = target in (operator.truediv, torch.div)
+            known = None
             if isinstance(values[0], torch.dtype):
-                return _arithmetic(values[0], values[1:], division)
-            if len(values) == 2 and isinstance(values[1], torch.dtype):
-                return _arithmetic(values[1], values[:1], division)
+                known = _arithmetic(values[0], values[1:], division)
+            elif len(values) == 2 and isinstance(values[1], torch.dtype):
+                known = _arithmetic(values[1], values[:1], division)
+            return known or self._promoted(args, kwargs, division)
+        if target in (torch.maximum, torch.minimum):
+            return self._promoted(args, kwargs)
+        if target in _INPLACE_OPERATORS and len(args) == 2:
+            if self._is_tensor(args[0]):
+                return self._d(args[0])  # written into the left tensor, in its dtype (or raises)
+            if target in (operator.iadd, operator.isub, operator.imul, operator.itruediv):
+                return self._promoted(args, {}, target is operator.itruediv)  # a number: rebound
             return None
+        if target in (torch.clamp, torch.clip) and args:
+            return _arithmetic(self._d(args[0]), [*args[1:], *kwargs.values()])
+        if target in _FLOAT_KEEPING_FUNCTIONS:
+            if any(isinstance(a, torch.dtype) for a in (*args, *kwargs.values())):
+                return None
+            return _floating(self._d(args[0] if args else kwargs.get("input")))
         return None
+
+    def _promoted(self, operands: Sequence[Any], kwargs: dict, division: bool = False) -> Optional[torch.dtype]:
+        """The dtype of a binary operation on ``operands`` by torch's type promotion, where
+        it follows from their dtypes and ranks (a zero-dimensional tensor promotes less
+        than a dimensioned one; an unknown rank is tried both ways). Not where it is the
+        default dtype (an integer tensor with a Python float, true division of integers):
+        that is global state the trace key does not hold."""
+        if len(operands) != 2 or kwargs.get("alpha") is not None and type(kwargs["alpha"]) not in (int, bool):
+            return None
+        if any(k not in ("alpha", "out") for k in kwargs) or "out" in kwargs:
+            return None
+        options: list[list[Any]] = [[]]
+        tensor_dtypes = []
+        for value in operands:
+            if isinstance(value, (fx.Node, fx.Proxy)):
+                dtype, rank = self._d(value), self._r(value)
+                if dtype is None:
+                    return None
+                tensor_dtypes.append(dtype)
+                ranks = [rank] if rank is not None else [0, 1]
+                options = [o + [torch.empty((1,) * r, dtype=dtype, device="meta")] for o in options for r in ranks]
+            elif type(value) in (int, float, bool):
+                options = [o + [value] for o in options]
+            else:
+                return None
+        if not tensor_dtypes:
+            return None
+        results = {torch.result_type(*o) for o in options}
+        if len(results) != 1:
+            return None
+        (result,) = results
+        if result.is_floating_point and not any(d.is_floating_point for d in tensor_dtypes):
+            return None  # a Python float made it floating: the default dtype
+        if result.is_complex and not any(d.is_complex for d in tensor_dtypes):
+            return None
+        if division and not result.is_floating_point and not result.is_complex:
+            return None  # true division of integers: the default dtype
+        return result
 
     def _r(self, value: Any) -> Optional[int]:
         """The rank of an argument: a graph value's, 0 for a Python number."""
@@ -494,13 +710,14 @@ class RankTracker:
             return self.len.get(node)
         return None
 
-    def _note(self, node: fx.Node, kind: str, target: Any, args: tuple, kwargs: dict, root: Any) -> None:
+    def _note(
+        self, node: fx.Node, kind: str, target: Any, args: tuple, kwargs: dict, root: Any, index: Optional[int]
+    ) -> None:
         rank: Optional[int] = None
         if kind == "placeholder":
-            i = self.placeholders
-            self.placeholders += 1
-            if i < len(self.inputs):
-                rank = self.inputs[i]
+            assert self.inputs is not None and index is not None
+            if index < len(self.inputs):
+                rank = self.inputs[index]
         elif kind == "get_attr":
             value = _attribute(root, str(target))
             if isinstance(value, torch.Tensor):
@@ -723,6 +940,24 @@ class RankTracker:
             else:
                 return None  # a tensor, a list, a graph value: advanced indexing
         return rank if consumed <= x else None
+
+
+def _floating(dtype: Optional[torch.dtype]) -> Optional[torch.dtype]:
+    return dtype if dtype is not None and dtype.is_floating_point else None
+
+
+def _owner(root: nn.Module, path: str) -> Optional[tuple[nn.Module, str, torch.Tensor]]:
+    """The module holding the parameter or buffer at ``path``, its name there and the
+    tensor; ``None`` for anything else (a plain tensor attribute may be re-assigned
+    without a trace noticing)."""
+    owner_path, _, name = path.rpartition(".")
+    owner = _attribute(root, owner_path) if owner_path else root
+    if not isinstance(owner, nn.Module):
+        return None
+    value = owner._parameters.get(name)
+    if value is None:
+        value = owner._buffers.get(name)
+    return (owner, name, value) if isinstance(value, torch.Tensor) else None
 
 
 def _attribute(root: nn.Module, path: str) -> Any:

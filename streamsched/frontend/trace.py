@@ -284,6 +284,7 @@ class _LeafTracer(fx.Tracer):
         known_outputs: Optional[dict[tuple[str, int], Skeleton]] = None,
         function_sites: Sequence[tuple[dict, str, Any]] = (),
         ranks: Optional[Sequence[int]] = None,
+        dtypes: Optional[Sequence[torch.dtype]] = None,
     ):
         super().__init__(autowrap_functions=tuple(leaf_functions) + _FACTORIES)
         # Functions run as one opaque call each (frontend.opaque_functions): where their
@@ -291,7 +292,7 @@ class _LeafTracer(fx.Tracer):
         self.function_sites = list(function_sites)
         self.opaque_functions = {id(fn): fn for _, _, fn in self.function_sites}
         # Ranks of the values (frontend.ranks): what a traced shape's length is.
-        self.ranks = RankTracker(ranks)
+        self.ranks = RankTracker(ranks, dtypes)
         self.leaf_types = leaf_types
         self.opaque_types = opaque_types
         # What leaf calls returned on a real call where a proxy misled the traced code
@@ -335,6 +336,12 @@ class _LeafTracer(fx.Tracer):
         modules = frozenset(id(m) for m in self.model.modules())
         target = OpaqueFunction(fn, t_args, t_kwargs, "", modules)
         proxy = self.create_proxy("call_function", target, tuple(values), {})
+        # What a rule knows of its items (attention functions: the query's rank and dtype).
+        for index, like in opaque_functions.known_items(fn, args, kwargs).items():
+            node = like.node if isinstance(like, fx.Proxy) else None
+            if node is not None:
+                dtype = None if autocast_state() else self.ranks.dtype_of(node)
+                self.ranks.promise(proxy.node, index, self.ranks.rank_of(node), dtype, target)
         return self._known_structure(target.label, proxy)
 
     def _bakeable(self, value: Any) -> Optional[str]:
@@ -474,9 +481,11 @@ class _Proxy(fx.Proxy):
             if rank is not None:
                 return rank
         elif name == "dtype" and isinstance(self.tracer, _LeafTracer):
-            # Fixed by an explicit cast (``x.to(torch.float32)``), whatever the inputs.
+            # Fixed by an explicit cast (``x.to(torch.float32)``), or following from the
+            # inputs' dtypes (the trace's key) and the parameters' (checked every call).
             dtype = self.tracer.ranks.dtype_of(self.node)
             if dtype is not None:
+                _rely(self, "dtype", dtype)
                 return dtype
         return _Attribute(self, name)
 
@@ -533,22 +542,29 @@ def _known_rank(proxy: Any) -> Optional[int]:
         return None
     rank = proxy.tracer.ranks.rank_of(proxy.node)
     if rank is not None:
-        rely_on(proxy.node, "rank", rank)
+        _rely(proxy, "rank", rank)
     return rank
+
+
+def _rely(proxy: fx.Proxy, kind: str, number: Any) -> None:
+    """The trace used ``proxy``'s rank, length or dtype: checked on the recording call
+    (``frontend.rank_checks``), and what it rests on on every call."""
+    rely_on(proxy.node, kind, number)
+    proxy.tracer.ranks.relied(proxy.node)
 
 
 def _proxy_len(proxy: fx.Proxy) -> int:
     n = proxy.tracer.ranks.length(proxy.node) if isinstance(proxy.tracer, _LeafTracer) else None
     if n is None:
         return fx.Proxy.__len__(proxy)
-    rely_on(proxy.node, "length", n)
+    _rely(proxy, "length", n)
     return n
 
 
 def _proxy_iter(proxy: fx.Proxy, frame: Any) -> Any:
     n = proxy.tracer.ranks.length(proxy.node) if isinstance(proxy.tracer, _LeafTracer) else None
     if n is not None:
-        rely_on(proxy.node, "length", n)
+        _rely(proxy, "length", n)
         return iter([proxy[i] for i in range(n)])
     # fx's own rule, read in the frame calling ``__iter__`` (fx reads the frame calling
     # its own): ``a, b = proxy`` unpacks, anything else fails.
@@ -609,6 +625,23 @@ class Traced:
     nodes): leaf-module calls for ``Plan.coverage`` (``frontend.leafcalls``)."""
     ranks: Optional[tuple[int, ...]] = None
     """The ranks of the graph inputs the trace was made for (``frontend.ranks``)."""
+    dtypes: Optional[tuple[torch.dtype, ...]] = None
+    """The dtypes of the graph inputs the trace was made for (``frontend.ranks``)."""
+    dtype_guards: tuple = ()
+    """(module, name, dtype) of each parameter or buffer whose dtype the trace relied on
+    (a dtype computed from it answered ``x.dtype``, a rank rested on it): the trace holds
+    only while each still has that dtype (:meth:`dtypes_hold`, asked on every call)."""
+
+    def dtypes_hold(self) -> bool:
+        """Whether every parameter or buffer whose dtype the trace relied on still has
+        it (a submodule cast on its own after tracing: ``model.encoder.half()``)."""
+        for owner, name, dtype in self.dtype_guards:
+            tensor = owner._parameters.get(name)
+            if tensor is None:
+                tensor = owner._buffers.get(name)
+            if tensor is None or tensor.dtype != dtype:
+                return False
+        return True
 
     def relearn(self, node: fx.Node, value: Any) -> None:
         """The recording call found leaf call ``node`` returning ``value``, which the
@@ -630,8 +663,10 @@ class Traced:
             if n is node:
                 break
             index += leaf_label(n) == label
-        learn(self.model, _learned_key(self.model, self.spec, self.ranks), label, index, skeleton)
-        fresh = trace_model(self.model, self.root._streamsched_binder, self.spec, self.leaf_types, self.ranks)
+        learn(self.model, _learned_key(self.model, self.spec, self.ranks, self.dtypes), label, index, skeleton)
+        fresh = trace_model(
+            self.model, self.root._streamsched_binder, self.spec, self.leaf_types, self.ranks, self.dtypes
+        )
         if self.same_program(fresh):
             raise TraceError(f"'{label}': learning what it returns ({skeleton.shape}) did not change the trace")
         self.graph, self.root, self.input_names = fresh.graph, fresh.root, fresh.input_names
@@ -639,6 +674,7 @@ class Traced:
         self.opaque, self.flags = fresh.opaque, fresh.flags
         self.opaque_functions = fresh.opaque_functions
         self.inlined_leaf_calls = fresh.inlined_leaf_calls
+        self.dtype_guards = fresh.dtype_guards
         self.root.__dict__["_streamsched_traced"] = weakref.ref(self)
 
     def modules_unchanged(self) -> bool:
@@ -800,6 +836,7 @@ def trace_model(
     spec: CallSpec,
     leaf_types: tuple[Any, ...] = (),
     ranks: Optional[Sequence[int]] = None,
+    dtypes: Optional[Sequence[torch.dtype]] = None,
 ) -> Traced:
     """Trace ``model`` for calls shaped like ``spec``.
 
@@ -810,20 +847,26 @@ def trace_model(
     Raises :class:`TraceError` (naming module, file and line) when the model's own
     ``forward`` does something ``torch.fx`` cannot record. ``ranks`` are the ranks of the
     call's tensors, in order, where known: a traced shape of known rank then has a length
-    (``frontend.ranks``), and the trace holds only for calls with those ranks.
+    (``frontend.ranks``), and the trace holds only for calls with those ranks. ``dtypes``
+    likewise: the dtypes of the call's tensors, from which (with the parameters') those of
+    its values follow; the trace holds only for calls with those dtypes (and while
+    :meth:`Traced.dtypes_hold`).
     """
     module_types = tuple(t for t in leaf_types if isinstance(t, type)) + _registered_leaf_types()
     functions = tuple(f for f in leaf_types if not isinstance(f, type)) + _registered_leaf_functions()
     opaque: dict[type, str] = {}
     ranks = tuple(ranks) if ranks is not None else None
+    dtypes = tuple(dtypes) if dtypes is not None else None
     # Functions run as one opaque call: id -> (namespace, name, function, reason); and
     # the ids of functions refused (a call of one passed an object a node cannot hold).
     sites: dict[int, tuple[dict, str, Any, str]] = {}
     refused: set[int] = set()
-    known = learned(model, _learned_key(model, spec, ranks))
+    known = learned(model, _learned_key(model, spec, ranks, dtypes))
     while True:
         try:
-            traced = _trace_once(model, binder, spec, module_types, functions, opaque, known, sites, refused, ranks)
+            traced = _trace_once(
+                model, binder, spec, module_types, functions, opaque, known, sites, refused, ranks, dtypes
+            )
             traced.leaf_types = tuple(leaf_types)
             return traced
         except _OpaqueRetry as retry:
@@ -843,11 +886,16 @@ def trace_model(
                 opaque[retry.cls] = retry.reason
 
 
-def _learned_key(model: torch.nn.Module, spec: CallSpec, ranks: Optional[tuple[int, ...]] = None) -> Hashable:
-    """What a learned opaque output holds for: one call structure (with its ranks), in
-    one train/eval state of every module and one autocast state (what a trace is made
-    for)."""
-    return (spec.key, ranks, tuple(m.training for m in model.modules()), autocast_state())
+def _learned_key(
+    model: torch.nn.Module,
+    spec: CallSpec,
+    ranks: Optional[tuple[int, ...]] = None,
+    dtypes: Optional[tuple[torch.dtype, ...]] = None,
+) -> Hashable:
+    """What a learned opaque output holds for: one call structure (with its ranks and
+    dtypes), in one train/eval state of every module and one autocast state (what a
+    trace is made for)."""
+    return (spec.key, ranks, dtypes, tuple(m.training for m in model.modules()), autocast_state())
 
 
 class _OpaqueRetry(Exception):
@@ -878,6 +926,7 @@ def _trace_once(
     sites: Optional[dict[int, tuple[dict, str, Any, str]]] = None,
     refused: frozenset[int] | set[int] = frozenset(),
     ranks: Optional[tuple[int, ...]] = None,
+    dtypes: Optional[tuple[torch.dtype, ...]] = None,
 ) -> Traced:
     sites = sites or {}
     names = _placeholder_names(binder, spec)
@@ -890,7 +939,7 @@ def _trace_once(
     root.__dict__["_streamsched_binder"] = binder
     root.__dict__["_streamsched_spec"] = spec
     function_sites = [(namespace, name, fn) for namespace, name, fn, _ in sites.values()]
-    tracer = _LeafTracer(module_types, model, functions, frozenset(opaque), known, function_sites, ranks)
+    tracer = _LeafTracer(module_types, model, functions, frozenset(opaque), known, function_sites, ranks, dtypes)
     try:
         with TraceSideEffectGuard(model, root) as guard, GradModeGuard(tracer):
             graph = tracer.trace(root)
@@ -936,10 +985,26 @@ def _trace_once(
         flags=flags,
         inlined_leaf_calls=tracer.inlined_leaf_calls,
         ranks=ranks,
+        dtypes=dtypes,
+        dtype_guards=_assumptions(tracer.ranks.assumed),
     )
     # The recording call re-traces through this where a leaf call misled the trace.
     root.__dict__["_streamsched_traced"] = weakref.ref(traced)
     return traced
+
+
+def _assumptions(assumed: set) -> tuple:
+    """What the trace relied on beyond its key (``RankTracker.sources``): the parameters
+    whose dtypes must hold, returned; what a rule said of an opaque call's items, handed
+    to that call, which checks it each time it runs."""
+    guards = []
+    for source in assumed:
+        if source[0] == "param":
+            guards.append(source[1:])
+        else:
+            _, target, index, rank, dtype = source
+            target.expect(index, rank, dtype)
+    return tuple(guards)
 
 
 def _used_functions(graph: fx.Graph, sites: dict[int, tuple[dict, str, Any, str]]) -> dict[str, str]:
