@@ -4,13 +4,16 @@ Where the tracer answers ``x.dim()``, ``len(x.shape)`` or iterates ``x.shape[:-1
 the ranks it tracks (``frontend.ranks``), the answer becomes part of the graph: a view
 to ``(*x.shape[:-1], 2, -1)`` has as many size arguments as the rank said. A rank rule
 that is wrong for some operation would make a graph that computes something else, and
-the recording call returns what the graph computes. So each value whose rank or length
-the trace relied on is marked on its node (:func:`rely_on`), and the recording call
+the recording call returns what the graph computes. So each value whose rank, length or
+dtype (``x.dtype`` answered: ``torch.finfo(x.dtype)``, ``if x.dtype == ...``) the trace
+relied on is marked on its node (:func:`rely_on`), and the recording call
 (``frontend.meta``) compares the mark with the real value as soon as the node has run
 (:func:`check_relied`): a difference raises :class:`RankAssumptionError`, naming the node
-and both figures, before any result is returned. A trace is made per rank of every
-input, and each new size of a signature is recorded before it is planned, so every graph
-the wrapper runs was checked on a call of its own sizes.
+and both figures, before any result is returned. A trace is made per rank and dtype of
+every input, and each new size of a signature is recorded before it is planned, so every
+graph the wrapper runs was checked on a call of its own sizes. What the marks rest on
+beyond the inputs (a parameter's dtype, a rule for an opaque call's output) is checked on
+every call besides (``frontend.ranks``).
 """
 
 from __future__ import annotations

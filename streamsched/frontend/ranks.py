@@ -42,7 +42,18 @@ known (views, ``where``, ``matmul`` and ``+ - * /`` of floating tensors of one d
 with Python numbers, ``+ - *`` of integer tensors with ints; ``arange`` of ints is
 ``int64``). ``x.dtype`` of such a value is answered while tracing
 (``torch.finfo(w.dtype).min`` in GPT-Neo, XLNet's ``if mask.dtype == torch.float16``).
-The inputs' and parameters' dtypes are never used: a trace serves calls of any dtype.
+
+Outside autocast (whose ops compute in its own dtypes), dtypes also follow from the
+inputs' (the trace is keyed by them) and the parameters': a parameter or buffer read by
+``get_attr`` has its dtype, an ``Embedding`` its weight's, the modules and functions of
+the rank rules that torch runs in their input's dtype (or raise) keep a floating input's
+dtype, and binary operations promote as ``torch.result_type`` does for operands of those
+dtypes and ranks (not where the default dtype decides: an integer tensor with a Python
+float, true division of integers). What a value's rank or dtype rests on besides the
+trace's key, a parameter's dtype or a rule for an opaque call's output, is tracked with
+it (``RankTracker.sources``); where the trace used the value's rank, length or dtype
+(:meth:`RankTracker.relied`), those are checked on every call (``Traced.dtypes_hold``,
+``OpaqueFunction.expect``).
 """
 
 from __future__ import annotations
