@@ -47,7 +47,7 @@ from .frontend.effects import EffectRecorder, Effects
 from .frontend.hooks import global_hooks, has_hooks
 from .frontend.meta import run_and_record
 from .frontend.nodes import node_label
-from .frontend.trace import CallBinder, Traced, is_compiled_module, trace_model
+from .frontend.trace import CallBinder, Traced, dtype_probes, dtypes_same, is_compiled_module, trace_model
 from .frontend.trace_guard import autocast_state
 from .nesting import NestedPlans
 from .observe.nvtx_ranges import NvtxRanges
@@ -195,9 +195,11 @@ class _State:
         # wrapper) moves no generation, and traced code may have read them as constants
         # (transformers' ``self.device`` and ``self.dtype``).
         self.probe, self.probed = _placement_probe(model)
-        # Traces that relied on the dtypes of parameters (``Traced.dtypes_hold``): a
-        # submodule cast on its own moves neither the probe nor a generation.
+        # Traces that relied on the dtypes of parameters (``Traced.dtypes_hold``), and
+        # those parameters (``trace.dtype_probes``), compared every call: a submodule
+        # cast on its own moves neither the probe nor a generation.
         self.dtype_guarded: list[Traced] = []
+        self.dtype_probes: tuple = ()
         self.hook_registrations = _generation.hook_registrations()
         self.calls = 0
         self.executors = ExecutorPool(_native.native())
@@ -524,6 +526,7 @@ class StreamScheduledModule(nn.Module):
             st.generation = _generation.current()
             st.probe, st.probed = _placement_probe(self.module)
             st.dtype_guarded = []
+            st.dtype_probes = ()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # nn.Module.__call__ with no hook of the wrapper's own, none global, no jit trace
@@ -601,7 +604,7 @@ class StreamScheduledModule(nn.Module):
         if probe is not None and (probe.dtype, probe.device) != st.probed:
             log.info("streamsched: %s was moved or cast; re-tracing", type(self.module).__name__)
             self.invalidate()
-        elif st.dtype_guarded and not all(t.dtypes_hold() for t in st.dtype_guarded):
+        elif st.dtype_probes and not dtypes_same(st.dtype_probes):
             log.info("streamsched: a parameter of %s was cast; re-tracing", type(self.module).__name__)
             self.invalidate()
         module = self.module
@@ -691,7 +694,8 @@ class StreamScheduledModule(nn.Module):
         # The first parameter may be another one now (re-wired); a cast or move of the
         # model at the same time must still count.
         probe, probed = _placement_probe(self.module)
-        stale = stale or probed != st.probed
+        stale = stale or probed != st.probed or not all(t.dtypes_hold() for t in st.dtype_guarded)
+        st.dtype_probes = dtype_probes(st.dtype_guarded)  # a parameter may be another one now
         st.probe, st.probed = probe, probed
         for traced in list(st.traces.values()):
             if not isinstance(traced, Traced):
@@ -736,10 +740,16 @@ class StreamScheduledModule(nn.Module):
             leaf_types = tuple(self.config.leaf_modules)
             traced = trace_model(self.module, st.binder, spec, leaf_types, ranks, dtypes)
             st.traces.put(trace_key, traced)
-            if traced.dtype_guards:
-                live = {id(t) for t in st.traces.values()}  # those the LRU dropped: not checked
-                st.dtype_guarded = [t for t in st.dtype_guarded if id(t) in live] + [traced]
         return traced
+
+    def _guard_dtypes(self, traced: Traced) -> None:
+        """After a recording call (which may have traced again): compare the dtypes of the
+        parameters ``traced`` relied on every call from now on."""
+        st = self._ss
+        if traced.dtype_guards and not any(t is traced for t in st.dtype_guarded):
+            live = {id(t) for t in st.traces.values()}  # those the LRU dropped: not checked
+            st.dtype_guarded = [t for t in st.dtype_guarded if id(t) in live] + [traced]
+        st.dtype_probes = dtype_probes(st.dtype_guarded)
 
     def _new_signature(self, key: Any, spec: Any, tensors: list[torch.Tensor], args: tuple, kwargs: dict) -> Any:
         """A call with no plan for its signature: plan it, or run the model as written where
@@ -856,6 +866,7 @@ class StreamScheduledModule(nn.Module):
         recorder = EffectRecorder()
         with recorder:
             result = run_and_record(traced.graph, traced.root, tensors, on_error, metas, recorder)
+        self._guard_dtypes(traced)
         input_keys = frozenset(recorder.key_of(t) for t in tensors)
         effects = Effects.from_accesses(recorder.accesses, input_keys, traced.graph)
         del recorder

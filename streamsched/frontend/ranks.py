@@ -448,21 +448,26 @@ class RankTracker:
             return None
         return self.rank.get(node)
 
-    def relied(self, node: fx.Node) -> None:
-        """The trace used what is known of ``node``'s value: what that rests on must hold
-        on every call."""
-        self.assumed |= self.sources.get(node, frozenset())
+    def relied(self, node: fx.Node, kind: str) -> None:
+        """The trace used ``node``'s rank or length (``kind``), or its dtype (``"dtype"``):
+        what that rests on must hold on every call. (A parameter's dtype says nothing of
+        a rank.)"""
+        sources = self.sources.get(node, frozenset())
+        self.assumed |= sources if kind == "dtype" else {s for s in sources if s[0] == "opaque"}
 
-    def promise(
-        self, node: fx.Node, index: int, rank: Optional[int], dtype: Optional[torch.dtype], target: Any
-    ) -> None:
-        """A rule knows item ``index`` of opaque call ``node``'s value (``target``, its
-        :class:`~streamsched.frontend.opaque_functions.OpaqueFunction`, checks it on every
-        call the trace relied on it)."""
-        if rank is None and dtype is None:
+    def promise(self, node: fx.Node, index: int, like: fx.Node, target: Any, dtype: bool = True) -> None:
+        """A rule says item ``index`` of opaque call ``node``'s value has the rank and
+        (where ``dtype``) the dtype of ``like``'s value, as far as those are known
+        (``target``, the call's :class:`~streamsched.frontend.opaque_functions.OpaqueFunction`,
+        checks it on every call the trace relied on it)."""
+        rank = self.rank_of(like)
+        known_dtype = self.dtypes.get(like) if dtype else None
+        if rank is None and known_dtype is None:
             return
-        source = ("opaque", target, index, rank, dtype)
-        self.promised.setdefault(node, {})[index] = (rank, dtype, source)
+        source = ("opaque", target, index, rank, known_dtype)
+        # It rests on the rule, and on what ``like``'s rank and dtype rest on.
+        sources = self.sources.get(like, frozenset()) | {source}
+        self.promised.setdefault(node, {})[index] = (rank, known_dtype, sources)
 
     def note(self, node: fx.Node, kind: str, target: Any, args: tuple, kwargs: dict, root: Any) -> None:
         """Note what is known of a node just created."""
@@ -470,11 +475,6 @@ class RankTracker:
         if kind == "placeholder":
             index = self.placeholders
             self.placeholders += 1
-        sources: set = set()
-        for a in (*args, *kwargs.values()):
-            fx.node.map_aggregate(a, lambda v: sources.update(self._sources(v)))
-        if sources:
-            self.sources[node] = frozenset(sources)
         if self._passed_on(node, kind, target, args):
             return
         try:
@@ -483,12 +483,27 @@ class RankTracker:
                 self.dtypes[node] = dtype
         except Exception:  # noqa: BLE001 - an argument shaped unlike the rule expects: unknown
             pass
-        if self.inputs is None:
+        if self.inputs is not None:
+            try:
+                self._note(node, kind, target, args, kwargs, root, index)
+            except Exception:  # noqa: BLE001 - an argument shaped unlike the rule expects: unknown
+                pass
+        self._inherit(node, args, kwargs)
+
+    def _inherit(self, node: fx.Node, args: tuple, kwargs: dict) -> None:
+        """What a new value's known dtype, rank or length rests on: what its arguments'
+        rest on (all of it for a dtype; for a rank or length, the rules for opaque calls
+        only). A value with neither known passes nothing on."""
+        has_dtype = node in self.dtypes
+        if not has_dtype and node not in self.rank and node not in self.len and node not in self.items:
             return
-        try:
-            self._note(node, kind, target, args, kwargs, root, index)
-        except Exception:  # noqa: BLE001 - an argument shaped unlike the rule expects: unknown
-            pass
+        sources: set = set()
+        for a in (*args, *kwargs.values()):
+            fx.node.map_aggregate(a, lambda v: sources.update(self._sources(v)))
+        if not has_dtype:
+            sources = {s for s in sources if s[0] == "opaque"}
+        if sources:
+            self.sources[node] = self.sources.get(node, frozenset()) | sources
 
     def _sources(self, value: Any) -> frozenset:
         node = value.node if isinstance(value, fx.Proxy) else value
@@ -507,17 +522,19 @@ class RankTracker:
             return False
         if isinstance(target, OutputCheck):
             self.promised[node] = self.promised[base]
+            if base in self.sources:
+                self.sources[node] = self.sources[base]
             return True
         if target is operator.getitem and len(args) == 2 and type(args[1]) is int:
             known = self.promised[base].get(args[1])
             if known is None:
                 return True
-            rank, dtype, source = known
+            rank, dtype, sources = known
             if rank is not None:
                 self.rank[node] = rank
             if dtype is not None:
                 self.dtypes[node] = dtype
-            self._assume(node, source)
+            self.sources[node] = self.sources.get(node, frozenset()) | sources
             return True
         return False
 

@@ -62,7 +62,7 @@ from .trace_guard import (
     copy_fresh_constants,
 )
 
-__all__ = ["CallBinder", "CallSpec", "Traced", "trace_model", "is_compiled_module"]
+__all__ = ["CallBinder", "CallSpec", "Traced", "trace_model", "is_compiled_module", "dtype_probes", "dtypes_same"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(__file__)
@@ -338,10 +338,8 @@ class _LeafTracer(fx.Tracer):
         proxy = self.create_proxy("call_function", target, tuple(values), {})
         # What a rule knows of its items (attention functions: the query's rank and dtype).
         for index, like in opaque_functions.known_items(fn, args, kwargs).items():
-            node = like.node if isinstance(like, fx.Proxy) else None
-            if node is not None:
-                dtype = None if autocast_state() else self.ranks.dtype_of(node)
-                self.ranks.promise(proxy.node, index, self.ranks.rank_of(node), dtype, target)
+            # (Not the dtype under autocast: the function computes in autocast's.)
+            self.ranks.promise(proxy.node, index, like.node, target, dtype=not autocast_state())
         return self._known_structure(target.label, proxy)
 
     def _bakeable(self, value: Any) -> Optional[str]:
@@ -550,7 +548,7 @@ def _rely(proxy: fx.Proxy, kind: str, number: Any) -> None:
     """The trace used ``proxy``'s rank, length or dtype: checked on the recording call
     (``frontend.rank_checks``), and what it rests on on every call."""
     rely_on(proxy.node, kind, number)
-    proxy.tracer.ranks.relied(proxy.node)
+    proxy.tracer.ranks.relied(proxy.node, kind)
 
 
 def _proxy_len(proxy: fx.Proxy) -> int:
@@ -991,6 +989,30 @@ def _trace_once(
     # The recording call re-traces through this where a leaf call misled the trace.
     root.__dict__["_streamsched_traced"] = weakref.ref(traced)
     return traced
+
+
+def dtype_probes(traces: Sequence[Traced]) -> tuple:
+    """(tensor, dtype) for each parameter or buffer whose dtype ``traces`` relied on, as
+    the model holds them now: what :func:`dtypes_same` compares on every call (a cast
+    changes a parameter's dtype in place; a re-assigned one moves the generation, and
+    the probes are made again)."""
+    probes: dict[int, tuple] = {}
+    for traced in traces:
+        for owner, name, dtype in traced.dtype_guards:
+            tensor = owner._parameters.get(name)
+            if tensor is None:
+                tensor = owner._buffers.get(name)
+            if tensor is not None:
+                probes[id(tensor)] = (tensor, dtype)
+    return tuple(probes.values())
+
+
+def dtypes_same(probes: tuple) -> bool:
+    """Whether every probe (:func:`dtype_probes`) still has its dtype."""
+    for tensor, dtype in probes:
+        if tensor.dtype is not dtype:
+            return False
+    return True
 
 
 def _assumptions(assumed: set) -> tuple:
