@@ -23,6 +23,7 @@ import logging
 import threading
 import time
 import warnings
+import weakref
 from typing import Any, Iterator, Optional
 
 import torch
@@ -62,7 +63,7 @@ from .runtime import eager as eager_dispatch
 from .runtime.chaos import Chaos
 from .runtime.graphs import GraphExecutor
 from .runtime.pool import ExecutorPool
-from .runtime.program import Program, annotate_exception, compile_program, failing_node
+from .runtime.program import Program, ProgramCache, annotate_exception, compile_program, failing_node
 from .runtime.synclog import SyncLog
 
 __all__ = ["StreamScheduledModule"]
@@ -172,6 +173,9 @@ class _State:
         # What eager dispatch reads of the model, and keeps between its calls.
         self.dispatch = eager_dispatch.DispatchContext.for_model(model, config, self.binder, self._nested_site)
         self.traces: LRU = LRU(config.plan_cache_size)
+        # Per traced graph: its latest plan's program, for its plans at other sizes that
+        # compile to the same code (runtime.program.ProgramCache).
+        self.programs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # Eager dispatch, per call structure: calls in a row that launched no branch, or
         # an _AsWritten once there were enough of them.
         self.quiet: LRU = LRU(config.plan_cache_size)
@@ -512,6 +516,7 @@ class StreamScheduledModule(nn.Module):
         st = self._ss
         with st.lock:
             st.traces.clear()
+            st.programs.clear()
             st.quiet.clear()
             st.plans.clear()
             st.written.clear()
@@ -875,7 +880,10 @@ class StreamScheduledModule(nn.Module):
         planned = make_schedule(
             traced, metas, self.config, tensors, fusion=st.fusion, measured=measured, effects=effects
         )
-        schedule = _Compiled(planned, compile_program(planned), rebuild)
+        programs = st.programs.get(traced.graph)
+        if programs is None:
+            programs = st.programs[traced.graph] = ProgramCache()
+        schedule = _Compiled(planned, compile_program(planned, programs), rebuild)
         schedule.nested_sites = self._opaque_sites(schedule.plan)
         if effects.writes_inputs:
             schedule.alias_pattern = _alias_pattern(tensors)

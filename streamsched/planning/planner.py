@@ -56,6 +56,9 @@ class Schedule:
     """The in-place effects recorded on the planning call (their storages are logged)."""
     stacks: list[Any] = field(default_factory=list)
     """Stacked parameters the fused kernels read; checked before every call."""
+    fusion_reuse: Any = None
+    """What the fusion proposal took from the trace's plans at other input sizes
+    (:class:`~streamsched.passes.fusion.fuse.FusionReuse`), or ``None`` without fusion."""
 
 
 def copy_graph(graph: fx.Graph, metas: dict[fx.Node, ValueMeta]) -> tuple[fx.Graph, dict[fx.Node, ValueMeta]]:
@@ -166,8 +169,10 @@ def _make_schedule(
     unfused: list[UnfusedGroup] = []
     notes: list[str] = []
     stacks: list[Any] = []
+    reuse = None
     if config.fuse and fusion is not None:
-        result = fusion.fuse(graph, root, metas, config, dev)
+        result = fusion.fuse(graph, root, metas, config, dev, source=traced.graph)
+        reuse = result.reuse
         groups = result.groups
         unfused = result.unfused
         notes.extend(result.notes)
@@ -261,4 +266,4 @@ def _make_schedule(
     log.debug(
         "planned %s: %d tasks, %d streams, executor %s (%s)", plan.model, len(tasks), plan.num_streams, executor, reason
     )
-    return Schedule(plan, graph, tg, assignment, root, effects, stacks)
+    return Schedule(plan, graph, tg, assignment, root, effects, stacks, reuse)

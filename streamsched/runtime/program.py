@@ -11,6 +11,7 @@ cost on the hot path (see :func:`annotate_exception`).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import linecache
 import math
@@ -26,7 +27,7 @@ from ..passes.fusion.kernels import FusedKernel
 from ..passes.fusion.layout import specialise_gather
 from ..planning.planner import Schedule
 
-__all__ = ["CompiledTask", "Program", "compile_program", "annotate_exception"]
+__all__ = ["CompiledTask", "Program", "ProgramCache", "compile_program", "program_key", "annotate_exception"]
 
 _counter = itertools.count()
 
@@ -262,10 +263,106 @@ def _compile_function(name: str, body: list[str], emitter: _Emitter, filename: s
     return namespace[name]
 
 
-def compile_program(schedule: Schedule) -> Program:
+class ProgramCache:
+    """The program compiled for one trace's latest plan, and everything it was compiled
+    from (:func:`program_key`): a plan of the trace at other input sizes that compiles
+    from the same graph, tasks, streams and effects gets the same generated functions.
+
+    Only a graph whose statements name no size qualifies: a fused kernel is a new object
+    per plan (it views stacked values with the sizes it was planned at), so a plan with
+    one never matches. The cached program keeps every object its key names by identity
+    alive, so an identity in the key cannot be another object's."""
+
+    __slots__ = ("key", "program", "hits")
+
+    def __init__(self) -> None:
+        self.key: Optional[tuple] = None
+        self.program: Optional[Program] = None
+        self.hits = 0
+
+
+def _arg_key(a: Any) -> Any:
+    if isinstance(a, fx.Node):
+        return ("n", a.name)
+    # As _Emitter.render tells them apart (fx's immutable containers are lists and dicts).
+    if isinstance(a, tuple) and not hasattr(a, "_fields"):
+        return (tuple, tuple(_arg_key(x) for x in a))
+    if isinstance(a, list):
+        return (list, tuple(_arg_key(x) for x in a))
+    if isinstance(a, dict):
+        return (dict, tuple((_arg_key(k), _arg_key(v)) for k, v in a.items()))
+    if isinstance(a, slice):
+        return (slice, _arg_key(a.start), _arg_key(a.stop), _arg_key(a.step))
+    if a is None or isinstance(a, (bool, int, str, float)):
+        return (type(a), repr(a))  # rendered by repr: 0.0 and -0.0 are equal, not alike
+    return ("object", id(a))  # rendered as a constant: the program holds it
+
+
+def program_key(schedule: Schedule) -> tuple:
+    """Everything :func:`compile_program` reads of ``schedule``: the graph's nodes (their
+    targets and constants by identity), the tasks, the stream assignment, the logged
+    in-place effects and the stacked parameters. Equal keys compile to the same code."""
+    a = schedule.assignment
+    effects = schedule.effects
+    nodes = tuple(
+        (
+            n.name,
+            n.op,
+            n.target if type(n.target) is str else id(n.target),
+            _arg_key(n.args),
+            _arg_key(n.kwargs),
+            len(n.users),
+        )
+        for n in schedule.graph.nodes
+    )
+    tasks = tuple((t.name, tuple(n.name for n in t.nodes)) for t in schedule.task_graph.tasks)
+    located = ()
+    if effects:
+        located = (
+            effects.num_locations,
+            tuple(sorted((k, tuple(v)) for k, v in effects.reads.items())),
+            tuple(sorted((k, tuple(v)) for k, v in effects.writes.items())),
+            tuple(sorted((k, tuple(sorted(v.items(), key=repr))) for k, v in effects.sees.items())),
+        )
+    return (
+        id(schedule.root),
+        nodes,
+        tasks,
+        tuple(a.stream),
+        tuple(a.order),
+        tuple(tuple(w) for w in a.waits),
+        tuple(a.records),
+        a.num_streams,
+        located,
+        tuple(id(s) for s in schedule.stacks),
+    )
+
+
+def compile_program(schedule: Schedule, cache: Optional[ProgramCache] = None) -> Program:
     """Compile the planner's :class:`~streamsched.planning.planner.Schedule` into a
     :class:`Program`: one generated function per task of its task graph, issued in the
-    assignment's order, on its streams, with its waits and records."""
+    assignment's order, on its streams, with its waits and records.
+
+    ``cache``: the trace's :class:`ProgramCache`. Where ``schedule`` compiles from what
+    the cached program did, the result is a new :class:`Program` (executors keep state
+    per program: a CUDA graph captured at other sizes is not this one's) over the same
+    generated functions."""
+    key = None
+    if cache is not None:
+        key = program_key(schedule)
+        if key == cache.key and cache.program is not None:
+            cache.hits += 1
+            old = cache.program
+            return dataclasses.replace(
+                old, tasks=list(old.tasks), slot_producer=dict(old.slot_producer), lines=dict(old.lines)
+            )
+    program = _compile_schedule(schedule)
+    if cache is not None:
+        cache.key, cache.program = key, program
+    return program
+
+
+def _compile_schedule(schedule: Schedule) -> Program:
     a = schedule.assignment
     return _compile(
         schedule.graph,

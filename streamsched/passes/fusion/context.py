@@ -9,6 +9,7 @@ optimizer holding them stays valid). Each plan runs the pass through :meth:`Fusi
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, Optional, Sequence
 
 import torch
@@ -18,7 +19,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ... import _generation
 from .fuse import FuseResult, fuse_graph
 from .params import StackedTensors
-from .propose import plain_attribute_names, structure_signature
+from .propose import StaticSignatures, plain_attribute_names, structure_signature
 from .stacked import StackedParameter
 
 __all__ = ["FusionContext"]
@@ -59,6 +60,9 @@ class FusionContext:
         # member would leave its group stacked per call for good).
         # A weak reference tells the stack's storage from a new one at the same address.
         self._released: dict[int, tuple[tuple, StorageWeakRef]] = {}
+        # Per traced graph: the size-independent halves of its nodes' fusion signatures,
+        # for its plans at other input sizes (propose.StaticSignatures).
+        self._statics: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def _reclaimable(self, t: torch.Tensor) -> Optional[tuple]:
         """The key of a released stack ``t`` is a view of, or None."""
@@ -147,12 +151,21 @@ class FusionContext:
         for param in self._params.values():
             param._deactivate()
 
-    def fuse(self, graph: fx.Graph, root: nn.Module, metas: dict, config: Any, device: Any) -> FuseResult:
+    def fuse(
+        self, graph: fx.Graph, root: nn.Module, metas: dict, config: Any, device: Any, source: Optional[fx.Graph] = None
+    ) -> FuseResult:
         """Fuse ``graph`` in place (see :func:`~streamsched.passes.fusion.fuse.fuse_graph`)
-        under ``config``'s ``fuse_params``, ``grad_handoff`` and ``fuse_min_size``."""
+        under ``config``'s ``fuse_params``, ``grad_handoff`` and ``fuse_min_size``.
+        ``source``: the traced graph ``graph`` is a copy of; the size-independent halves
+        of the fusion signatures are kept for it, for its plans at other input sizes."""
         self.alias = config.fuse_params == "alias"
         self.direct_grads = config.grad_handoff == "direct"
-        result = fuse_graph(graph, root, metas, self, device, config.fuse_min_size)
+        statics = None
+        if source is not None:
+            statics = self._statics.get(source)
+            if statics is None:
+                statics = self._statics[source] = StaticSignatures()
+        result = fuse_graph(graph, root, metas, self, device, config.fuse_min_size, statics)
         names: set[str] = set()
         for m in result.modules:
             # The proposal read each module's configuration just before its kernel was built.
@@ -160,10 +173,14 @@ class FusionContext:
             signature = known[1] if known is not None and known[0] is m else structure_signature(m)
             self._fused[id(m)] = (m, signature)
             names |= plain_attribute_names(m, signature)
+            if statics is not None:
+                statics.watched.add(id(m))
         # Assigning one of these attributes moves the generation, so the wrapper asks
         # fused_unchanged() before its next call.
         _generation.watch(names)
         self._assignments = _generation.assignments()
+        if statics is not None:
+            statics.seal()
         return result
 
     def fused_unchanged(self) -> bool:
@@ -202,6 +219,7 @@ class FusionContext:
         self._stacks.clear()
         self._claimed.clear()
         self._fused.clear()
+        self._statics.clear()
 
 
 def _qualified(names: dict[int, str], module: nn.Module, attr: str) -> str:

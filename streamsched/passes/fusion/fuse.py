@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple, Optional
 
 from torch import fx, nn
 
@@ -19,11 +19,11 @@ from ...frontend.trace_guard import autocast_state
 from ...ir.cost import DeviceModel
 from .builders import BUILDERS, Group
 from .kernels import FusedKernel
-from .propose import FusionSupport, propose
+from .propose import FusionSupport, StaticSignatures, propose
 from .report import FusedGroupInfo, UnfusedGroup
 from .rewrite import Rewriter, resort
 
-__all__ = ["fuse_graph", "FuseResult"]
+__all__ = ["fuse_graph", "FuseResult", "FusionReuse"]
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,17 @@ class FuseResult:
     """The module calls the kernels replaced: their configuration is baked into the kernels."""
     structures: dict[int, tuple[nn.Module, tuple]] = field(default_factory=dict)
     """``(module, structure_signature(module))`` by id, as the proposal read them."""
+    reuse: Optional[FusionReuse] = None
+    """What the proposal took from earlier plans of the same trace."""
+
+
+class FusionReuse(NamedTuple):
+    """What a proposal took from the earlier plans of its trace (other input sizes)."""
+
+    signatures: bool
+    """The size-independent halves of the signatures were cached (and still valid)."""
+    groups: bool
+    """The groups came out as the previous plan's: same kinds, same members."""
 
 
 def _unfused(root: nn.Module, reason: str, members: list[fx.Node]) -> UnfusedGroup:
@@ -56,9 +67,23 @@ def fuse_graph(
     stacks: Any,
     device: DeviceModel,
     min_size: int = 2,
+    statics: Optional[StaticSignatures] = None,
 ) -> FuseResult:
-    """Fuse ``graph`` in place; ``stacks`` provides the stacked parameter holders."""
-    proposals = propose(graph, FusionSupport(root, metas), min_size)
+    """Fuse ``graph`` in place; ``stacks`` provides the stacked parameter holders;
+    ``statics`` the size-independent halves of the fusion signatures of earlier plans of
+    the same trace (:class:`~streamsched.passes.fusion.propose.StaticSignatures`)."""
+    support = FusionSupport(root, metas, statics)
+    proposals = propose(graph, support, min_size)
+    if not support.confirm(proposals.groups):
+        # A module grouped for the first time was reconfigured since its signature was
+        # cached: propose again from a fresh reading of every module.
+        support.statics.clear()
+        support = FusionSupport(root, metas, support.statics)
+        proposals = propose(graph, support, min_size)
+    statics = support.statics
+    names = [(kind, tuple(n.name for n in members)) for kind, members in proposals.groups]
+    reuse = FusionReuse(support.reused, support.reused and names == statics.groups)
+    statics.groups = names
     unfused = [_unfused(root, reason, nodes) for reason, nodes in proposals.excluded]
     # The plan is made inside the call that recorded ``metas``, under the autocast state
     # its trace (and so every later call running this plan) is keyed by.
@@ -85,9 +110,9 @@ def fuse_graph(
         else:
             fused_modules.extend(submodule(root, m.target) for m in members if m.op == "call_module")
     if not rw.kernels:
-        return FuseResult([], [], [], unfused)
+        return FuseResult([], [], [], unfused, reuse=reuse)
     rw.rewrite_consumers()
     rw.erase_members()
     resort(graph, rw.position)
     graph.lint()
-    return FuseResult(rw.groups, [], rw.kernels, unfused, fused_modules, proposals.structures)
+    return FuseResult(rw.groups, [], rw.kernels, unfused, fused_modules, proposals.structures, reuse)

@@ -24,12 +24,13 @@ import enum
 import logging
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from ... import _generation
 from ...branch import BranchCall
 from ...frontend.hooks import has_hooks
 from ...frontend.meta import ConstMeta, TensorMeta, ValueMeta
@@ -37,6 +38,7 @@ from ...frontend.nodes import node_label, submodule, target_name
 
 __all__ = [
     "FusionSupport",
+    "StaticSignatures",
     "Proposals",
     "propose",
     "module_kind",
@@ -286,6 +288,77 @@ def _contains_node(a: Any) -> bool:
     return False
 
 
+_EFFECT = "takes part in an in-place effect on shared storage (kept in eager order)"
+
+
+class _Static(NamedTuple):
+    """What of a node's fusion signature does not depend on the input sizes: read off the
+    trace and the modules once, and kept across the plans of one trace
+    (:class:`StaticSignatures`)."""
+
+    tensor_args: bool  # every Node argument is a direct one (_tensor_args)
+    module: Optional[nn.Module]  # the called module, for a call_module node
+    excluded: Optional[str]  # why a module call is left alone whatever the sizes (hooks...)
+    structure: tuple  # structure_signature(module), or ()
+    vmap: bool  # the module has no kernel of its own (vmap)
+    supported: bool  # a function or method with a batched kernel
+    wide: Optional[tuple]  # a Linear/Conv's configuration but its output width (wide_key)
+
+
+class StaticSignatures:
+    """The size-independent half of every node's fusion signature for one trace, kept
+    from one plan of the trace to the next (its next input sizes).
+
+    What it holds is a function of the trace and of the modules' configuration only: the
+    module each node calls, whether its arguments are plain, its hooks and the
+    configuration :func:`structure_signature` reads (the parameters and buffers, which
+    ``m.bias = None`` replaces without a trace, are read again on every plan). It is valid
+    while no module hook was registered and no watched attribute assigned (:meth:`valid`:
+    the ``_generation`` counters it was made under), and it lives as long as its trace (a
+    re-wired module drops the traces, and these entries); the size-dependent
+    half (input and output metas, in-place effects) is computed on every plan, and the
+    groups are formed from both halves as a fresh proposal forms them. A module that a
+    proposal puts in a group for the first time has its configuration read again
+    (:meth:`FusionSupport.confirm`): only modules some kernel fused have their attributes
+    watched.
+    """
+
+    __slots__ = ("entries", "stamp", "groups", "watched")
+
+    def __init__(self) -> None:
+        self.entries: dict[str, _Static] = {}
+        self.stamp: Optional[tuple] = None
+        # The groups the last proposal made: (kind, member names), to tell a plan whose
+        # groups came out as before.
+        self.groups: Optional[list[tuple[str, tuple[str, ...]]]] = None
+        # Modules a kernel fused, by id: their attributes are watched (FusionContext).
+        self.watched: set[int] = set()
+
+    @staticmethod
+    def _now() -> tuple:
+        # A re-wired module (a submodule swapped, a parameter re-registered) moves the
+        # generation, and the wrapper drops every trace whose modules moved (and these
+        # entries with them, FusionContext.invalidate) before it plans again; the
+        # generation itself moves for any wrapped model anywhere (a new wrapper, .eval()).
+        return (_generation.hook_registrations(), _generation.assignments())
+
+    def valid(self) -> bool:
+        """Whether the cached entries still describe the modules; if not, they are dropped."""
+        if self.stamp == self._now():
+            return True
+        self.clear()
+        return False
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.watched.clear()
+        self.stamp = None
+
+    def seal(self) -> None:
+        """The entries describe the modules as they are now."""
+        self.stamp = self._now()
+
+
 class FusionSupport:
     """The support policy: whether a node can be fused, under which signature, and why not.
 
@@ -293,15 +366,24 @@ class FusionSupport:
     grouping needs: :meth:`signature` says *with what* a node may be fused (nodes fuse
     only with nodes of the same signature), and :attr:`excluded` keeps the reason for each
     node that could otherwise be fused but is left alone on purpose (the plan shows them).
+
+    ``statics``: the size-independent halves of the signatures from an earlier plan of
+    the same trace (:class:`StaticSignatures`), used where still valid and filled in
+    where not.
     """
 
-    def __init__(self, root: nn.Module, metas: dict[fx.Node, ValueMeta]):
+    def __init__(self, root: nn.Module, metas: dict[fx.Node, ValueMeta], statics: Optional[StaticSignatures] = None):
         self.root = root
         self.metas = metas
         self.excluded: dict[fx.Node, str] = {}
         self.structures: dict[int, tuple[nn.Module, tuple]] = {}
         """:func:`structure_signature` of each module a signature was made for, by id (a
         module called at several nodes is read once; the fused ones are kept to check)."""
+        if statics is None:
+            statics = StaticSignatures()
+        # Whether the signatures' static halves come from an earlier plan.
+        self.reused = statics.valid() and bool(statics.entries)
+        self.statics = statics
 
     def structure(self, m: nn.Module) -> tuple:
         """:func:`structure_signature` of ``m``, computed once per pass."""
@@ -314,50 +396,73 @@ class FusionSupport:
         """The kernel kind of a supported node (``function`` for functions and methods)."""
         return module_kind(submodule(self.root, node.target)) if node.op == "call_module" else "function"
 
-    def signature(self, node: fx.Node) -> Optional[tuple]:
-        """The fusion signature of a node, or ``None``; records in :attr:`excluded` the
-        reason where a node that could otherwise be fused is left alone on purpose."""
-        metas = self.metas
-        out = metas.get(node)
-        if not isinstance(out, TensorMeta) or not _tensor_args(node):
-            return None
-        excluded = None
-        m = submodule(self.root, node.target) if node.op == "call_module" else None
-        if node.meta.get("streamsched_effect"):
-            # It writes a storage another node reads or writes (or reads one written in
-            # place): its place in eager order is kept, so it runs alone.
-            excluded = "takes part in an in-place effect on shared storage (kept in eager order)"
-        elif m is not None:
+    def _static(self, node: fx.Node) -> _Static:
+        entries = self.statics.entries
+        st = entries.get(node.name)
+        if st is not None:
+            if st.module is not None:
+                self.structures.setdefault(id(st.module), (st.module, st.structure))
+            return st
+        tensor_args = _tensor_args(node)
+        if node.op == "call_module":
+            m = submodule(self.root, node.target)
+            excluded = None
             if has_hooks(m) or (m._modules and any(has_hooks(s) for s in m.modules())):
                 excluded = "has hooks (they must fire per member)"
             elif module_kind(m) == "batchnorm" and m.momentum is None:
                 excluded = "BatchNorm with momentum=None (a cumulative average per member)"
+            st = _Static(tensor_args, m, excluded, self.structure(m), module_kind(m) == "vmap", True, _wide_config(m))
+        else:
+            if node.op == "call_function":
+                supported = node.target in ELEMENTWISE_FUNCTIONS and not isinstance(node.target, BranchCall)
+            else:
+                supported = node.op == "call_method" and node.target in ELEMENTWISE_METHODS
+            st = _Static(tensor_args, None, None, (), False, supported, None)
+        entries[node.name] = st
+        return st
+
+    def signature(self, node: fx.Node) -> Optional[tuple]:
+        """The fusion signature of a node, or ``None``; records in :attr:`excluded` the
+        reason where a node that could otherwise be fused is left alone on purpose.
+
+        Its size-independent half comes from :class:`StaticSignatures`; the rest (the
+        metas of the node and its arguments, the in-place effects of this plan's
+        recording call, the parameters' shapes and flags) is read here, on every plan."""
+        metas = self.metas
+        out = metas.get(node)
+        if not isinstance(out, TensorMeta):
+            return None
+        st = self._static(node)
+        if not st.tensor_args:
+            return None
+        excluded = None
+        if node.meta.get("streamsched_effect"):
+            # It writes a storage another node reads or writes (or reads one written in
+            # place): its place in eager order is kept, so it runs alone.
+            excluded = _EFFECT
+        elif st.excluded is not None:
+            excluded = st.excluded
         if excluded is not None:
             log.debug("fuse: %s %s; not fused", node_label(node), excluded)
             self.excluded[node] = excluded
             return None
-        if m is not None:
+        if st.module is not None:
+            m = st.module
             params = tuple(
                 (n, tuple(p.shape), p.dtype, p.device, p.requires_grad) for n, p in _named_tensors(m, "_parameters")
             )
             buffers = tuple((n, tuple(b.shape), b.dtype, b.device) for n, b in _named_tensors(m, "_buffers"))
-            if module_kind(m) == "vmap" and not params and not buffers:
+            if st.vmap and not params and not buffers:
                 return None
             return (
                 "module",
-                self.structure(m),
+                st.structure,
                 params,
                 buffers,
                 tuple(_arg_sig(a, metas) for a in node.args),
                 tuple((k, _arg_sig(v, metas)) for k, v in node.kwargs.items()),
             )
-        if node.op == "call_function":
-            if node.target not in ELEMENTWISE_FUNCTIONS or isinstance(node.target, BranchCall):
-                return None
-        elif node.op == "call_method":
-            if node.target not in ELEMENTWISE_METHODS:
-                return None
-        else:
+        if not st.supported:
             return None
         return (
             "function",
@@ -367,22 +472,47 @@ class FusionSupport:
             tuple((k, _arg_sig(v, metas)) for k, v in node.kwargs.items()),
         )
 
+    def confirm(self, groups: list[tuple[str, list[fx.Node]]]) -> bool:
+        """Whether every module of a group was configured, when this proposal made it, as
+        its cached signature says. The attributes of modules a kernel fused are watched
+        (an assignment to one drops every cached entry); a module grouped for the first
+        time is read again here."""
+        if not self.reused:
+            return True
+        statics = self.statics
+        watched = statics.watched
+        for _, members in groups:
+            for node in members:
+                st = statics.entries.get(node.name)
+                if st is None or st.module is None or id(st.module) in watched:
+                    continue
+                if structure_signature(st.module) != st.structure:
+                    return False
+        return True
+
     def wide_key(self, node: fx.Node) -> Optional[tuple]:
         """For a Linear/Conv call on one tensor, what members of a wide group share (the
         input node and everything but the output width); ``None`` for any other node."""
         if node.op != "call_module" or len(node.args) != 1 or node.kwargs:
             return None
-        m = submodule(self.root, node.target)
-        if "forward" in vars(m):  # an instance's own forward: the wide kernel would skip it
+        st = self._static(node)
+        if st.wide is None:
             return None
-        if type(m) is nn.Linear:
-            cfg = ("linear", m.in_features, m.bias is not None)
-        elif type(m) in (nn.Conv1d, nn.Conv2d, nn.Conv3d) and m.groups == 1 and m.padding_mode == "zeros":
-            cfg = (type(m), m.in_channels, m.kernel_size, m.stride, m.padding, m.dilation, m.bias is not None)
-        else:
-            return None
+        m = st.module
         p = m.weight
-        return (node.args[0], cfg, p.dtype, p.device, p.requires_grad, m.training)
+        return (node.args[0], st.wide, m.bias is not None, p.dtype, p.device, p.requires_grad, m.training)
+
+
+def _wide_config(m: nn.Module) -> Optional[tuple]:
+    """What a Linear/Conv shares with the members of a wide group but its output width
+    and its parameters (read per plan); ``None`` for any other module."""
+    if "forward" in vars(m):  # an instance's own forward: the wide kernel would skip it
+        return None
+    if type(m) is nn.Linear:
+        return ("linear", m.in_features)
+    if type(m) in (nn.Conv1d, nn.Conv2d, nn.Conv3d) and m.groups == 1 and m.padding_mode == "zeros":
+        return (type(m), m.in_channels, m.kernel_size, m.stride, m.padding, m.dilation)
+    return None
 
 
 # --- grouping ------------------------------------------------------------------------
