@@ -42,6 +42,31 @@ class TwoHalves(nn.Module):
         return torch.cat([self.act_a(x[:, :4]), self.act_b(x[:, 4:])], dim=1)
 
 
+class Gain(nn.Module):
+    """A leaf module with a plain attribute its forward reads (and a buffer, so that it
+    is fused with ``vmap``)."""
+
+    def __init__(self, size_reuse_gain: float):
+        super().__init__()
+        self.size_reuse_gain = size_reuse_gain
+        self.register_buffer("offset", torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.size_reuse_gain + self.offset
+
+
+class TwoGains(nn.Module):
+    """Two :class:`Gain` on ``x[:, :4]`` and ``x[:, 4:]``."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = Gain(2.0)
+        self.b = Gain(2.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.a(x[:, :4]), self.b(x[:, 4:])], dim=1)
+
+
 class Towers(nn.Module):
     """Branches of different widths: nothing to fuse, several tasks."""
 
@@ -125,25 +150,32 @@ def test_groups_that_sizes_split_are_formed_again():
     assert _plan_at(sm, model, torch.randn(3, 8)).fused_groups
     x = torch.randn(3, 10)
     plan = _plan_at(sm, model, x)
+    assert _planned(sm) == _fresh(model, x, executor="serial")
+    assert not plan.fused_groups
     reuse = _schedule(sm).fusion_reuse
     assert reuse.signatures and not reuse.groups
-    assert not plan.fused_groups
-    assert _planned(sm) == _fresh(model, x, executor="serial")
 
 
 def test_a_module_reconfigured_before_it_is_first_grouped_is_read_again():
-    """At 10 wide the activations are not grouped, so nothing watches their attributes;
+    """At 10 wide the two modules are not grouped, so nothing watches their attributes;
     one is reconfigured; at 8 wide they would group by their cached signatures, which no
-    longer describe them: the proposal reads them again and keeps them apart."""
+    longer describe them: the proposal reads them again and keeps them apart (a kernel
+    running one member's code for both would scale by the other's gain)."""
     torch.manual_seed(0)
-    model = TwoHalves().eval()
-    sm = ss.StreamScheduledModule(model, executor="serial")
+    model = TwoGains().eval()
+    options = {"executor": "serial", "leaf_modules": (Gain,)}
+    sm = ss.StreamScheduledModule(model, **options)
     assert not _plan_at(sm, model, torch.randn(3, 10)).fused_groups
-    model.act_b.negative_slope = 0.3
+    model.b.size_reuse_gain = 3.0
     x = torch.randn(3, 8)
     plan = _plan_at(sm, model, x)
     assert not plan.fused_groups
-    assert _planned(sm) == _fresh(model, x, executor="serial")
+    assert _planned(sm) == _fresh(model, x, **options)
+    # Alike again: fused, and its attributes watched from now on.
+    model.b.size_reuse_gain = 2.0
+    x = torch.randn(5, 8)
+    assert _plan_at(sm, model, x).fused_groups
+    assert _planned(sm) == _fresh(model, x, **options)
 
 
 def test_program_reused_where_it_compiles_the_same():
@@ -164,18 +196,34 @@ def test_program_reused_where_it_compiles_the_same():
     assert [t.nodes for t in first.tasks] == [t.nodes for t in second.tasks]
 
 
+class MixedSlices(nn.Module):
+    """Linears on the first ``4n`` columns, their outputs combined: at 20 and 24 wide
+    the rewritten graph is the same (a ``narrow`` to 16 columns, one ``unstack``)."""
+
+    def __init__(self, n: int = 4, w: int = 4):
+        super().__init__()
+        self.w = w
+        self.m = nn.ModuleList(nn.Linear(w, 3) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hs = [m(x[:, self.w * i : self.w * (i + 1)]) for i, m in enumerate(self.m)]
+        return hs[0] * hs[1] - hs[2] + hs[3]
+
+
 def test_fused_program_is_never_reused():
     """A fused kernel views stacked values with the sizes it was planned at: a plan with
-    one compiles its own program at every size."""
+    one compiles its own program at every size, even where the graph reads the same."""
     torch.manual_seed(0)
-    model = SlicedMLPs().eval()
+    model = MixedSlices().eval()
     sm = ss.StreamScheduledModule(model, executor="serial")
-    _plan_at(sm, model, torch.randn(4, 24))
-    program = sm._ss.last.program
-    _plan_at(sm, model, torch.randn(6, 24))
+    _plan_at(sm, model, torch.randn(4, 20))
+    graph, program = _planned(sm)[1], sm._ss.last.program
+    x = torch.randn(4, 24)
+    _plan_at(sm, model, x)
+    assert _planned(sm)[1] == graph
     assert sm._ss.last.program.call is not program.call
-    programs = sm._ss.programs
-    assert sum(c.hits for c in programs.values()) == 0
+    assert sum(c.hits for c in sm._ss.programs.values()) == 0
+    assert _planned(sm) == _fresh(model, x, executor="serial")
 
 
 def test_training_sizes_reuse_and_match_gradients():

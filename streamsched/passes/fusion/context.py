@@ -173,8 +173,6 @@ class FusionContext:
             signature = known[1] if known is not None and known[0] is m else structure_signature(m)
             self._fused[id(m)] = (m, signature)
             names |= plain_attribute_names(m, signature)
-            if statics is not None:
-                statics.watched.add(id(m))
         # Assigning one of these attributes moves the generation, so the wrapper asks
         # fused_unchanged() before its next call.
         _generation.watch(names)

@@ -74,12 +74,6 @@ def fuse_graph(
     the same trace (:class:`~streamsched.passes.fusion.propose.StaticSignatures`)."""
     support = FusionSupport(root, metas, statics)
     proposals = propose(graph, support, min_size)
-    if not support.confirm(proposals.groups):
-        # A module grouped for the first time was reconfigured since its signature was
-        # cached: propose again from a fresh reading of every module.
-        support.statics.clear()
-        support = FusionSupport(root, metas, support.statics)
-        proposals = propose(graph, support, min_size)
     statics = support.statics
     names = [(kind, tuple(n.name for n in members)) for kind, members in proposals.groups]
     reuse = FusionReuse(support.reused, support.reused and names == statics.groups)

@@ -312,18 +312,16 @@ class StaticSignatures:
     What it holds is a function of the trace and of the modules' configuration only: the
     module each node calls, whether its arguments are plain, its hooks and the
     configuration :func:`structure_signature` reads (the parameters and buffers, which
-    ``m.bias = None`` replaces without a trace, are read again on every plan). It is valid
-    while no module hook was registered and no watched attribute assigned (:meth:`valid`:
-    the ``_generation`` counters it was made under), and it lives as long as its trace (a
-    re-wired module drops the traces, and these entries); the size-dependent
-    half (input and output metas, in-place effects) is computed on every plan, and the
-    groups are formed from both halves as a fresh proposal forms them. A module that a
-    proposal puts in a group for the first time has its configuration read again
-    (:meth:`FusionSupport.confirm`): only modules some kernel fused have their attributes
-    watched.
+    ``m.bias = None`` replaces without a trace, are read again on every plan). The names
+    of the attributes that configuration reads are watched (``_generation.watch``), so
+    assigning one on any module of the model drops every entry (:meth:`valid` compares
+    the counters they were made under), as does registering a module hook; a re-wired
+    module drops the trace, and these entries with it. The size-dependent half (input and
+    output metas, in-place effects, parameter shapes and flags) is read on every plan,
+    and the groups are formed from both halves as a fresh proposal forms them.
     """
 
-    __slots__ = ("entries", "stamp", "groups", "watched")
+    __slots__ = ("entries", "stamp", "groups", "unwatched")
 
     def __init__(self) -> None:
         self.entries: dict[str, _Static] = {}
@@ -331,8 +329,8 @@ class StaticSignatures:
         # The groups the last proposal made: (kind, member names), to tell a plan whose
         # groups came out as before.
         self.groups: Optional[list[tuple[str, tuple[str, ...]]]] = None
-        # Modules a kernel fused, by id: their attributes are watched (FusionContext).
-        self.watched: set[int] = set()
+        # Attribute names read into entries since the last seal(), to watch.
+        self.unwatched: set[str] = set()
 
     @staticmethod
     def _now() -> tuple:
@@ -351,11 +349,15 @@ class StaticSignatures:
 
     def clear(self) -> None:
         self.entries.clear()
-        self.watched.clear()
+        self.unwatched.clear()
         self.stamp = None
 
     def seal(self) -> None:
-        """The entries describe the modules as they are now."""
+        """The entries describe the modules as they are now: from here on, assigning an
+        attribute any of them read moves the counters :meth:`valid` compares."""
+        if self.unwatched:
+            _generation.watch(self.unwatched)
+            self.unwatched = set()
         self.stamp = self._now()
 
 
@@ -411,7 +413,9 @@ class FusionSupport:
                 excluded = "has hooks (they must fire per member)"
             elif module_kind(m) == "batchnorm" and m.momentum is None:
                 excluded = "BatchNorm with momentum=None (a cumulative average per member)"
-            st = _Static(tensor_args, m, excluded, self.structure(m), module_kind(m) == "vmap", True, _wide_config(m))
+            structure = self.structure(m)
+            self.statics.unwatched |= plain_attribute_names(m, structure)
+            st = _Static(tensor_args, m, excluded, structure, module_kind(m) == "vmap", True, _wide_config(m))
         else:
             if node.op == "call_function":
                 supported = node.target in ELEMENTWISE_FUNCTIONS and not isinstance(node.target, BranchCall)
@@ -471,24 +475,6 @@ class FusionSupport:
             tuple(_arg_sig(a, metas) for a in node.args),
             tuple((k, _arg_sig(v, metas)) for k, v in node.kwargs.items()),
         )
-
-    def confirm(self, groups: list[tuple[str, list[fx.Node]]]) -> bool:
-        """Whether every module of a group was configured, when this proposal made it, as
-        its cached signature says. The attributes of modules a kernel fused are watched
-        (an assignment to one drops every cached entry); a module grouped for the first
-        time is read again here."""
-        if not self.reused:
-            return True
-        statics = self.statics
-        watched = statics.watched
-        for _, members in groups:
-            for node in members:
-                st = statics.entries.get(node.name)
-                if st is None or st.module is None or id(st.module) in watched:
-                    continue
-                if structure_signature(st.module) != st.structure:
-                    return False
-        return True
 
     def wide_key(self, node: fx.Node) -> Optional[tuple]:
         """For a Linear/Conv call on one tensor, what members of a wide group share (the
