@@ -1,5 +1,7 @@
-"""How long planning takes: stream assignment of large random DAGs, and the whole first
-call (trace + record shapes + fuse + plan) of the 1000-MLP reference model.
+"""How long planning takes: stream assignment of large random DAGs, the whole first
+call (trace + record shapes + fuse + plan) of the 1000-MLP reference model, and the
+planning call at a new input size of a model planned before (the 1000-MLP model, fused
+and not, and the fused heads of ``dynamic_bench.py``).
 
     python benchmarks/planning_bench.py [--out DIR|FILE.json] [--repeats 5] [--sizes 1000,5000,10000] [--threads N]
 
@@ -117,6 +119,51 @@ def time_first_call(members: int, batch: int, repeats: int, fuse: bool) -> dict[
     }
 
 
+def time_new_sizes(name: str, model: torch.nn.Module, shape: tuple[int, ...], batches: list[int], fuse: bool) -> dict:
+    """The planning call of each new batch size of one wrapper that has planned the
+    model at ``shape`` already (``executor="serial"``: every signature is planned on its
+    first call, no trial), against a call of the model as written at that size. The
+    planning call records (it is the call's result), fuses, plans and compiles; what the
+    trace's earlier plans decided that does not depend on sizes is reused."""
+    sm = ss.StreamScheduledModule(copy.deepcopy(model), executor="serial", fuse=fuse)
+    cpu, wall, eager, err = [], [], [], 0.0
+    with torch.no_grad():
+        sm(torch.randn(*shape))
+        for b in batches:
+            x = torch.randn(b, *shape[1:])
+            start, clock = time.thread_time(), time.perf_counter()
+            out = sm(x)
+            wall.append(time.perf_counter() - clock)
+            cpu.append(time.thread_time() - start)
+            start = time.thread_time()
+            ref = model(x)
+            eager.append(time.thread_time() - start)
+            err = max(err, float((out - ref).abs().max()))
+    return {
+        "model": name,
+        "fuse": fuse,
+        "new_sizes": len(batches),
+        "planning_call_cpu_s": statistics.median(cpu),
+        "planning_call_cpu_min_s": min(cpu),
+        "planning_call_wall_s": statistics.median(wall),
+        "eager_call_cpu_s": statistics.median(eager),
+        "samples_planning_call_cpu_s": cpu,
+        "max_abs_err_vs_eager": err,
+    }
+
+
+def new_size_cases(members: int) -> list[tuple[str, torch.nn.Module, tuple[int, ...], bool]]:
+    from benchmarks.dynamic_bench import Heads
+
+    torch.manual_seed(0)
+    fcn = ParallelFCN(members).eval()
+    return [
+        (f"ParallelFCN({members})", fcn, (8, 20 * members), True),
+        (f"ParallelFCN({members})", fcn, (8, 20 * members), False),
+        ("Heads(64), dynamic_bench", Heads().eval(), (8, 16), True),
+    ]
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None, help="folder for planning_bench.json, or a .json path")
@@ -160,6 +207,18 @@ def main(argv: Optional[list[str]] = None) -> int:
             f"second call {r['second_call_s'] * 1e3:.2f} ms; max abs err {r['max_abs_err_vs_eager']:.1e})"
         )
 
+    new_sizes = []
+    batches = list(range(9, 9 + max(args.repeats, 3)))
+    print(f"\nplanning call at a new batch size (CPU s, median of {len(batches)} new sizes; eager call alongside)")
+    for name, model, shape, fuse in new_size_cases(args.members):
+        r = time_new_sizes(name, model, shape, batches, fuse)
+        new_sizes.append(r)
+        print(
+            f"  {name}, fuse={fuse}: {r['planning_call_cpu_s'] * 1e3:.1f} ms "
+            f"(min {r['planning_call_cpu_min_s'] * 1e3:.1f}; eager call {r['eager_call_cpu_s'] * 1e3:.2f} ms; "
+            f"max abs err {r['max_abs_err_vs_eager']:.1e})"
+        )
+
     if args.out is not None:
         path = json_output_path(args.out, "planning_bench.json")
         report = {
@@ -168,6 +227,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             "repeats": args.repeats,
             "assign_streams": graphs,
             "first_call": first_calls,
+            "new_size": new_sizes,
         }
         path.write_text(json.dumps(report, indent=1) + "\n")
         print(f"\nwrote {path}", file=sys.stderr)
