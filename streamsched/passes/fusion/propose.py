@@ -569,8 +569,10 @@ def propose(graph: fx.Graph, support: FusionSupport, min_size: int) -> Proposals
         if key is not None:
             wide.setdefault(key, []).append(node)
     for nodes in wide.values():
+        if len(nodes) < min_size:
+            continue  # (most Linears read a tensor of their own)
         widths = {tuple(submodule(root, n.target).weight.shape) for n in nodes}
-        if len(nodes) >= min_size and len(widths) > 1:
+        if len(widths) > 1:
             out.groups.append(("wide", nodes))
             taken.update(nodes)
     buckets: dict[tuple, list[fx.Node]] = {}
