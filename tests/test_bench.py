@@ -293,6 +293,8 @@ def test_planning_bench_writes_its_json(tmp_path, capsys):
     assert all(g["streams_used"] <= 8 and g["total_s"] > 0 for g in report["assign_streams"])
     assert [fc["fuse"] for fc in report["first_call"]] == [True, False]
     assert all(fc["max_abs_err_vs_eager"] < 1e-5 for fc in report["first_call"])
+    assert [r["fuse"] for r in report["new_size"]] == [True, False, True]
+    assert all(r["max_abs_err_vs_eager"] < 1e-5 and r["planning_call_cpu_s"] > 0 for r in report["new_size"])
 
 
 def test_overhead_bench_runs_every_executor_on_the_same_program(tmp_path, capsys):
