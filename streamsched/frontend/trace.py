@@ -47,6 +47,7 @@ from .. import _generation
 from ..branch import BranchCall, is_branch_module
 from ..errors import TraceError
 from . import opaque_functions
+from .fx_fast import FastTracerMixin
 from .hooks import capture_hooks, has_hooks
 from .nodes import AUGMENTED_OPERATORS, submodule_resolver
 from .opaque_functions import OpaqueFunction, UnsafeOpaqueCall
@@ -262,7 +263,7 @@ _FACTORIES = tuple(
 )
 
 
-class _LeafTracer(fx.Tracer):
+class _LeafTracer(FastTracerMixin, fx.Tracer):
     """fx's tracer with streamsched's leaves, safe beside other threads.
 
     While tracing, fx patches ``nn.Module.__call__`` and ``__getattr__`` process-wide.
@@ -287,6 +288,7 @@ class _LeafTracer(fx.Tracer):
         dtypes: Optional[Sequence[torch.dtype]] = None,
     ):
         super().__init__(autowrap_functions=tuple(leaf_functions) + _FACTORIES)
+        self._fast_setup()
         # Functions run as one opaque call each (frontend.opaque_functions): where their
         # callers name them, and by id.
         self.function_sites = list(function_sites)
@@ -591,6 +593,9 @@ def _inplace_operator(op: Any) -> Any:
 
 for _op in AUGMENTED_OPERATORS:
     setattr(_Proxy, f"__{_op.__name__}__", _inplace_operator(_op))
+
+# Proxies whose arguments fx_fast converts itself (each becomes its node, as in fx).
+_LeafTracer.fast_proxy_types = (fx.Proxy, fx.proxy.Attribute, _Proxy, _Attribute)
 
 
 @dataclass

@@ -1,0 +1,176 @@
+"""``frontend.fx_fast``: the tracer's cheaper per-call work makes exactly the graph fx makes.
+
+Each model is traced twice, with the fast paths on and off (``fx_fast.ENABLED``), and
+every node is compared: name, op, target, arguments (with the nodes they name), type and
+``meta`` (the module stack that node labels are read from included); then the wrapped
+model's calls are checked against eager.
+"""
+
+import collections
+import operator
+
+import pytest
+import torch
+from torch import fx, nn
+
+import streamsched as ss
+from benchmarks.zoo import Inception3, MultiTaskHeads, NASNetCells, ParallelFCN, RandWire
+from streamsched.frontend import fx_fast
+from streamsched.frontend.nodes import node_label
+from streamsched.frontend.trace import CallBinder, trace_model
+from streamsched.testing import assert_path
+
+from .helpers import assert_close
+
+Pair = collections.namedtuple("Pair", "a b")
+
+
+class Inner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x, scale=None, opts=None):
+        y = self.fc(x)
+        if scale is not None:
+            y = y * scale
+        if opts is not None and opts["shift"]:
+            y = y + opts["shift"]
+        return self.norm(y)
+
+
+class Everything(nn.Module):
+    """Arguments of every kind fx_fast converts itself (and some it hands to fx)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = Inner()
+        self.other = Inner()
+        self.register_buffer("offset", torch.randn(8))
+        self.const = torch.randn(8)  # a plain tensor attribute: a get_attr
+        self.pair_fc = nn.Linear(8, 8)
+
+    def forward(self, x, mask=None):
+        a = self.inner(x)
+        b = self.inner(x, scale=2.0, opts={"shift": 0.5})  # a second call of one module: "inner@1"
+        c = self.other(x[..., :8], 0.5)
+        d = torch.cat([a, b[:, 0:8:1], c], dim=-1).reshape(x.shape[0], 3, 8)
+        e = d.sum(dim=(1,), keepdim=True).squeeze(1)
+        f = torch.nn.functional.pad(e, [0, 0], mode="constant", value=None)
+        g = f.to(dtype=torch.float32, device=x.device) + self.offset + self.const
+        h = torch.where(mask, g, torch.zeros_like(g)) if mask is not None else g
+        p = Pair(h, a)  # a named tuple as an argument: fx makes a node of it
+        out = torch.stack(tuple(p), dim=0).sum(0)
+        out = out + self.pair_fc(torch.tensor([1.0] * 8))  # a fresh constant tensor
+        return {"out": out, "parts": [a, b], "n": x.size(0)}
+
+
+def _describe(graph: fx.Graph) -> list:
+    rows = []
+    for node in graph.nodes:
+        meta = {k: (list(v.items()) if isinstance(v, dict) else repr(v)) for k, v in node.meta.items()}
+        rows.append(
+            (
+                node.name,
+                node.op,
+                node.target if isinstance(node.target, str) else repr(node.target),
+                repr(node.args),
+                type(node.args).__name__,
+                repr(node.kwargs),
+                type(node.kwargs).__name__,
+                [u.name for u in node.users],
+                node.type,
+                meta,
+                node_label(node),
+            )
+        )
+    return rows
+
+
+def _trace(model, args, kwargs, enabled, monkeypatch):
+    monkeypatch.setattr(fx_fast, "ENABLED", enabled)
+    binder = CallBinder(model)
+    _, spec = binder.bind(args, kwargs)
+    ranks = tuple(a.dim() for a in args if isinstance(a, torch.Tensor)) + tuple(
+        v.dim() for v in kwargs.values() if isinstance(v, torch.Tensor)
+    )
+    return trace_model(model, binder, spec, ranks=ranks)
+
+
+def _cases():
+    torch.manual_seed(0)
+    x8 = torch.randn(4, 8)
+    return [
+        ("everything", lambda: Everything(), (x8,), {}),
+        ("everything_mask", lambda: Everything(), (x8,), {"mask": torch.rand(4, 8) > 0.5}),
+        ("pfcn", lambda: ParallelFCN(12), (torch.randn(2, 12 * 20),), {}),
+        ("heads", lambda: MultiTaskHeads(), (torch.randn(8, 64),), {}),
+        ("inception", lambda: Inception3(num_classes=10), (torch.randn(1, 3, 75, 75),), {}),
+        ("nasnet", lambda: NASNetCells(channels=8, cells=2, num_classes=10), (torch.randn(1, 3, 32, 32),), {}),
+        ("randwire", lambda: RandWire(), (torch.randn(1, 3, 32, 32),), {}),
+    ]
+
+
+@pytest.mark.parametrize("name,make,args,kwargs", _cases(), ids=[c[0] for c in _cases()])
+def test_fast_tracer_makes_the_graph_fx_makes(name, make, args, kwargs, monkeypatch):
+    torch.manual_seed(0)
+    model = make().eval()
+    slow = _trace(model, args, kwargs, False, monkeypatch)
+    fast = _trace(model, args, kwargs, True, monkeypatch)
+    assert _describe(fast.graph) == _describe(slow.graph)
+    assert fast.graph.python_code("self").src == slow.graph.python_code("self").src
+    assert fast.module_ids == slow.module_ids and fast.inlined_leaf_calls == slow.inlined_leaf_calls
+    assert any("nn_module_stack" in n.meta for n in fast.graph.nodes)
+
+
+def test_the_fast_paths_ran_and_hand_the_rest_to_fx(monkeypatch):
+    calls = collections.Counter()
+    for name in ("create_arg", "create_node", "call_module"):
+        original = getattr(fx.Tracer, name) if name != "create_node" else fx.proxy.TracerBase.create_node
+
+        def counted(self, *a, _original=original, _name=name, **k):
+            calls[_name] += 1
+            return _original(self, *a, **k)
+
+        owner = fx.proxy.TracerBase if name == "create_node" else fx.Tracer
+        monkeypatch.setattr(owner, name, counted)
+    model = Everything().eval()
+    _trace(model, (torch.randn(4, 8),), {}, True, monkeypatch)
+    fast = dict(calls)
+    calls.clear()
+    _trace(model, (torch.randn(4, 8),), {}, False, monkeypatch)
+    slow = dict(calls)
+    # fx is asked only for what the fast paths do not know: the tensors (buffer, parameter
+    # lookups), the named tuple, the placeholders and output made with fx's own calls.
+    assert 0 < fast["create_arg"] < slow["create_arg"] / 3
+    assert fast.get("create_node", 0) < slow["create_node"] / 2
+    assert fast.get("call_module", 0) == 0 < slow["call_module"]
+
+
+@pytest.mark.parametrize(
+    "make,x", [(lambda: Everything(), torch.randn(4, 8)), (lambda: ParallelFCN(16), torch.randn(3, 320))]
+)
+def test_a_model_traced_the_fast_way_runs_as_eager(make, x):
+    torch.manual_seed(0)
+    model = make().eval()
+    sm = ss.StreamScheduledModule(make().eval(), executor="serial")
+    sm.module.load_state_dict(model.state_dict())
+    if hasattr(model, "const"):
+        sm.module.const = model.const
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn_like(x)
+            assert_close(sm(x), model(x))
+    assert_path(sm, "plan:serial")
+
+
+def test_a_module_stack_is_each_nodes_own(monkeypatch):
+    # Two nodes made in one module's forward get equal stacks, not one shared dict.
+    model = Everything().eval()
+    traced = _trace(model, (torch.randn(4, 8),), {}, True, monkeypatch)
+    stacks = [n.meta["nn_module_stack"] for n in traced.graph.nodes if "nn_module_stack" in n.meta]
+    assert len({id(s) for s in stacks}) == len(stacks)
+    inner = [n for n in traced.graph.nodes if n.op == "call_module" and n.target == "inner.fc"]
+    assert [list(n.meta["nn_module_stack"]) for n in inner] == [["inner", "inner.fc"], ["inner@1", "inner.fc@1"]]
+    assert operator.eq(type(stacks[0]), collections.OrderedDict)
