@@ -18,6 +18,7 @@ from benchmarks.zoo import Inception3, MultiTaskHeads, NASNetCells, ParallelFCN,
 from streamsched.frontend import fx_fast
 from streamsched.frontend.nodes import node_label
 from streamsched.frontend.trace import CallBinder, trace_model
+from streamsched.planning import planner
 from streamsched.testing import assert_path
 
 from .helpers import assert_close
@@ -174,3 +175,17 @@ def test_a_module_stack_is_each_nodes_own(monkeypatch):
     inner = [n for n in traced.graph.nodes if n.op == "call_module" and n.target == "inner.fc"]
     assert [list(n.meta["nn_module_stack"]) for n in inner] == [["inner", "inner.fc"], ["inner@1", "inner.fc@1"]]
     assert operator.eq(type(stacks[0]), collections.OrderedDict)
+
+
+def test_copied_nodes_have_their_own_meta_and_are_found_by_op(monkeypatch):
+    # planner.copy_graph sets arguments and meta without Node.__setattr__.
+    traced = _trace(Everything().eval(), (torch.randn(4, 8),), {}, True, monkeypatch)
+    copied, _ = planner.copy_graph(traced.graph, {})
+    for a, b in zip(traced.graph.nodes, copied.nodes):
+        if b.op != "output":
+            assert b.meta == a.meta and b.meta is not a.meta
+            assert repr(b.args) == repr(a.args) and repr(b.kwargs) == repr(a.kwargs)
+    for op, target in [("call_module", None), ("call_function", operator.getitem), ("placeholder", None)]:
+        found = [n.name for n in copied.find_nodes(op=op, target=target)]
+        assert found and found == [n.name for n in traced.graph.find_nodes(op=op, target=target)]
+    copied.lint()

@@ -83,7 +83,7 @@ def _plain(value: Any, atoms: frozenset[type]) -> bool:
     return False
 
 
-def _set_arguments(node: fx.Node, args: tuple, kwargs: dict) -> None:
+def set_arguments(node: fx.Node, args: tuple, kwargs: dict) -> None:
     """``node.args = args; node.kwargs = kwargs`` for a node just made without arguments.
     The setters go through ``Node.__setattr__``, which takes the node out of the graph's
     lookup table and puts it back (keyed by op and target: a no-op for a node that is
@@ -151,7 +151,7 @@ class FastTracerMixin:
         # ``_plain`` found none.
         node = graph.create_node(kind, target, None, None, name, type_expr)
         if args or kwargs:
-            _set_arguments(node, args, kwargs)
+            set_arguments(node, args, kwargs)
         scope = self.scope  # type: ignore[attr-defined]
         self.node_name_to_scope[node.name] = (scope.module_path, scope.module_type)  # type: ignore[attr-defined]
         stack = self.module_stack  # type: ignore[attr-defined]

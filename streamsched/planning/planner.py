@@ -20,6 +20,7 @@ from torch import fx
 from .._gc import cyclic_gc_paused
 from ..config import SchedulerConfig
 from ..frontend.effects import Effects
+from ..frontend.fx_fast import set_arguments
 from ..frontend.leafcalls import opaque_leaf_calls, traced_coverage
 from ..frontend.meta import ValueMeta
 from ..frontend.nodes import resolving_submodules
@@ -67,7 +68,10 @@ def copy_graph(graph: fx.Graph, metas: dict[fx.Node, ValueMeta]) -> tuple[fx.Gra
     As ``Graph.graph_copy`` makes it, node by node, except that each node is created
     without arguments and given them after: ``create_node`` walks the arguments of
     every call (pytree) to warn of raw symbolic ints, which the original graph's nodes
-    were checked for when they were made, and that walk was half of the copy."""
+    were checked for when they were made, and that walk was half of the copy. The
+    arguments and ``meta`` are set without ``Node.__setattr__``, which takes the node
+    out of the graph's lookup table and puts it back on every assignment
+    (``fx_fast.set_arguments``)."""
     new = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     load = env.__getitem__
@@ -77,11 +81,12 @@ def copy_graph(graph: fx.Graph, metas: dict[fx.Node, ValueMeta]) -> tuple[fx.Gra
             out = fx.node.map_arg(node.args[0], load)
             break
         copied = new.create_node(node.op, node.target, None, None, node.name, node.type)
-        if node.args:
-            copied.args = fx.node.map_arg(node.args, load)
-        if node.kwargs:
-            copied.kwargs = fx.node.map_arg(node.kwargs, load)
-        copied.meta = copy.copy(node.meta)
+        if node.args or node.kwargs:
+            set_arguments(copied, fx.node.map_arg(node.args, load), fx.node.map_arg(node.kwargs, load))
+        if type(node.meta) is dict and not copied.meta:
+            copied.meta.update(node.meta)  # copy.copy of the dict, without Node.__setattr__
+        else:
+            copied.meta = copy.copy(node.meta)
         env[node] = copied
     new.output(out)
     new_metas = {env[n]: m for n, m in metas.items() if n in env}
