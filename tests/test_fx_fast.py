@@ -189,3 +189,43 @@ def test_copied_nodes_have_their_own_meta_and_are_found_by_op(monkeypatch):
         found = [n.name for n in copied.find_nodes(op=op, target=target)]
         assert found and found == [n.name for n in traced.graph.find_nodes(op=op, target=target)]
     copied.lint()
+
+
+class _RankBlock(nn.Module):
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.m = inner
+
+    def forward(self, x):
+        y = self.m(x)
+        return y.sum(-1) if y.dim() == 3 else y * 2  # the rank a leaf call gives decides
+
+
+class _TwoRanks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = _RankBlock(nn.Embedding(10, 4))  # rank + 1
+        self.b = _RankBlock(nn.Linear(4, 4))  # same rank; the same attribute name "m"
+
+    def forward(self, idx, x):
+        return self.a(idx), self.b(x)
+
+
+def test_ranks_read_each_module_call_from_its_own_path(monkeypatch):
+    # The rank tracker reads each path (prefix) once per trace: "a.m" and "b.m" are
+    # different modules whose ranks differ.
+    torch.manual_seed(0)
+    model = _TwoRanks().eval()
+    idx, x = torch.randint(0, 10, (2, 3)), torch.randn(2, 4)
+    traced = _trace(model, (idx, x), {}, True, monkeypatch)
+    assert not traced.opaque
+    code = traced.graph.python_code("self").src
+    assert "sum" in code and "mul" in code
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    with torch.no_grad():
+        for _ in range(2):
+            idx, x = torch.randint(0, 10, (2, 3)), torch.randn(2, 4)
+            out, ref = sm(idx, x), model(idx, x)
+            assert_close(out[0], ref[0])
+            assert_close(out[1], ref[1])
+    assert_path(sm, "plan:serial")

@@ -436,6 +436,10 @@ class RankTracker:
         self.assumed: set = set()
         # Opaque calls whose items a rule knows: node -> {index: (rank, dtype, source)}.
         self.promised: dict[fx.Node, dict[int, tuple]] = {}
+        # What each get_attr / call_module path named (``_attribute``), per path prefix:
+        # a trace names the submodules of a few containers thousands of times.
+        self._paths: dict[str, Any] = {}
+        self._paths_root: Any = None
 
     def length(self, node: fx.Node) -> Optional[int]:
         """How many items the value of ``node`` has, where known (a shape, or a split
@@ -581,7 +585,7 @@ class RankTracker:
         if kind == "call_module":
             if not derived:
                 return None
-            module = _attribute(root, str(target))
+            module = self._attribute(root, str(target))
             forward = type(module).forward
             if isinstance(module, nn.Embedding) and forward is nn.Embedding.forward:
                 weight = module._parameters.get("weight")
@@ -719,6 +723,20 @@ class RankTracker:
             return None  # true division of integers: the default dtype
         return result
 
+    def _attribute(self, root: nn.Module, path: str) -> Any:
+        """:func:`_attribute`, each path prefix read once per trace: fx names a module
+        call's target by the paths it took when the trace began, and the trace may not
+        assign module attributes (``trace_guard``)."""
+        if root is not self._paths_root:
+            self._paths, self._paths_root = {}, root
+        paths = self._paths
+        if path in paths:
+            return paths[path]
+        parent, _, name = path.rpartition(".")
+        value = _attribute(self._attribute(root, parent) if parent else root, name)
+        paths[path] = value
+        return value
+
     def _r(self, value: Any) -> Optional[int]:
         """The rank of an argument: a graph value's, 0 for a Python number."""
         if isinstance(value, fx.Node):
@@ -747,11 +765,11 @@ class RankTracker:
             if index < len(self.inputs):
                 rank = self.inputs[index]
         elif kind == "get_attr":
-            value = _attribute(root, str(target))
+            value = self._attribute(root, str(target))
             if isinstance(value, torch.Tensor):
                 rank = value.dim()
         elif kind == "call_module":
-            module = _attribute(root, str(target))
+            module = self._attribute(root, str(target))
             x = self._r(args[0]) if args else None
             # Only where the class runs torch's own forward: a subclass's forward (a
             # leaf_modules class, an opaque one) may give any rank.
