@@ -229,3 +229,41 @@ def test_ranks_read_each_module_call_from_its_own_path(monkeypatch):
             assert_close(out[0], ref[0])
             assert_close(out[1], ref[1])
     assert_path(sm, "plan:serial")
+
+
+class _Flagged(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale, self.mode, self.sizes = 0.5, "fast", [1, 2]
+        self.table, self.fn = {"a": 1}, torch.relu
+        self.weight = nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        return x * self.weight * self.scale
+
+
+def test_structure_signature_of_a_childless_module_is_the_generic_one():
+    # propose.structure_signature reads a module without children directly, not
+    # through named_modules(); the signature is the same.
+    from streamsched.passes.fusion import propose
+
+    def generic(m):
+        return tuple(
+            (
+                name,
+                type(sub),
+                sub.training,
+                sub.extra_repr(),
+                tuple(sorted((k, propose._value_sig(v)) for k, v in propose._own_attributes(sub))),
+            )
+            for name, sub in m.named_modules()
+        )
+
+    modules = [nn.Linear(4, 3), nn.ReLU(), nn.BatchNorm1d(3).train(), nn.Conv2d(2, 2, 3, padding=1), _Flagged()]
+    modules += [nn.Sequential(nn.Linear(2, 2), nn.Tanh()), _RankBlock(nn.Linear(2, 2))]
+    for m in modules:
+        assert propose.structure_signature(m) == generic(m), type(m)
+    a, b = _Flagged(), _Flagged()
+    b.scale = 0.25
+    assert propose.structure_signature(a) != propose.structure_signature(b)
+    assert propose.structure_signature(nn.ReLU().train()) != propose.structure_signature(nn.ReLU().eval())

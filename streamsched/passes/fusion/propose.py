@@ -160,6 +160,7 @@ def module_kind(m: nn.Module) -> str:
 # flags): not configuration of its own, and compared separately where it matters.
 _MODULE_INTERNALS = frozenset(vars(nn.Module())) | {"_parameters", "_buffers", "_modules", "training"}
 _PLAIN_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+_EXACT_PLAIN_TYPES = frozenset(_PLAIN_TYPES)
 
 
 def _value_sig(v: Any) -> Any:
@@ -167,7 +168,7 @@ def _value_sig(v: Any) -> Any:
     values behave alike: plain values by value, containers by their items, anything
     else (a function, a tensor that is not a registered buffer, an arbitrary object) by
     identity, so members holding different objects never share a signature."""
-    if isinstance(v, _PLAIN_TYPES) or isinstance(v, enum.Enum):
+    if type(v) in _EXACT_PLAIN_TYPES or isinstance(v, _PLAIN_TYPES) or isinstance(v, enum.Enum):
         return (type(v), v)
     if type(v) in (tuple, list, set, frozenset):
         items = sorted(map(_value_sig, v), key=repr) if isinstance(v, (set, frozenset)) else map(_value_sig, v)
@@ -203,16 +204,16 @@ def structure_signature(m: nn.Module) -> tuple:
     in each member's parameters and buffers only; members that differ in anything else
     (a ReLU child against an Identity, a ``scale`` attribute that ``extra_repr`` does not
     print, an instance's own ``forward``) must not share a signature."""
+    if not m._modules and type(m).named_modules is nn.Module.named_modules:
+        # A module without children (most calls): named_modules() yields it alone.
+        return (("", type(m), m.training, m.extra_repr(), _attributes_signature(m)),)
     return tuple(
-        (
-            name,
-            type(sub),
-            sub.training,
-            sub.extra_repr(),
-            tuple(sorted((k, _value_sig(v)) for k, v in _own_attributes(sub))),
-        )
-        for name, sub in m.named_modules()
+        (name, type(sub), sub.training, sub.extra_repr(), _attributes_signature(sub)) for name, sub in m.named_modules()
     )
+
+
+def _attributes_signature(m: nn.Module) -> tuple:
+    return tuple(sorted((k, _value_sig(v)) for k, v in _own_attributes(m)))
 
 
 def _meta_sig(meta: Optional[ValueMeta]) -> Any:
