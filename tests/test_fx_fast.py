@@ -267,3 +267,35 @@ def test_structure_signature_of_a_childless_module_is_the_generic_one():
     b.scale = 0.25
     assert propose.structure_signature(a) != propose.structure_signature(b)
     assert propose.structure_signature(nn.ReLU().train()) != propose.structure_signature(nn.ReLU().eval())
+
+
+class _OwnChildren(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(2, 2)
+
+    def children(self):
+        return iter(())  # claims none: has_children follows the class's own answer
+
+
+def test_children_read_off_the_module_table_as_children_gives_them():
+    from streamsched.frontend.nodes import children_of, has_children
+
+    shared = nn.ReLU()
+    twice = nn.Module()
+    twice.first, twice.gone, twice.second = shared, None, shared  # one child under two names, one None
+    only_none = nn.Module()
+    only_none.gone = None
+    cases = [
+        nn.Linear(2, 2),
+        nn.Sequential(nn.Linear(2, 2), nn.Tanh()),
+        twice,
+        only_none,
+        _OwnChildren(),
+        ParallelFCN(3),
+    ]
+    for m in cases:
+        assert children_of(m) == list(m.children()), type(m)
+        assert has_children(m) == (next(m.children(), None) is not None), type(m)
+    assert children_of(twice) == [shared]
+    assert not has_children(only_none) and not has_children(_OwnChildren())

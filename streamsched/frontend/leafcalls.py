@@ -36,7 +36,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..branch import is_branch_module
 from .hooks import COUNTING_HOOK
-from .nodes import submodule
+from .nodes import children_of, has_children, submodule
 from .opaque_functions import OpaqueFunction
 from .trace import Traced, _registered_leaf_types, is_compiled_module
 
@@ -68,7 +68,7 @@ def leaf_module_types(leaf_types: Iterable[Any]) -> tuple[type, ...]:
 def is_leaf_unit(module: torch.nn.Module, types: tuple[type, ...]) -> bool:
     """Whether a call of ``module`` is a leaf call: it has no child module, or its class
     is a leaf class."""
-    return (bool(types) and isinstance(module, types)) or next(module.children(), None) is None
+    return (bool(types) and isinstance(module, types)) or not has_children(module)
 
 
 def _opaque_to_hooks(module: torch.nn.Module) -> bool:
@@ -95,7 +95,7 @@ def leaf_units(model: torch.nn.Module, types: tuple[type, ...]) -> list[torch.nn
         if is_leaf_unit(module, types):
             found[id(module)] = module
         else:
-            stack.extend(module.children())
+            stack.extend(children_of(module))
     return list(found.values())
 
 

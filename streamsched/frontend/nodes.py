@@ -179,6 +179,41 @@ def is_glue(node: fx.Node, root: Any = None) -> bool:
     return False
 
 
+# --- children ---------------------------------------------------------------------------
+
+_CHILDREN = (nn.Module.children, nn.Module.named_children)
+
+
+def _default_children(m: nn.Module) -> bool:
+    kind = type(m)
+    return (kind.children, kind.named_children) == _CHILDREN
+
+
+def has_children(m: nn.Module) -> bool:
+    """``next(m.children(), None) is not None``, read off ``m._modules`` where the class
+    keeps ``nn.Module``'s own ``children``: asked of every module of a model on a first
+    call, and the generator (with its memo set) cost more than the answer."""
+    if not _default_children(m):
+        return next(m.children(), None) is not None
+    for child in m._modules.values():
+        if child is not None:
+            return True
+    return False
+
+
+def children_of(m: nn.Module) -> list[nn.Module]:
+    """``list(m.children())``, read off ``m._modules`` as :func:`has_children` does."""
+    if not _default_children(m):
+        return list(m.children())
+    out: list[nn.Module] = []
+    seen: set[nn.Module] = set()
+    for child in m._modules.values():
+        if child is not None and child not in seen:
+            seen.add(child)
+            out.append(child)
+    return out
+
+
 # --- module paths ----------------------------------------------------------------------
 
 _resolved = threading.local()

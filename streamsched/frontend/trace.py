@@ -49,7 +49,7 @@ from ..errors import TraceError
 from . import opaque_functions
 from .fx_fast import FastTracerMixin
 from .hooks import capture_hooks, has_hooks
-from .nodes import AUGMENTED_OPERATORS, submodule_resolver
+from .nodes import AUGMENTED_OPERATORS, has_children, submodule_resolver
 from .opaque_functions import OpaqueFunction, UnsafeOpaqueCall
 from .opaque_outputs import OutputCheck, Skeleton, leaf_label, learn, learned, skeleton_of
 from .output_tree import OutputTree
@@ -369,7 +369,7 @@ class _LeafTracer(FastTracerMixin, fx.Tracer):
         self._decided = (m, leaf)
         if not leaf:
             self.traced_through[id(m)] = m
-            if m is not self.model and next(m.children(), None) is None:
+            if m is not self.model and not has_children(m):
                 # A leaf-module call the trace goes through: its operations are the
                 # plan's (``frontend.leafcalls``).
                 self.inlined_leaf_calls += 1
