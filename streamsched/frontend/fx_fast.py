@@ -28,6 +28,11 @@ from torch import fx
 from torch.fx import traceback as fx_traceback
 from torch.fx.proxy import Scope
 
+try:
+    from torch._library.opaque_object import is_opaque_type as _is_opaque_type
+except ImportError:  # pragma: no cover - a torch without opaque objects
+    _is_opaque_type = None
+
 ENABLED = True
 
 # Atoms a node argument may be that are never symbolic and that fx keeps as they are.
@@ -51,12 +56,10 @@ _FX_LOG = logging.getLogger(fx.proxy.__name__)
 def _registered_opaque(kind: type) -> bool:
     """Whether ``kind`` was registered as an opaque object type (fx then treats its values
     otherwise): such types never take the fast path."""
-    try:
-        from torch._library.opaque_object import is_opaque_type
-    except ImportError:  # pragma: no cover - a torch without opaque objects
+    if _is_opaque_type is None:  # pragma: no cover - a torch without opaque objects
         return False
     try:
-        return bool(is_opaque_type(kind))
+        return bool(_is_opaque_type(kind))
     except Exception:  # noqa: BLE001 - a registry of another version: be careful
         return True
 
