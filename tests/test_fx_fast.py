@@ -299,3 +299,23 @@ def test_children_read_off_the_module_table_as_children_gives_them():
         assert has_children(m) == (next(m.children(), None) is not None), type(m)
     assert children_of(twice) == [shared]
     assert not has_children(only_none) and not has_children(_OwnChildren())
+
+
+def test_the_effect_recorder_names_a_new_storage_at_a_dead_ones_address_anew():
+    # EffectRecorder.key_of asks torch whether the weak reference it keeps per address
+    # expired without StorageWeakRef.expired()'s two Python frames.
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from streamsched.frontend.effects import EffectRecorder
+
+    rec = EffectRecorder()
+    gone = torch.empty(4)
+    dead = StorageWeakRef(gone.untyped_storage())
+    del gone
+    assert dead.expired()
+    b, c = torch.randn(4), torch.randn(4)
+    rec._ids[b.untyped_storage()._cdata] = (99, dead)  # an earlier storage at b's address, freed
+    rec._ids[c.untyped_storage()._cdata] = (77, StorageWeakRef(c.untyped_storage()))  # c itself, alive
+    assert rec.key_of(c) == 77 and rec.key_of(c[1:]) == 77
+    fresh = rec.key_of(b)
+    assert fresh not in (77, 99) and rec.key_of(b.view(2, 2)) == fresh

@@ -138,6 +138,18 @@ class NodeAccess:
         return self.reads - self.fresh - self.writes, self.writes - self.fresh
 
 
+# ``StorageWeakRef.expired()``, without its two Python frames (it calls
+# ``torch.Storage._expired``, which calls this): asked for nearly every tensor of every
+# recorded op.
+_UNTYPED_EXPIRED = getattr(torch.UntypedStorage, "_expired", None)
+
+
+def _expired(ref: StorageWeakRef) -> bool:
+    if _UNTYPED_EXPIRED is None:  # pragma: no cover - another torch
+        return ref.expired()
+    return _UNTYPED_EXPIRED(ref.cdata)
+
+
 class EffectRecorder(TorchDispatchMode):
     """Records, per node (``begin(name)`` .. ``end()``), the storages its ops touch.
 
@@ -172,7 +184,7 @@ class EffectRecorder(TorchDispatchMode):
         except (RuntimeError, NotImplementedError, AttributeError):
             return None
         entry = self._ids.get(address)
-        if entry is None or entry[1].expired():
+        if entry is None or _expired(entry[1]):
             entry = self._ids[address] = (next(self._next_id), StorageWeakRef(t.untyped_storage()))
         return entry[0]
 
