@@ -58,7 +58,7 @@ from .passes.fusion import FusionContext
 from .planning.choice import Trial
 from .planning.plan import Plan
 from .planning.planner import Schedule, device_of, make_schedule, signature_text
-from .planning.signatures import Decision, Structure, sizes_text
+from .planning.signatures import RARE_CALLS, Decision, Structure, sizes_text
 from .runtime import eager as eager_dispatch
 from .runtime.chaos import Chaos
 from .runtime.graphs import GraphExecutor
@@ -789,7 +789,9 @@ class StreamScheduledModule(nn.Module):
                     # Later calls with this signature run as written without asking again.
                     st.written.put(key, st.last)
                 return self._forward_as_written(args, kwargs)
+        start = time.perf_counter()
         out = self._first_call(key, spec, tensors, args, kwargs)
+        record_s = time.perf_counter() - start
         compiled = st.plans.get(key)
         if isinstance(compiled, _Compiled):
             if structure is None:
@@ -802,12 +804,15 @@ class StreamScheduledModule(nn.Module):
                 st.structures.put(structure_key, structure)
             compiled.structure, compiled.sizes = structure, shapes
             structure.plan = compiled.plan
+            # What a plan of a new size costs, against what a decided schedule saves.
+            structure.recorded(record_s)
             bucket = structure.bucket_of(shapes)
             decision = structure.decision(bucket)
             if decision is not None and compiled.trial is not None:
                 self._apply_decision(compiled, decision)
             elif compiled.trial is not None:
                 structure.try_at(bucket, shapes)
+                compiled.trial.began = st.calls
                 if structure.uniform:
                     # Its verdict holds for every size: a schedule that wins only the
                     # forward's Python must win clearly, or each new size pays a plan
@@ -1042,6 +1047,16 @@ class StreamScheduledModule(nn.Module):
                 # at another size): take that verdict.
                 self._apply_decision(schedule, decision)
                 return self._run_decided(schedule, tensors, args, kwargs)
+        trial.own_calls += 1
+        if not trial.rare and trial.began is not None:
+            if self._ss.calls - trial.began - trial.own_calls >= RARE_CALLS:
+                # Its size comes back rarely (planning.signatures): decide on one call of
+                # each candidate, keeping the schedule only where it wins clearly.
+                trial.rare = True
+                trial.schedule_margin = max(trial.schedule_margin, _UNIFORM_SCHEDULE_MARGIN)
+                if trial.done():
+                    self._finish_trial(schedule, trial)
+                    return self._run_decided(schedule, tensors, args, kwargs)
         if trial.pending:
             # Training calls whose backward has run since count now.
             trial.collect()
@@ -1114,9 +1129,14 @@ class StreamScheduledModule(nn.Module):
         if schedule.structure is not None:
             # Decided once for the sizes' bucket: its other sizes take this verdict.
             schedule.structure.plan = schedule.plan
+            measured = schedule.plan.trial.best_us if schedule.plan.trial is not None else {}
+            kept = measured.get(schedule.plan.schedule_executor)
+            gain_s = None
+            if not schedule.eager and kept is not None and "eager" in measured:
+                gain_s = (measured["eager"] - kept) * 1e-6
             schedule.structure.decide(
                 schedule.structure.bucket_of(schedule.sizes),
-                Decision(schedule.eager, schedule.plan.schedule_executor, schedule.plan.reason, schedule.sizes),
+                Decision(schedule.eager, schedule.plan.schedule_executor, schedule.plan.reason, schedule.sizes, gain_s),
             )
 
     def _measured_costs(self, tensors: list[torch.Tensor]) -> Optional[dict[str, float]]:

@@ -492,3 +492,73 @@ def test_a_schedule_with_nothing_to_schedule_must_win_clearly(monkeypatch):
     trial = sm.plan.trial
     assert trial is not None and trial.chosen == "eager", sm.plan.reason
     assert trial.best_us["serial"] < trial.best_us["eager"]  # the schedule was (a little) faster
+
+
+def test_a_trial_whose_size_comes_back_rarely_decides_on_one_call_of_each():
+    """Ten sizes cycled, each met once per pass: a trial waiting for rounds of calls of
+    its own size would stay undecided for tens of passes. After RARE_CALLS calls of other
+    signatures it decides once every candidate has run one call."""
+    model = Towers()
+    sm = ss.StreamScheduledModule(model)
+    sizes = list(range(17, 27))  # one bucket: 32
+    for _pass in range(5):
+        for n in sizes:
+            x = torch.randn(n, 16)
+            assert_close(sm(x), model(x))
+    structure = next(iter(sm._ss.structures.values()))
+    decision = structure.decision(signatures.size_bucket(((17, 16),)))
+    assert decision is not None and decision.sizes == ((17, 16),)
+    assert "came back rarely" in decision.why
+    assert not structure.trying
+    paths = []
+    for n in sizes:  # settled: no trial call, no recording
+        x = torch.randn(n, 16)
+        assert_close(sm(x), model(x))
+        paths.append(last_path(sm))
+    assert "recorded" not in paths
+    assert paths.count("as-written") >= len(sizes) - 1, paths
+
+
+def test_a_decided_schedule_plans_a_new_size_once_its_calls_would_have_paid_for_the_plan():
+    """A bucket decided for the schedule by a small gain per call: a new size runs as
+    written until the time it would have saved adds up to a recording call's cost."""
+    model = Towers()
+    sm = ss.StreamScheduledModule(model)
+    for _ in range(3):
+        sm(torch.randn(17, 16))
+    compiled = sm._ss.plans[next(iter(sm._ss.plans))]
+    structure = compiled.structure
+    structure.record_s = 1.0
+    structure.decide(
+        signatures.size_bucket(compiled.sizes),
+        signatures.Decision(False, "serial", "planted", compiled.sizes, gain_s=0.25),
+    )
+    paths = []
+    for _ in range(5):
+        x = torch.randn(20, 16)
+        assert_close(sm(x), model(x))
+        paths.append(last_path(sm))
+    assert paths == ["as-written"] * 3 + ["recorded", "plan:serial"], paths
+
+
+def test_a_trial_that_keeps_the_schedule_hands_its_gain_to_the_bucket(monkeypatch):
+    """The gain per call the plan of a new size must win back is the trial's own figure."""
+    from streamsched.module import StreamScheduledModule
+
+    slow = StreamScheduledModule._forward_as_written
+
+    def slower(self, args, kwargs):
+        time.sleep(0.01)
+        return slow(self, args, kwargs)
+
+    monkeypatch.setattr(StreamScheduledModule, "_forward_as_written", slower)
+    model = Towers()
+    sm = ss.StreamScheduledModule(model)
+    for _ in range(8):
+        x = torch.randn(17, 16)
+        assert_close(sm(x), model(x))
+    structure = next(iter(sm._ss.structures.values()))
+    decision = structure.decision(signatures.size_bucket(((17, 16),)))
+    assert decision is not None and not decision.eager
+    assert decision.gain_s is not None and decision.gain_s > 0.005
+    assert structure.record_s is not None and structure.record_s > 0

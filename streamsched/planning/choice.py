@@ -164,6 +164,14 @@ class Trial:
         self.given_up = 0
         self.backpropagated = 0
         self.warmed: set[str] = set()
+        # The wrapper's call count when the trial began, and the trial's own calls: the
+        # calls of other signatures in between tell a size that comes back rarely.
+        self.began: int | None = None
+        self.own_calls = 0
+        # Set once its size came back rarely (``RARE_CALLS`` calls of other signatures
+        # since the trial began): it decides as soon as every candidate still in it has
+        # one call, on the fastest of each, instead of waiting for ``rounds`` of them.
+        self.rare = False
 
     def add_pending(self, name: str, forward_s: float, sample: Any) -> None:
         """A training call's forward time; its backward's time comes in ``sample.seconds``."""
@@ -249,6 +257,8 @@ class Trial:
         if len(self.live) == 1:
             return True
         counts = [len(self.samples[c]) for c in self.live]
+        if self.rare and min(counts) >= 1:
+            return True
         if min(counts) < self.rounds:
             return False
         scheduled = [min(self.samples[c]) for c in self.live if c != "eager"]
@@ -289,7 +299,13 @@ class Trial:
         if self.backward:
             figures = f"forward and backward: {figures}"
         counts = {len(v) for v in self.samples.values() if v}
-        if len(counts) == 1:
+        if self.rare and min(counts, default=0) < self.rounds:
+            calls = ", ".join(f"{c} {len(v)}" for c, v in self.samples.items() if v)
+            measured = (
+                f"measured {figures} (fastest call of each; calls: {calls}; its size came back rarely, so it "
+                "decided on one call of each)"
+            )
+        elif len(counts) == 1:
             measured = f"measured {figures} (fastest of {counts.pop()} calls each)"
         else:
             calls = ", ".join(f"{c} {len(v)}" for c, v in self.samples.items() if v)

@@ -18,10 +18,18 @@ signature without the sizes: argument structure, dtypes, devices, ranks, modes) 
   bucket hands the trial to the next of its sizes that comes back; the structure-wide
   bucket of a plan with nothing to schedule (below) is decided for the model as written,
   since each of its sizes would pay its own plan for at most the forward's Python.
+- **a trial whose size comes back rarely:** after :data:`RARE_CALLS` calls of other
+  signatures since it began (sizes cycled, each met once per pass), the trial decides as
+  soon as every candidate still in it has run one call, on the fastest of each, and keeps
+  the schedule only where it is clearly faster (the wrapper's ``_UNIFORM_SCHEDULE_MARGIN``):
+  a bucket is decided within about ``RARE_CALLS`` calls plus two calls of its own size.
 - **a size bucket already decided:** the ``auto`` trial decides once per *bucket* (each
   dimension rounded up to a power of two, :func:`size_bucket`): where it found the model
   as written faster, new sizes of that bucket run as written without a plan; where it
-  kept the schedule, a new size is planned with the decided executor and no trial.
+  kept the schedule, a new size runs as written until the time its calls would have saved
+  adds up to what a plan costs (:meth:`Structure.plan_after`: the trial's gain per call
+  against the structure's recording calls), and is then planned with the decided executor
+  and no trial: at most twice what planning it at once or never would have cost.
 - **nothing to schedule:** where the structure's first plan runs nothing side by side
   and batches nothing (one stream, no fused group), the schedule can differ from the
   model as written only by the cost of running the forward's Python; that does not
@@ -38,6 +46,7 @@ Nothing here holds a reference to a caller's tensor or object: sizes are tuples 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional
 
@@ -55,6 +64,7 @@ __all__ = [
     "ANY_SIZE",
     "STALL_CALLS",
     "MAX_HANDOFFS",
+    "RARE_CALLS",
 ]
 
 # A size is planned on its second call: one call of a size never seen again (a decoding
@@ -74,6 +84,9 @@ STALL_CALLS = 32
 # Stalls of one size bucket handed to another size before the bucket is decided for the
 # model as written: sizes that come back this rarely would each pay a plan anyway.
 MAX_HANDOFFS = 2
+# Calls of other signatures of the wrapper since a trial began after which its size is
+# taken to come back rarely: the trial decides on one call of each candidate.
+RARE_CALLS = 16
 
 
 def _round_up(n: int) -> int:
@@ -93,6 +106,9 @@ class Decision:
     executor: str  # the schedule's executor the trial kept
     why: str  # the trial's figures, as the plan states them
     sizes: tuple  # the sizes the trial ran
+    # Seconds a call saved on the schedule against the model as written, where the
+    # trial timed both (None: not measured): what a new size's plan must win back.
+    gain_s: Optional[float] = None
 
 
 class Structure:
@@ -110,6 +126,7 @@ class Structure:
         "plan",
         "capacity",
         "uniform",
+        "record_s",
     )
 
     def __init__(self, plan_cache_size: int):
@@ -131,6 +148,24 @@ class Structure:
         self.plan = None
         # Its first plan had nothing to schedule: one bucket for every size (ANY_SIZE).
         self.uniform = False
+        # Seconds of the structure's recording calls (trace, record, plan, compile): what a
+        # plan of a new size costs, a running mean.
+        self.record_s: Optional[float] = None
+
+    def recorded(self, seconds: float) -> None:
+        """A recording call of this structure took ``seconds``."""
+        self.record_s = seconds if self.record_s is None else 0.5 * (self.record_s + seconds)
+
+    def plan_after(self, decision: Optional[Decision]) -> int:
+        """Calls of a new size before it is planned: :data:`PLAN_AFTER`, or, in a bucket
+        decided for the schedule, as many calls as it takes for the time they would have
+        saved to add up to a plan's cost (a size met once per pass is never planned for a
+        win of a few microseconds)."""
+        if decision is None or decision.eager or not decision.gain_s or self.record_s is None:
+            return PLAN_AFTER
+        if decision.gain_s <= 0:
+            return PLAN_AFTER
+        return max(PLAN_AFTER, min(1 << 30, math.ceil(self.record_s / decision.gain_s)))
 
     def bucket_of(self, sizes: tuple) -> tuple:
         """The bucket whose trial decides for ``sizes``."""
@@ -216,8 +251,17 @@ class Structure:
                 ),
             )
         count = (self.seen.get(sizes) or 0) + 1
-        if count < PLAN_AFTER:
+        after = self.plan_after(self.decisions.get(bucket))
+        if count < after:
             self.seen.put(sizes, count)
+            if after > PLAN_AFTER:
+                return AsWritten(
+                    False,
+                    lambda: (
+                        f"sizes {sizes_text(sizes)} run as written until their calls would have saved what a plan "
+                        f"costs ({after} calls; {count} so far)"
+                    ),
+                )
             return AsWritten(
                 False,
                 lambda: f"sizes {sizes_text(sizes)} are new to this call structure: they are planned if they come back",
