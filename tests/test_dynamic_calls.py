@@ -519,26 +519,38 @@ def test_a_trial_whose_size_comes_back_rarely_decides_on_one_call_of_each():
     assert paths.count("as-written") >= len(sizes) - 1, paths
 
 
-def test_a_decided_schedule_plans_a_new_size_once_its_calls_would_have_paid_for_the_plan():
-    """A bucket decided for the schedule by a small gain per call: a new size runs as
-    written until the time it would have saved adds up to a recording call's cost."""
-    model = Towers()
-    sm = ss.StreamScheduledModule(model)
-    for _ in range(3):
-        sm(torch.randn(17, 16))
-    compiled = sm._ss.plans[next(iter(sm._ss.plans))]
-    structure = compiled.structure
-    structure.record_s = 1.0
-    structure.decide(
-        signatures.size_bucket(compiled.sizes),
-        signatures.Decision(False, "serial", "planted", compiled.sizes, gain_s=0.25),
-    )
-    paths = []
-    for _ in range(5):
-        x = torch.randn(20, 16)
-        assert_close(sm(x), model(x))
-        paths.append(last_path(sm))
-    assert paths == ["as-written"] * 3 + ["recorded", "plan:serial"], paths
+def test_a_bucket_decided_for_a_schedule_that_would_not_repay_a_plan_runs_new_sizes_as_written(monkeypatch):
+    """A bucket decided for the schedule by a gain per call too small to repay a recording
+    call within PAYBACK_CALLS calls: its new sizes run as written, settled (the size policy
+    is asked once per size); a gain that repays one plans them as before."""
+    asked = []
+    admit = signatures.Structure.admit
+    monkeypatch.setattr(signatures.Structure, "admit", lambda self, *a: asked.append(a) or admit(self, *a))
+    for gain_calls, expected in (
+        (signatures.PAYBACK_CALLS * 2, ["as-written"] * 4),
+        (signatures.PAYBACK_CALLS // 2, ["as-written", "recorded", "plan:serial", "plan:serial"]),
+    ):
+        model = Towers()
+        sm = ss.StreamScheduledModule(model)
+        for _ in range(3):
+            sm(torch.randn(17, 16))
+        compiled = sm._ss.plans[next(iter(sm._ss.plans))]
+        structure = compiled.structure
+        structure.record_s = 0.5
+        structure.decide(
+            signatures.size_bucket(compiled.sizes),
+            signatures.Decision(False, "serial", "planted", compiled.sizes, gain_s=0.5 / gain_calls),
+        )
+        asked.clear()
+        paths = []
+        for _ in range(4):
+            x = torch.randn(20, 16)
+            assert_close(sm(x), model(x))
+            paths.append(last_path(sm))
+        assert paths == expected, (gain_calls, paths)
+        if expected[-1] == "as-written":
+            assert len(asked) == 1
+            assert "would take more than" in sm.plan.reason
 
 
 def test_a_trial_that_keeps_the_schedule_hands_its_gain_to_the_bucket(monkeypatch):

@@ -26,10 +26,11 @@ signature without the sizes: argument structure, dtypes, devices, ranks, modes) 
 - **a size bucket already decided:** the ``auto`` trial decides once per *bucket* (each
   dimension rounded up to a power of two, :func:`size_bucket`): where it found the model
   as written faster, new sizes of that bucket run as written without a plan; where it
-  kept the schedule, a new size runs as written until the time its calls would have saved
-  adds up to what a plan costs (:meth:`Structure.plan_after`: the trial's gain per call
-  against the structure's recording calls), and is then planned with the decided executor
-  and no trial: at most twice what planning it at once or never would have cost.
+  kept the schedule, a new size is planned (when it comes back) with the decided executor
+  and no trial where the trial's gain per call repays a recording call of the structure
+  within :data:`PAYBACK_CALLS` calls (:meth:`Structure.repays`); where it does not (a
+  schedule a few percent faster, a recording call worth hundreds of calls), new sizes of
+  the bucket run as written and are settled so.
 - **nothing to schedule:** where the structure's first plan runs nothing side by side
   and batches nothing (one stream, no fused group), the schedule can differ from the
   model as written only by the cost of running the forward's Python; that does not
@@ -46,7 +47,6 @@ Nothing here holds a reference to a caller's tensor or object: sizes are tuples 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional
 
@@ -65,6 +65,7 @@ __all__ = [
     "STALL_CALLS",
     "MAX_HANDOFFS",
     "RARE_CALLS",
+    "PAYBACK_CALLS",
 ]
 
 # A size is planned on its second call: one call of a size never seen again (a decoding
@@ -87,6 +88,10 @@ MAX_HANDOFFS = 2
 # Calls of other signatures of the wrapper since a trial began after which its size is
 # taken to come back rarely: the trial decides on one call of each candidate.
 RARE_CALLS = 16
+# Calls of a new size within which a bucket's schedule must repay the size's recording
+# call (its gain per call against the structure's recording calls) for the size to be
+# planned: sizes that recur do so for many calls, but hundreds is more than a plan is worth.
+PAYBACK_CALLS = 64
 
 
 def _round_up(n: int) -> int:
@@ -156,16 +161,13 @@ class Structure:
         """A recording call of this structure took ``seconds``."""
         self.record_s = seconds if self.record_s is None else 0.5 * (self.record_s + seconds)
 
-    def plan_after(self, decision: Optional[Decision]) -> int:
-        """Calls of a new size before it is planned: :data:`PLAN_AFTER`, or, in a bucket
-        decided for the schedule, as many calls as it takes for the time they would have
-        saved to add up to a plan's cost (a size met once per pass is never planned for a
-        win of a few microseconds)."""
-        if decision is None or decision.eager or not decision.gain_s or self.record_s is None:
-            return PLAN_AFTER
-        if decision.gain_s <= 0:
-            return PLAN_AFTER
-        return max(PLAN_AFTER, min(1 << 30, math.ceil(self.record_s / decision.gain_s)))
+    def repays(self, decision: Decision) -> bool:
+        """Whether a new size of a bucket decided for the schedule is worth its plan: the
+        time the trial's schedule saved per call repays a recording call within
+        :data:`PAYBACK_CALLS` calls (unknown figures: as before, planned)."""
+        if decision.gain_s is None or self.record_s is None:
+            return True
+        return decision.gain_s > 0 and decision.gain_s * PAYBACK_CALLS >= self.record_s
 
     def bucket_of(self, sizes: tuple) -> tuple:
         """The bucket whose trial decides for ``sizes``."""
@@ -250,18 +252,20 @@ class Structure:
                     "eviction): new sizes of this call structure run as written; raise plan_cache_size to plan them"
                 ),
             )
+        decision = self.decisions.get(bucket)
+        if decision is not None and not self.repays(decision):
+            gain_us, record_ms = decision.gain_s * 1e6, self.record_s * 1e3
+            return AsWritten(
+                True,
+                lambda: (
+                    f"{_bucket_text(bucket)} was decided for the schedule (at sizes {sizes_text(decision.sizes)}), "
+                    f"but its {gain_us:.0f} us a call would take more than {PAYBACK_CALLS} calls to repay a "
+                    f"{record_ms:.1f} ms recording call: its new sizes run as written"
+                ),
+            )
         count = (self.seen.get(sizes) or 0) + 1
-        after = self.plan_after(self.decisions.get(bucket))
-        if count < after:
+        if count < PLAN_AFTER:
             self.seen.put(sizes, count)
-            if after > PLAN_AFTER:
-                return AsWritten(
-                    False,
-                    lambda: (
-                        f"sizes {sizes_text(sizes)} run as written until their calls would have saved what a plan "
-                        f"costs ({after} calls; {count} so far)"
-                    ),
-                )
             return AsWritten(
                 False,
                 lambda: f"sizes {sizes_text(sizes)} are new to this call structure: they are planned if they come back",
