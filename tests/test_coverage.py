@@ -154,6 +154,40 @@ def test_all_leaves_traced():
     assert plan.coverage_calls == (total, total)
 
 
+class NormAct(nn.BatchNorm1d):
+    """A norm holding its activation, as timm's ``BatchNormAct2d``: a subclass of a
+    ``torch.nn`` leaf that the trace keeps as one call, its child called inside it."""
+
+    def __init__(self, width: int):
+        super().__init__(width)
+        self.act = nn.ReLU()
+
+    def forward(self, x):
+        return self.act(super().forward(x))
+
+
+class NormActStack(nn.Module):
+    def __init__(self, width: int = 8, depth: int = 3):
+        super().__init__()
+        self.fcs = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.norms = nn.ModuleList(NormAct(width) for _ in range(depth))
+
+    def forward(self, x):
+        for fc, norm in zip(self.fcs, self.norms):
+            x = norm(fc(x))
+        return x
+
+
+def test_a_subclass_of_a_torch_leaf_is_one_scheduled_leaf_call():
+    model = NormActStack(depth=3).eval()
+    sm = ss.StreamScheduledModule(copy.deepcopy(model), executor="serial")
+    plan = _run(sm, model, torch.randn(4, 8), "recorded")
+    # Each NormAct is one task (its activation runs inside it): 3 Linears + 3 NormActs.
+    assert plan.coverage_calls == (6, 6)
+    plan = _run(sm, model, torch.randn(4, 8), "plan:serial")
+    assert plan.coverage == 1.0
+
+
 def test_opaque_submodule_leaves_are_not_covered():
     model = WithOpaque()
     sm = ss.StreamScheduledModule(copy.deepcopy(model), executor="serial")

@@ -3,9 +3,11 @@
 A *leaf-module call* is a call, through ``nn.Module.__call__``, of a module with no
 child modules (``nn.Linear``, ``nn.ReLU``, a user module holding only parameters) or of
 a module whose class is in ``leaf_modules`` (or registered as untraceable by a loaded
-library, as timm's notrace modules are); the calls such a module makes inside are not
-counted on their own. A module call that reaches no such module (``nn.MultiheadAttention``
-uses its ``out_proj``'s weights without calling it) counts as one leaf call itself.
+library, as timm's notrace modules are), or of a subclass of a ``torch.nn`` leaf module
+defined elsewhere (timm's ``BatchNormAct2d``), which the trace keeps whole as its base;
+the calls such a module makes inside are not counted on their own. A module call that
+reaches no such module (``nn.MultiheadAttention`` uses its ``out_proj``'s weights
+without calling it) counts as one leaf call itself.
 
 Coverage (``Plan.coverage``) is the share of a forward's leaf calls that run as tasks of
 the plan. They are counted where they happen, once per plan:
@@ -38,7 +40,7 @@ from ..branch import is_branch_module
 from .hooks import COUNTING_HOOK
 from .nodes import children_of, has_children, submodule
 from .opaque_functions import OpaqueFunction
-from .trace import Traced, _registered_leaf_types, is_compiled_module
+from .trace import Traced, _extends_torch_leaf, _registered_leaf_types, is_compiled_module
 
 __all__ = [
     "LEAF_CALLS_META",
@@ -66,9 +68,11 @@ def leaf_module_types(leaf_types: Iterable[Any]) -> tuple[type, ...]:
 
 
 def is_leaf_unit(module: torch.nn.Module, types: tuple[type, ...]) -> bool:
-    """Whether a call of ``module`` is a leaf call: it has no child module, or its class
-    is a leaf class."""
-    return (bool(types) and isinstance(module, types)) or not has_children(module)
+    """Whether a call of ``module`` is a leaf call: it has no child module, its class is
+    a leaf class, or it subclasses a ``torch.nn`` leaf (timm's ``BatchNormAct2d``, a
+    ``BatchNorm2d`` holding its activation): the trace keeps such a call whole, as its
+    base, and the children it calls inside are part of it."""
+    return (bool(types) and isinstance(module, types)) or not has_children(module) or _extends_torch_leaf(type(module))
 
 
 def _opaque_to_hooks(module: torch.nn.Module) -> bool:
