@@ -65,6 +65,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from .hooks import has_hooks
 from .nodes import AUGMENTED_OPERATORS
 from .opaque_outputs import OutputCheck
 from .trace_guard import autocast_state
@@ -587,6 +588,8 @@ class RankTracker:
                 return None
             module = self._attribute(root, str(target))
             forward = type(module).forward
+            if has_hooks(module):
+                return None  # its hooks may cast its input or hand back another value
             if isinstance(module, nn.Embedding) and forward is nn.Embedding.forward:
                 weight = module._parameters.get("weight")
                 if weight is None:
@@ -774,7 +777,9 @@ class RankTracker:
             # Only where the class runs torch's own forward: a subclass's forward (a
             # leaf_modules class, an opaque one) may give any rank.
             forward = type(module).forward
-            if isinstance(module, _SAME_MODULES) and forward in _SAME_FORWARDS:
+            if has_hooks(module):
+                pass  # its hooks may hand back another value
+            elif isinstance(module, _SAME_MODULES) and forward in _SAME_FORWARDS:
                 rank = x
             elif isinstance(module, nn.Embedding) and forward is nn.Embedding.forward and x is not None:
                 rank = x + 1

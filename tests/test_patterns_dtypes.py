@@ -1,0 +1,89 @@
+"""Dtypes the trace derives (frontend.ranks) against models whose dtypes move in ways the
+rules must not guess: a hooked submodule (its hooks may return another dtype), compared
+with eager on every call and with the path asserted."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import streamsched as ss
+from streamsched.testing import assert_path
+
+from .helpers import assert_close
+
+
+class _BranchOnDtype(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.b(torch.relu(self.a(x)))
+        if h.dtype == torch.float64:
+            return h.float() * 2
+        return h * 3
+
+
+def test_hooked_linear_output_dtype_is_not_derived():
+    # A forward hook on a Linear may hand back another dtype; a pre-hook may cast its
+    # input. The rule "a Linear keeps its input's dtype" holds for torch's forward alone.
+    state = {"cast": False}
+
+    def hook(module, args, out):
+        return out.double() if state["cast"] else out
+
+    def make():
+        model = _BranchOnDtype()
+        model.b.double()
+        model.a.register_forward_hook(hook)
+        return model
+
+    torch.manual_seed(0)
+    model = make()
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    for cast in (True, False, True):
+        state["cast"] = cast
+        for _ in range(2):
+            x = torch.randn(4, 8)
+            try:
+                expected = model(x)
+            except RuntimeError:
+                expected = None  # float input into the double Linear
+            if expected is None:
+                continue
+            out = sm(x)
+            assert_path(sm, "recorded", "plan", "as-written", "eager-dispatch")
+            assert_close(out, expected, what=f"cast={cast}")
+
+
+class _BranchOnRank(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        if h.dim() == 3:
+            return h.sum(0) * 2
+        return h * 3
+
+
+def test_hooked_linear_output_rank_is_not_derived():
+    state = {"lift": False}
+
+    def hook(module, args, out):
+        return out.unsqueeze(0) if state["lift"] else out
+
+    torch.manual_seed(0)
+    model = _BranchOnRank()
+    model.a.register_forward_hook(hook)
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    for lift in (True, False, True):
+        state["lift"] = lift
+        for _ in range(2):
+            x = torch.randn(4, 8)
+            out = sm(x)
+            assert_path(sm, "recorded", "plan", "as-written", "eager-dispatch")
+            assert_close(out, model(x), what=f"lift={lift}")
