@@ -87,3 +87,40 @@ def test_hooked_linear_output_rank_is_not_derived():
             out = sm(x)
             assert_path(sm, "recorded", "plan", "as-written", "eager-dispatch")
             assert_close(out, model(x), what=f"lift={lift}")
+
+
+class _EmbeddingDtypeBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(8, 2)
+        self.emb = nn.Embedding(10, 8)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        if h.dtype == torch.float64:
+            return self.head(h.float()) * 2
+        return self.head(h) * 3
+
+
+def test_parameter_replaced_in_its_table_moves_the_dtype_guard():
+    # torch.func.functional_call (and torch.nn.utils.stateless) put the given tensors
+    # straight into the modules' _parameters, without __setattr__: the dtype guard must
+    # look at the tensor the module holds now, not the one it held when the probes were made.
+    torch.manual_seed(0)
+    model = _EmbeddingDtypeBranch()
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    for _ in range(2):
+        ids = torch.randint(0, 10, (3, 4))
+        assert_close(sm(ids), model(ids))
+    assert_path(sm, "plan")
+    double = {"emb.weight": model.emb.weight.detach().double()}
+    for _ in range(2):
+        ids = torch.randint(0, 10, (3, 4))
+        out = torch.func.functional_call(sm, double, (ids,))
+        assert_close(out, torch.func.functional_call(model, double, (ids,)), what="functional_call")
+    model.emb._parameters["weight"] = nn.Parameter(model.emb.weight.detach().double())
+    for _ in range(2):
+        ids = torch.randint(0, 10, (3, 4))
+        out = sm(ids)
+        assert_path(sm, "recorded", "plan", "eager-dispatch")
+        assert_close(out, model(ids), what="replaced in _parameters")

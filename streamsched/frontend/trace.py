@@ -997,25 +997,30 @@ def _trace_once(
 
 
 def dtype_probes(traces: Sequence[Traced]) -> tuple:
-    """(tensor, dtype) for each parameter or buffer whose dtype ``traces`` relied on, as
-    the model holds them now: what :func:`dtypes_same` compares on every call (a cast
-    changes a parameter's dtype in place; a re-assigned one moves the generation, and
-    the probes are made again)."""
+    """(table, name, tensor, dtype) for each parameter or buffer whose dtype ``traces``
+    relied on, as the model holds them now (``table``: its owner's ``_parameters`` or
+    ``_buffers``): what :func:`dtypes_same` compares on every call (a cast changes a
+    parameter's dtype in place; a re-assigned one moves the generation, and the probes
+    are made again; one put straight into the table, as ``torch.func.functional_call``
+    does, is another tensor there)."""
     probes: dict[int, tuple] = {}
     for traced in traces:
         for owner, name, dtype in traced.dtype_guards:
-            tensor = owner._parameters.get(name)
+            table = owner._parameters
+            tensor = table.get(name)
             if tensor is None:
-                tensor = owner._buffers.get(name)
+                table = owner._buffers
+                tensor = table.get(name)
             if tensor is not None:
-                probes[id(tensor)] = (tensor, dtype)
+                probes[id(tensor)] = (table, name, tensor, dtype)
     return tuple(probes.values())
 
 
 def dtypes_same(probes: tuple) -> bool:
-    """Whether every probe (:func:`dtype_probes`) still has its dtype."""
-    for tensor, dtype in probes:
-        if tensor.dtype is not dtype:
+    """Whether every probe (:func:`dtype_probes`) is still the tensor its owner holds,
+    with its dtype."""
+    for table, name, tensor, dtype in probes:
+        if tensor.dtype is not dtype or table.get(name) is not tensor:
             return False
     return True
 
