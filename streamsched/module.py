@@ -1050,7 +1050,7 @@ class StreamScheduledModule(nn.Module):
         trial.own_calls += 1
         if not trial.rare and trial.began is not None:
             if self._ss.calls - trial.began - trial.own_calls >= RARE_CALLS:
-                # Its size comes back rarely (planning.signatures): decide on one call of
+                # Its size comes back rarely (planning.signatures): decide on two calls of
                 # each candidate, keeping the schedule only where it wins clearly.
                 trial.rare = True
                 trial.schedule_margin = max(trial.schedule_margin, _UNIFORM_SCHEDULE_MARGIN)

@@ -497,11 +497,11 @@ def test_a_schedule_with_nothing_to_schedule_must_win_clearly(monkeypatch):
 def test_a_trial_whose_size_comes_back_rarely_decides_on_one_call_of_each():
     """Ten sizes cycled, each met once per pass: a trial waiting for rounds of calls of
     its own size would stay undecided for tens of passes. After RARE_CALLS calls of other
-    signatures it decides once every candidate has run one call."""
+    signatures it decides once every candidate has run two calls."""
     model = Towers()
     sm = ss.StreamScheduledModule(model)
     sizes = list(range(17, 27))  # one bucket: 32
-    for _pass in range(5):
+    for _pass in range(7):
         for n in sizes:
             x = torch.randn(n, 16)
             assert_close(sm(x), model(x))
@@ -574,3 +574,26 @@ def test_a_trial_that_keeps_the_schedule_hands_its_gain_to_the_bucket(monkeypatc
     assert decision is not None and not decision.eager
     assert decision.gain_s is not None and decision.gain_s > 0.005
     assert structure.record_s is not None and structure.record_s > 0
+
+
+def test_one_slow_call_of_the_model_as_written_does_not_drop_it_from_a_trial():
+    """A trial deciding on few calls (its size comes back rarely) must not lose the model as
+    written to one call slowed by something else; a second slow call drops it."""
+    from streamsched.planning.choice import Trial
+
+    trial = Trial("serial", eager=True)
+    trial.rare = True
+    trial.add("serial", 1e-3)
+    trial.add("eager", 10e-3)  # one call ten times slower: another process ran meanwhile
+    assert "eager" in trial.live and not trial.done()
+    trial.add("serial", 1e-3)
+    trial.add("eager", 0.9e-3)
+    assert trial.done()
+    plan = ss.Plan.as_written("M", "planted")
+    _decided, eager = trial.decide(plan)
+    assert eager is True  # its second call was the faster way
+    trial = Trial("serial", eager=True)
+    for _ in range(2):
+        trial.add("serial", 1e-3)
+        trial.add("eager", 10e-3)
+    assert trial.live == ["serial"]

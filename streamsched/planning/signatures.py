@@ -20,9 +20,10 @@ signature without the sizes: argument structure, dtypes, devices, ranks, modes) 
   since each of its sizes would pay its own plan for at most the forward's Python.
 - **a trial whose size comes back rarely:** after :data:`RARE_CALLS` calls of other
   signatures since it began (sizes cycled, each met once per pass), the trial decides as
-  soon as every candidate still in it has run one call, on the fastest of each, and keeps
+  soon as every candidate still in it has run two calls, on the fastest of each, and keeps
   the schedule only where it is clearly faster (the wrapper's ``_UNIFORM_SCHEDULE_MARGIN``):
-  a bucket is decided within about ``RARE_CALLS`` calls plus two calls of its own size.
+  a bucket is decided within about ``RARE_CALLS`` calls plus two calls of its own size
+  per candidate.
 - **a size bucket already decided:** the ``auto`` trial decides once per *bucket* (each
   dimension rounded up to a power of two, :func:`size_bucket`): where it found the model
   as written faster, new sizes of that bucket run as written without a plan; where it
@@ -86,7 +87,7 @@ STALL_CALLS = 32
 # model as written: sizes that come back this rarely would each pay a plan anyway.
 MAX_HANDOFFS = 2
 # Calls of other signatures of the wrapper since a trial began after which its size is
-# taken to come back rarely: the trial decides on one call of each candidate.
+# taken to come back rarely: the trial decides on two calls of each candidate.
 RARE_CALLS = 16
 # Calls of a new size within which a bucket's schedule must repay the size's recording
 # call (its gain per call against the structure's recording calls) for the size to be
