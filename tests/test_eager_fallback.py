@@ -134,8 +134,9 @@ def test_a_faster_schedule_is_kept(monkeypatch):
     assert plan.executor == "serial" and plan.trial.chosen == "serial"
     assert plan.trial.best_us["eager"] > 20_000 > plan.trial.best_us["serial"]
     assert "measured serial" in plan.reason and "eager" in plan.reason
-    # The slow forward was tried once and dropped: the trial cost one slow call.
-    assert len(slow) == 1 and calls <= plan.trial.rounds + 1
+    # The slow forward was tried twice and dropped (one slow call of the model as written
+    # may be something else's doing): the trial cost two slow calls.
+    assert len(slow) == 2 and calls <= plan.trial.rounds + 2
     n = len(slow)
     for _ in range(5):
         assert_close(sm(x), model(x))  # the reference call itself is slow, the wrapper is not
@@ -170,8 +171,8 @@ def test_fusion_that_pays_is_kept_without_a_planted_delay():
         assert sm.plan.fused_groups
         _calls_until_decided(sm, x)
         assert sm.plan.executor == "serial"
-        # Tens of times slower as written: dropped after its first call.
-        assert sm.plan.trial.calls["eager"] == 1
+        # Tens of times slower as written: dropped after its second call.
+        assert sm.plan.trial.calls["eager"] == 2
         assert_close(sm(x), model(x), atol=1e-5)
 
 

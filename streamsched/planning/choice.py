@@ -101,8 +101,10 @@ class Trial:
     streams or lanes should pay and the schedule whether tracing pays at all; this checks
     both on the real machine. Calls take the candidates in turn and each keeps its fastest
     time (the best of ``rounds``: robust to bursts of machine noise and to a cold first
-    call); a candidate more than ``_DROP`` times slower than the leader is dropped at once,
-    so that a trial costs little even where one way is ten times slower. Where the
+    call); a candidate more than ``_DROP`` times slower than the leader is dropped at once
+    (the model as written after its second call: one call slowed by something else must
+    not cost the way that is always right), so that a trial costs little even where one
+    way is ten times slower. Where the
     schedule and the model's forward come out within ``close`` of each other, they take
     more calls, up to ``max_rounds`` each (those calls cost nothing: both ways run at
     about the same speed). The schedule stays unless the model's own forward is more than
