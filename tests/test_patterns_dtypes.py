@@ -124,3 +124,46 @@ def test_parameter_replaced_in_its_table_moves_the_dtype_guard():
         out = sm(ids)
         assert_path(sm, "recorded", "plan", "eager-dispatch")
         assert_close(out, model(ids), what="replaced in _parameters")
+
+
+class _PromotedBranch(nn.Module):
+    """A dtype that follows by type promotion: a float32 Linear's output times a float64
+    parameter (and a 0-dim float64 input, which promotes less) is float64."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.scale = nn.Parameter(torch.rand(8, dtype=torch.float64) + 0.5)
+
+    def forward(self, x, t):
+        h = self.a(x) * t
+        g = self.b(x) * self.scale
+        if h.dtype == torch.float64:
+            h = h * 10
+        if g.dtype == torch.float64:
+            return (g * 2).float() + h
+        return g * 3 + h
+
+
+def test_type_promotion_traces_without_adding_nodes():
+    # The promotion rule asks torch.result_type of small meta tensors: made while the
+    # trace runs, a factory call becomes a node of the graph (the trace's factory mode),
+    # and the rule then answered nothing.
+    torch.manual_seed(0)
+    model = _PromotedBranch()
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    for t in (torch.tensor(2.0, dtype=torch.float64), torch.tensor([2.0], dtype=torch.float64)):
+        for _ in range(2):
+            x = torch.randn(4, 8)
+            assert_close(sm(x, t), model(x, t))
+        assert_path(sm, "plan")
+        for traced in sm._ss.traces.values():
+            targets = {n.target for n in traced.graph.nodes}
+            assert torch.empty not in targets and torch.result_type not in targets
+    with torch.no_grad():
+        model.scale.data = model.scale.data.float()  # a cast in place: the guard re-traces
+    for _ in range(2):
+        x, t = torch.randn(4, 8), torch.tensor(2.0, dtype=torch.float64)
+        assert_close(sm(x, t), model(x, t))
+    assert_path(sm, "plan")

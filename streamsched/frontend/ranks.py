@@ -707,14 +707,15 @@ class RankTracker:
                     return None
                 tensor_dtypes.append(dtype)
                 ranks = [rank] if rank is not None else [0, 1]
-                options = [o + [torch.empty((1,) * r, dtype=dtype, device="meta")] for o in options for r in ranks]
+                options = [o + [_meta_operand(dtype, r)] for o in options for r in ranks]
             elif type(value) in (int, float, bool):
                 options = [o + [value] for o in options]
             else:
                 return None
         if not tensor_dtypes:
             return None
-        results = {torch.result_type(*o) for o in options}
+        with torch._C.DisableTorchFunction():  # the trace's modes would record the call
+            results = {torch.result_type(*o) for o in options}
         if len(results) != 1:
             return None
         (result,) = results
@@ -991,6 +992,24 @@ class RankTracker:
             else:
                 return None  # a tensor, a list, a graph value: advanced indexing
         return rank if consumed <= x else None
+
+
+# Operands for torch.result_type in RankTracker._promoted: by dtype and whether
+# dimensioned (only that of a rank counts in promotion).
+_META_OPERANDS: dict[tuple[torch.dtype, bool], torch.Tensor] = {}
+
+
+def _meta_operand(dtype: torch.dtype, rank: int) -> torch.Tensor:
+    """A meta tensor of ``dtype``, zero-dimensional where ``rank`` is 0. Made with torch
+    function handling off: while a trace runs, its mode records a factory call made on
+    the tracing thread as a node of the graph (``trace_guard.GradModeGuard``)."""
+    key = (dtype, rank > 0)
+    tensor = _META_OPERANDS.get(key)
+    if tensor is None:
+        with torch._C.DisableTorchFunction():
+            tensor = torch.empty((1,) if rank > 0 else (), dtype=dtype, device="meta")
+        _META_OPERANDS[key] = tensor
+    return tensor
 
 
 def _floating(dtype: Optional[torch.dtype]) -> Optional[torch.dtype]:
