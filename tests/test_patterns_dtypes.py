@@ -118,6 +118,12 @@ def test_parameter_replaced_in_its_table_moves_the_dtype_guard():
         ids = torch.randint(0, 10, (3, 4))
         out = torch.func.functional_call(sm, double, (ids,))
         assert_close(out, torch.func.functional_call(model, double, (ids,)), what="functional_call")
+    same = {"emb.weight": torch.randn(10, 8)}  # the same dtype: the plan stands
+    for _ in range(2):
+        ids = torch.randint(0, 10, (3, 4))
+        out = torch.func.functional_call(sm, same, (ids,))
+        assert_close(out, torch.func.functional_call(model, same, (ids,)), what="functional_call, float32")
+    assert_path(sm, "plan")
     model.emb._parameters["weight"] = nn.Parameter(model.emb.weight.detach().double())
     for _ in range(2):
         ids = torch.randint(0, 10, (3, 4))

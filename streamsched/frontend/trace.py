@@ -997,30 +997,29 @@ def _trace_once(
 
 
 def dtype_probes(traces: Sequence[Traced]) -> tuple:
-    """(table, name, tensor, dtype) for each parameter or buffer whose dtype ``traces``
-    relied on, as the model holds them now (``table``: its owner's ``_parameters`` or
-    ``_buffers``): what :func:`dtypes_same` compares on every call (a cast changes a
-    parameter's dtype in place; a re-assigned one moves the generation, and the probes
-    are made again; one put straight into the table, as ``torch.func.functional_call``
-    does, is another tensor there)."""
-    probes: dict[int, tuple] = {}
+    """(table, name, dtype) for each parameter or buffer whose dtype ``traces`` relied on,
+    ``table`` being its owner's ``_parameters`` or ``_buffers`` as the model holds them
+    now: what :func:`dtypes_same` compares on every call. The tensor is looked up in the
+    table each time: a cast changes a parameter's dtype in place, and one put straight
+    into the table (``torch.func.functional_call`` does so, moving no generation) is
+    another tensor there; a re-registered one moves the generation, and the probes are
+    made again."""
+    probes: dict[tuple[int, str], tuple] = {}
     for traced in traces:
         for owner, name, dtype in traced.dtype_guards:
             table = owner._parameters
-            tensor = table.get(name)
-            if tensor is None:
+            if table.get(name) is None:
                 table = owner._buffers
-                tensor = table.get(name)
-            if tensor is not None:
-                probes[id(tensor)] = (table, name, tensor, dtype)
+            if table.get(name) is not None:
+                probes[(id(table), name)] = (table, name, dtype)
     return tuple(probes.values())
 
 
 def dtypes_same(probes: tuple) -> bool:
-    """Whether every probe (:func:`dtype_probes`) is still the tensor its owner holds,
-    with its dtype."""
-    for table, name, tensor, dtype in probes:
-        if tensor.dtype is not dtype or table.get(name) is not tensor:
+    """Whether the tensor each probe (:func:`dtype_probes`) names still has its dtype."""
+    for table, name, dtype in probes:
+        tensor = table.get(name)
+        if tensor is None or tensor.dtype is not dtype:
             return False
     return True
 
