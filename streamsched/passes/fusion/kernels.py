@@ -212,6 +212,51 @@ def _kept_views(
     return kept, views
 
 
+class StackedLinear(torch.autograd.Function):
+    """``xs @ w^T + b`` over the member axis (``xs`` ``[N, M, in]``, ``w`` ``[N, out, in]``,
+    ``b`` ``[N, out]`` or None), as the fused Linear computes it when a gradient may be
+    routed: the same ``baddbmm`` forward, with a backward that makes every gradient in the
+    layout ``F.linear``'s backward gives each member.
+
+    Autograd's own ``baddbmm(b, xs, w^T)`` makes the weight's gradient ``xs^T @ grad``,
+    ``[N, in, out]``, and hands it back through the transpose: each member's slice of it
+    breaks the gradient layout contract, and ``AccumulateGrad`` copies every slice into
+    the member's ``.grad`` (eager keeps the tensor autograd made: it steals a dense
+    gradient nothing else references). Here the weight's gradient is ``grad^T @ xs``,
+    ``[N, out, in]`` like the stack, whose slices ``AccumulateGrad`` keeps, and the input's
+    ``grad @ w``, ``[N, M, in]`` like eager's. The backward is made of differentiable ops,
+    so ``create_graph=True`` (a gradient penalty) differentiates it again."""
+
+    @staticmethod
+    def forward(ctx: Any, xs: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
+        ctx.save_for_backward(xs, w)
+        ctx.has_bias = b is not None
+        wt = w.transpose(1, 2)
+        return torch.bmm(xs, wt) if b is None else torch.baddbmm(b.unsqueeze(1), xs, wt)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        xs, w = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad
+        gx = torch.bmm(grad, w) if need_x else None
+        gw = torch.bmm(grad.transpose(1, 2), xs) if need_w else None
+        gb = grad.sum(1) if ctx.has_bias and need_b else None
+        return gx, gw, gb
+
+
+_autocast_on = torch.is_autocast_enabled
+
+
+def _stacked_linear(xs: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
+    """:class:`StackedLinear`, or under autocast (which casts the ``baddbmm`` and records
+    the casts for the backward, where the function's own backward would meet gradients of
+    the cast dtype) autograd's ``baddbmm`` over the transposed weight."""
+    if _autocast_on(xs.device.type):
+        wt = w.transpose(1, 2)
+        return torch.bmm(xs, wt) if b is None else torch.baddbmm(b.unsqueeze(1), xs, wt)
+    return StackedLinear.apply(xs, w, b)
+
+
 class LinearKernel(FusedKernel):
     kind = "Linear"
 
@@ -252,11 +297,14 @@ class LinearKernel(FusedKernel):
         xs = to_stack(x, self.in_layout, n, self.in_shape)
         if xs.dim() != 3:  # members' inputs of other than 2 dims: one batch dim for bmm
             xs = xs.reshape(n, -1, fin)
-        wt = weight.view_of(grad, torch.Tensor.transpose, 1, 2)
-        if bias is None:
-            y = torch.bmm(xs, wt)
+        if grad:
+            y = _stacked_linear(xs, weight.value(True), bias.value(True) if bias is not None else None)
         else:
-            y = torch.baddbmm(bias.view_of(grad, torch.Tensor.unsqueeze, 1), xs, wt)
+            wt = weight.view_of(grad, torch.Tensor.transpose, 1, 2)
+            if bias is None:
+                y = torch.bmm(xs, wt)
+            else:
+                y = torch.baddbmm(bias.view_of(grad, torch.Tensor.unsqueeze, 1), xs, wt)
         return y if len(self.out_shape) == 2 else y.view((n,) + self.out_shape)
 
     def specialise(self, private: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -285,14 +333,15 @@ class LinearKernel(FusedKernel):
         kept, views = _kept_views(weight, torch.Tensor.transpose, (1, 2), bias, torch.Tensor.unsqueeze, (1,))
         layout, in_shape = self.in_layout, self.in_shape
         kind, d = layout
-        baddbmm, bmm = torch.baddbmm, torch.bmm
+        baddbmm, bmm, for_grad = torch.baddbmm, torch.bmm, _stacked_linear
         if bias is not None and len(in_shape) == 2 and len(self.out_shape) == 2 and kind in ("stack", "fold"):
             if kind == "stack":
 
                 def stacked_baddbmm(x: torch.Tensor) -> torch.Tensor:
-                    grad = is_grad()
-                    if grad or weight.stack is not kept[0] or bsrc.stack is not kept[1]:
-                        wt, b = views(grad)
+                    if is_grad():
+                        return for_grad(x, weight.value(True), bias.value(True))
+                    if weight.stack is not kept[0] or bsrc.stack is not kept[1]:
+                        wt, b = views(False)
                         return baddbmm(b, x, wt)
                     return baddbmm(kept[3], x, kept[2])
 
@@ -302,9 +351,10 @@ class LinearKernel(FusedKernel):
 
             def folded_baddbmm(x: torch.Tensor) -> torch.Tensor:
                 xs = x.reshape(split).movedim(d, 0)  # to_stack of a fold: a view where memory allows
-                grad = is_grad()
-                if grad or weight.stack is not kept[0] or bsrc.stack is not kept[1]:
-                    wt, b = views(grad)
+                if is_grad():
+                    return for_grad(xs, weight.value(True), bias.value(True))
+                if weight.stack is not kept[0] or bsrc.stack is not kept[1]:
+                    wt, b = views(False)
                     return baddbmm(b, xs, wt)
                 return baddbmm(kept[3], xs, kept[2])
 
@@ -314,14 +364,16 @@ class LinearKernel(FusedKernel):
         out_view = None if len(self.out_shape) == 2 else (n,) + self.out_shape
 
         def general(x: torch.Tensor) -> torch.Tensor:
-            grad = is_grad()
-            if grad or weight.stack is not kept[0] or bsrc.stack is not kept[1]:
-                wt, b = views(grad)
-            else:
-                wt, b = kept[2], kept[3]
             xs = to_stack(x, layout, n, in_shape)
             if flat:
                 xs = xs.reshape(n, -1, fin)
+            if is_grad():
+                y = for_grad(xs, weight.value(True), bias.value(True) if bias is not None else None)
+                return y if out_view is None else y.view(out_view)
+            if weight.stack is not kept[0] or bsrc.stack is not kept[1]:
+                wt, b = views(False)
+            else:
+                wt, b = kept[2], kept[3]
             y = bmm(xs, wt) if b is None else baddbmm(b, xs, wt)
             return y if out_view is None else y.view(out_view)
 
