@@ -126,6 +126,7 @@ class _Compiled:
         "structure",
         "sizes",
         "nested_sites",
+        "direct",
     )
 
     def __init__(self, schedule: Schedule, program: Program, rebuild: Any):
@@ -150,6 +151,8 @@ class _Compiled:
         # The plan's opaque module calls that are nested (nesting.py): their forwards run
         # as written inside their tasks, and their children get plans of their own.
         self.nested_sites: list = []
+        # (plan, function): how _run calls the plan while it is this plan (_direct).
+        self.direct: Optional[tuple] = None
 
     @property
     def graph(self) -> Any:
@@ -1081,8 +1084,9 @@ class StreamScheduledModule(nn.Module):
                 out = self._forward_as_written(args, kwargs)
             else:
                 self._ss.last_path = f"plan:{name}"
-                for stack in schedule.program.stacks:
-                    stack.check()
+                guard = schedule.program.stack_guard
+                if guard is not None:
+                    guard.check()
                 if schedule.nested_sites:
                     with self._ss.nested.installed(schedule.nested_sites):
                         out = schedule.rebuild(executor.run(schedule.program, tensors))
@@ -1164,6 +1168,27 @@ class StreamScheduledModule(nn.Module):
             return ranges
         return None
 
+    def _direct(self, schedule: _Compiled, executor: Any) -> Optional[tuple]:
+        """``(plan, program.call, nvtx_wanted)`` when every call of ``schedule`` under
+        ``plan`` that no observer or NVTX tool looks at runs the serial program's one
+        function and nothing else: the serial executor, no sync log, chaos or nested sites
+        (all fixed by the frozen config and the plan), no CUDA graph (a CPU plan, or graphs
+        off). ``_run`` then checks the stacks, that no observer is installed and, where
+        NVTX ranges are on, that nothing would see them (``nvtx_wanted``: ``None`` where
+        they are off). The plan is kept to notice a trial's decision."""
+        cfg = self.config
+        if (
+            executor is not self._ss.executors.serial
+            or schedule.program.call is None
+            or cfg.sync_log
+            or cfg.chaos is not None
+            or schedule.nested_sites
+            or (cfg.cuda_graph is not False and schedule.plan.device.startswith("cuda"))
+        ):
+            return None
+        ranges = self._ss.nvtx
+        return (schedule.plan, schedule.program.call, ranges.wanted if ranges else None)
+
     def _graph_executor(self, schedule: _Compiled, tensors: list[torch.Tensor]) -> Optional[GraphExecutor]:
         """The CUDA-graph executor for this call, or None when graphs do not apply."""
         if self.config.cuda_graph is False or not schedule.plan.device.startswith("cuda"):
@@ -1174,6 +1199,25 @@ class StreamScheduledModule(nn.Module):
 
     def _run(self, schedule: _Compiled, tensors: list[torch.Tensor]) -> Any:
         st = self._ss
+        direct = schedule.direct
+        if (
+            direct is not None
+            and direct[0] is schedule.plan
+            and st.observer is None
+            and (direct[2] is None or not direct[2]())
+        ):
+            # The serial program's one function, nothing else to decide (see _direct).
+            guard = schedule.program.stack_guard
+            if guard is not None:
+                guard.check()
+            st.last_path = "plan:serial"
+            try:
+                return direct[1](tensors)
+            except Exception as exc:
+                where = failing_node(schedule.program, exc)
+                if where is not None:
+                    annotate_exception(exc, self._where(where))
+                raise
         cfg = self.config
         sync_log = None
         if cfg.sync_log:
@@ -1185,8 +1229,9 @@ class StreamScheduledModule(nn.Module):
             sync_log.expected_writers = program.expected_writers
             st.last_sync_log = sync_log
         chaos = Chaos(cfg.chaos, st.calls) if cfg.chaos is not None else None
-        for stack in schedule.program.stacks:
-            stack.check()
+        guard = schedule.program.stack_guard
+        if guard is not None:
+            guard.check()
         graphs = self._graph_executor(schedule, tensors)
         try:
             if graphs is not None:
@@ -1195,6 +1240,8 @@ class StreamScheduledModule(nn.Module):
             st.last_path = "plan:" + schedule.plan.schedule_executor
             executor = st.executors.for_plan(schedule.plan)
             observer = st.observer or self._nvtx(schedule)
+            if schedule.direct is None or schedule.direct[0] is not schedule.plan:
+                schedule.direct = self._direct(schedule, executor)
             if schedule.nested_sites:
                 with st.nested.installed(schedule.nested_sites):
                     return executor.run(schedule.program, tensors, sync_log, chaos, observer)

@@ -18,6 +18,7 @@ from torch import nn
 
 import streamsched as ss
 from benchmarks.zoo import CriticEnsemble
+from streamsched.testing import assert_path
 
 from .helpers import assert_close, flatten
 
@@ -84,7 +85,7 @@ def test_member_grads_are_the_stacked_gradient_not_copies(case):
         x = torch.randn(shape, requires_grad=True)
         xr = x.detach().clone().requires_grad_()
         out = sm(x)
-        ss.testing.assert_path(sm, "plan:serial")
+        assert_path(sm, "plan:serial")
         assert "StackedLinearBackward" in backward_nodes(out), "the fused Linear's own backward did not run"
         out.square().sum().backward()
         ref(xr).square().sum().backward()
@@ -108,7 +109,7 @@ def test_frozen_weights_with_an_input_gradient_match_eager():
     x = torch.randn(shape, requires_grad=True)
     xr = x.detach().clone().requires_grad_()
     sm(x).square().sum().backward()
-    ss.testing.assert_path(sm, "plan:serial")
+    assert_path(sm, "plan:serial")
     ref(xr).square().sum().backward()
     assert all(p.grad is None for p in model.parameters())
     assert_close(x.grad, xr.grad, atol=1e-5, what="input")
@@ -123,7 +124,7 @@ def test_create_graph_differentiates_the_fused_backward_again():
         (g,) = torch.autograd.grad(m(xi).square().sum(), xi, create_graph=True)
         g.square().sum().backward()
         outs.append(g)
-    ss.testing.assert_path(sm, "plan:serial")
+    assert_path(sm, "plan:serial")
     assert_close(outs[0], outs[1], atol=1e-5, what="input gradient")
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert_close(p.grad, q.grad, atol=1e-4, what=name)

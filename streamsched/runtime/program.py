@@ -83,6 +83,9 @@ class Program:
 
     def __post_init__(self) -> None:
         self.tasks_by_id = {t.id: t for t in self.tasks}
+        # Checks every stack at once before a call: ``stack_guard.check()`` (a
+        # StackSetGuard; None without stacks).
+        self.stack_guard: Any = type(self.stacks[0]).set_guard(self.stacks) if self.stacks else None
         # Outputs allocated on a side stream need record_stream on the caller's stream.
         self.side_outputs = tuple(
             s

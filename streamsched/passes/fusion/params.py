@@ -89,6 +89,10 @@ class HandOffStacked(torch.autograd.Function):
 
 _data_ptr = torch.Tensor.data_ptr
 
+_restacks = 0
+"""How many re-stacks there have been, of any group anywhere: a :class:`StackSetGuard`
+armed before the last one watches tensors that may no longer be the members."""
+
 
 class StackedTensors:
     """N member tensors (``getattr(module, name)`` for each owner) as one tensor.
@@ -128,6 +132,8 @@ class StackedTensors:
     # --- alias maintenance ----------------------------------------------------------
 
     def _restack(self) -> None:
+        global _restacks
+        _restacks += 1
         self.tensors = [getattr(m, n) for m, n in self.owners]
         # The stack becomes the members' storage for good: made under inference_mode it
         # would turn the model's parameters into inference tensors, unusable for training.
@@ -272,3 +278,50 @@ class StackedTensors:
 
     def __len__(self) -> int:
         return len(self.owners)
+
+    @staticmethod
+    def set_guard(stacks: Sequence[StackedTensors]) -> StackSetGuard:
+        """One check of all of ``stacks`` (what a program reading them runs per call)."""
+        return StackSetGuard(stacks)
+
+
+class StackSetGuard:
+    """:meth:`StackedTensors.check` of every stack one program reads, in one pass.
+
+    Armed after every stack's own check passed, it records where all their members' storage
+    is (with the native runtime one ``StackGuard`` over all of them, one C++ loop; without
+    it, their ``data_ptr`` list). While no group anywhere has re-stacked since (a re-stack
+    makes other tensors the members, or moves them) and every member is where it was, each
+    stack's own check would pass: nothing to do. Otherwise each stack checks itself (and
+    re-stacks what went stale) and the guard re-arms. The same condition as checking each
+    stack, for one call instead of one per stack.
+    """
+
+    __slots__ = ("stacks", "_restacks", "_guard", "_tensors", "_ptrs")
+
+    def __init__(self, stacks: Sequence[StackedTensors]):
+        self.stacks = tuple(s for s in stacks if s.alias)  # copy mode: stacked anew every call
+        self._restacks = -1
+        self._guard: Any = None
+        self._tensors: list[torch.Tensor] = []
+        self._ptrs: list[int] = []
+
+    def check(self) -> None:
+        if self._restacks == _restacks:
+            guard = self._guard
+            if guard is not None:
+                if guard.valid():
+                    return
+            elif list(map(_data_ptr, self._tensors)) == self._ptrs:
+                return
+        for stack in self.stacks:
+            stack.check()
+        self._arm()
+
+    def _arm(self) -> None:
+        tensors = [t for s in self.stacks for t in s.tensors]
+        nat = native()
+        self._guard = nat.StackGuard(tensors) if nat is not None else None
+        self._tensors = tensors
+        self._ptrs = [t.data_ptr() for t in tensors]
+        self._restacks = _restacks
