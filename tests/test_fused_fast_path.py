@@ -213,3 +213,37 @@ def test_conv_kernels_keep_their_reshaped_weights_and_follow_re_stacks():
             convs[3].weight.data = convs[3].weight.data * 3.0
             assert_close(sm(x), model(x), what=f"re-stacked weight of {layer}")
         ss.testing.assert_path(sm, "plan:serial")
+
+
+def test_folded_input_is_viewed_in_one_op_where_contiguous_and_reshaped_where_not():
+    """A Linear kernel reading a folded input ``[B, N*in]`` takes it as ``[N, B, in]`` with
+    one ``as_strided`` of its canonical strides when it is contiguous (at any storage
+    offset), and with reshape + movedim when it is not: the same values either way."""
+    from streamsched.passes.fusion.layout import fold
+    from streamsched.passes.fusion.params import StackedTensors
+
+    torch.manual_seed(0)
+    n, b, fin, fout = 4, 3, 5, 6
+    lins = [nn.Linear(fin, fout) for _ in range(n)]
+    owners = [(lin, "weight") for lin in lins]
+    kernel = LinearKernel(
+        lins,
+        [f"l{i}" for i in range(n)],
+        StackedTensors(owners),
+        StackedTensors([(lin, "bias") for lin in lins]),
+        fold(1),
+        (b, fin),
+        (b, fout),
+    )
+    fn = kernel.specialise()
+    big = torch.randn(b + 1, n * fin)
+    inputs = {
+        "contiguous": torch.randn(b, n * fin),
+        "at an offset": big[1:],  # contiguous, storage_offset n*fin
+        "transposed": torch.randn(n * fin, b).t(),  # not contiguous
+        "strided rows": torch.randn(b, 2 * n * fin)[:, ::2],
+    }
+    with torch.no_grad():
+        for what, x in inputs.items():
+            expected = torch.stack([lin(x[:, i * fin : (i + 1) * fin]) for i, lin in enumerate(lins)])
+            assert_close(fn(x), expected, what=what)

@@ -348,11 +348,21 @@ class LinearKernel(FusedKernel):
                 return stacked_baddbmm
 
             split = in_shape[:d] + (n, in_shape[d]) + in_shape[d + 1 :]
+            # to_stack of a contiguous fold as one view: its sizes and strides, worked out
+            # once (reshape, then movedim, is two view ops per call).
+            stacked = torch.empty(split, device="meta").movedim(d, 0)
+            size, stride = tuple(stacked.shape), stacked.stride()
+            as_strided = torch.as_strided
 
             def folded_baddbmm(x: torch.Tensor) -> torch.Tensor:
-                xs = x.reshape(split).movedim(d, 0)  # to_stack of a fold: a view where memory allows
                 if is_grad():
+                    # Autograd's as_strided backward is a scatter into the whole storage.
+                    xs = x.reshape(split).movedim(d, 0)  # to_stack of a fold: a view where memory allows
                     return for_grad(xs, weight.value(True), bias.value(True))
+                if x.is_contiguous():
+                    xs = as_strided(x, size, stride, x.storage_offset())
+                else:
+                    xs = x.reshape(split).movedim(d, 0)
                 if weight.stack is not kept[0] or bsrc.stack is not kept[1]:
                     wt, b = views(False)
                     return baddbmm(b, xs, wt)
