@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -247,3 +248,26 @@ def test_folded_input_is_viewed_in_one_op_where_contiguous_and_reshaped_where_no
         for what, x in inputs.items():
             expected = torch.stack([lin(x[:, i * fin : (i + 1) * fin]) for i, lin in enumerate(lins)])
             assert_close(fn(x), expected, what=what)
+
+
+def test_folded_input_of_another_shape_is_refused_not_misread():
+    """The one-op view is for the shape the kernel was planned at: an input of another
+    batch size goes through reshape, which refuses it, where as_strided would read the
+    wrong elements (or past the end of the storage)."""
+    from streamsched.passes.fusion.layout import fold
+    from streamsched.passes.fusion.params import StackedTensors
+
+    n, b, fin, fout = 3, 4, 2, 5
+    lins = [nn.Linear(fin, fout) for _ in range(n)]
+    kernel = LinearKernel(
+        lins,
+        [f"l{i}" for i in range(n)],
+        StackedTensors([(lin, "weight") for lin in lins]),
+        StackedTensors([(lin, "bias") for lin in lins]),
+        fold(1),
+        (b, fin),
+        (b, fout),
+    )
+    fn = kernel.specialise()
+    with torch.no_grad(), pytest.raises(RuntimeError):
+        fn(torch.randn(b + 1, n * fin))

@@ -349,9 +349,11 @@ class LinearKernel(FusedKernel):
 
             split = in_shape[:d] + (n, in_shape[d]) + in_shape[d + 1 :]
             # to_stack of a contiguous fold as one view: its sizes and strides, worked out
-            # once (reshape, then movedim, is two view ops per call).
+            # once (reshape, then movedim, is two view ops per call). Only for the shape
+            # planned (as_strided would not refuse another one, as reshape does).
             stacked = torch.empty(split, device="meta").movedim(d, 0)
             size, stride = tuple(stacked.shape), stacked.stride()
+            folded = torch.Size(in_shape[:d] + (n * in_shape[d],) + in_shape[d + 1 :])
             as_strided = torch.as_strided
 
             def folded_baddbmm(x: torch.Tensor) -> torch.Tensor:
@@ -359,7 +361,7 @@ class LinearKernel(FusedKernel):
                     # Autograd's as_strided backward is a scatter into the whole storage.
                     xs = x.reshape(split).movedim(d, 0)  # to_stack of a fold: a view where memory allows
                     return for_grad(xs, weight.value(True), bias.value(True))
-                if x.is_contiguous():
+                if x.is_contiguous() and x.shape == folded:
                     xs = as_strided(x, size, stride, x.storage_offset())
                 else:
                     xs = x.reshape(split).movedim(d, 0)
