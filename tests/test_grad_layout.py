@@ -108,8 +108,10 @@ def test_frozen_weights_with_an_input_gradient_match_eager():
         p.requires_grad_(False)
     x = torch.randn(shape, requires_grad=True)
     xr = x.detach().clone().requires_grad_()
-    sm(x).square().sum().backward()
+    out = sm(x)
     assert_path(sm, "plan:serial")
+    assert "StackedLinearBackward" not in backward_nodes(out), "frozen weights: autograd's own baddbmm"
+    out.square().sum().backward()
     ref(xr).square().sum().backward()
     assert all(p.grad is None for p in model.parameters())
     assert_close(x.grad, xr.grad, atol=1e-5, what="input")
@@ -129,3 +131,19 @@ def test_create_graph_differentiates_the_fused_backward_again():
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert_close(p.grad, q.grad, atol=1e-4, what=name)
     assert flatten(outs)
+
+
+def test_torch_func_grad_through_frozen_fused_weights():
+    """Frozen weights route no member gradient: the kernel keeps autograd's own ops, which
+    torch.func transforms accept (a Python autograd Function without their hooks would
+    be refused)."""
+    sm, model, ref, shape = wrapped("critics")
+    for p in list(model.parameters()) + list(ref.parameters()):
+        p.requires_grad_(False)
+    for _ in range(2):  # the frozen model's signature
+        sm(torch.randn(shape, requires_grad=True)).sum().backward()
+    x = torch.randn(shape)
+    got = torch.func.grad(lambda t: sm(t).square().sum())(x)
+    assert_path(sm, "plan:serial")
+    expected = torch.func.grad(lambda t: ref(t).square().sum())(x)
+    assert_close(got, expected, atol=1e-5, what="input gradient")

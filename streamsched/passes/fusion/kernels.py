@@ -248,10 +248,13 @@ _autocast_on = torch.is_autocast_enabled
 
 
 def _stacked_linear(xs: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
-    """:class:`StackedLinear`, or under autocast (which casts the ``baddbmm`` and records
-    the casts for the backward, where the function's own backward would meet gradients of
-    the cast dtype) autograd's ``baddbmm`` over the transposed weight."""
-    if _autocast_on(xs.device.type):
+    """:class:`StackedLinear` where the weights take a gradient; otherwise autograd's
+    ``baddbmm`` over the transposed weight: for frozen weights (no member gradient to
+    lay out; and torch.func transforms and forward-mode AD, which a Python autograd
+    Function without their hooks refuses, keep working there as in eager), and under
+    autocast (which casts the ``baddbmm`` and records the casts for the backward, where
+    the function's own backward would meet gradients of the cast dtype)."""
+    if not w.requires_grad or _autocast_on(xs.device.type):
         wt = w.transpose(1, 2)
         return torch.bmm(xs, wt) if b is None else torch.baddbmm(b.unsqueeze(1), xs, wt)
     return StackedLinear.apply(xs, w, b)
