@@ -4,6 +4,7 @@ with eager on every call and with the path asserted."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -172,4 +173,42 @@ def test_type_promotion_traces_without_adding_nodes():
     for _ in range(2):
         x, t = torch.randn(4, 8), torch.tensor(2.0, dtype=torch.float64)
         assert_close(sm(x, t), model(x, t))
+    assert_path(sm, "plan")
+
+
+class _IndexedByBuffer(nn.Module):
+    """``x[index]`` with a tensor index: its rank depends on the index's dtype (a boolean
+    mask of x's shape selects into one dimension; integers of that shape gather, adding
+    one), here a buffer's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.register_buffer("index", torch.rand(4, 8) > 0.5)
+
+    def forward(self, x):
+        h = (self.a(x) + self.b(x))[self.index]
+        if h.dim() == 1:
+            return h.sum() * 2
+        return h.sum() * 3
+
+
+@pytest.mark.parametrize("how", ["assign", "data"])
+def test_rank_from_a_buffers_dtype_is_guarded(how):
+    torch.manual_seed(0)
+    model = _IndexedByBuffer()
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    for _ in range(2):
+        x = torch.randn(4, 8)
+        assert_close(sm(x), model(x))
+    assert_path(sm, "plan")
+    gather = torch.randint(0, 4, (4, 8))  # the same rank, another dtype: another rank out
+    if how == "assign":
+        model.index = gather
+    else:
+        model.index.data = gather
+    for _ in range(2):
+        x = torch.randn(4, 8)
+        assert_close(sm(x), model(x), what=how)
     assert_path(sm, "plan")

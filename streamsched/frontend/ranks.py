@@ -456,9 +456,9 @@ class RankTracker:
     def relied(self, node: fx.Node, kind: str) -> None:
         """The trace used ``node``'s rank or length (``kind``), or its dtype (``"dtype"``):
         what that rests on must hold on every call. (A parameter's dtype says nothing of
-        a rank.)"""
+        a rank, except where it decided one: ``"param_rank"``.)"""
         sources = self.sources.get(node, frozenset())
-        self.assumed |= sources if kind == "dtype" else {s for s in sources if s[0] == "opaque"}
+        self.assumed |= sources if kind == "dtype" else {s for s in sources if s[0] in _RANK_SOURCES}
 
     def promise(self, node: fx.Node, index: int, like: fx.Node, target: Any, dtype: bool = True) -> None:
         """A rule says item ``index`` of opaque call ``node``'s value has the rank and
@@ -498,7 +498,8 @@ class RankTracker:
     def _inherit(self, node: fx.Node, args: tuple, kwargs: dict) -> None:
         """What a new value's known dtype, rank or length rests on: what its arguments'
         rest on (all of it for a dtype; for a rank or length, the rules for opaque calls
-        only). A value with neither known passes nothing on."""
+        and the dtypes that decided a rank only). A value with neither known passes
+        nothing on."""
         has_dtype = node in self.dtypes
         if not has_dtype and node not in self.rank and node not in self.len and node not in self.items:
             return
@@ -506,9 +507,17 @@ class RankTracker:
         for a in (*args, *kwargs.values()):
             fx.node.map_aggregate(a, lambda v: sources.update(self._sources(v)))
         if not has_dtype:
-            sources = {s for s in sources if s[0] == "opaque"}
+            sources = {s for s in sources if s[0] in _RANK_SOURCES}
         if sources:
             self.sources[node] = self.sources.get(node, frozenset()) | sources
+
+    def _rank_rests_on_dtype(self, node: fx.Node, value: Any) -> None:
+        """``node``'s rank follows from the dtype of ``value``: the parameters' dtypes that
+        rests on count for its rank too (``("param_rank", ...)``, kept where a rank is
+        passed on or relied on)."""
+        held = {("param_rank", *s[1:]) for s in self._sources(value) if s[0] in ("param", "param_rank")}
+        if held:
+            self.sources[node] = self.sources.get(node, frozenset()) | held
 
     def _sources(self, value: Any) -> frozenset:
         node = value.node if isinstance(value, fx.Proxy) else value
@@ -969,6 +978,9 @@ class RankTracker:
             r, dtype = self._r(index), self._d(index)
             if r is None or dtype is None:
                 return None
+            # The rank rests on the index's dtype: where a parameter's or buffer's dtype
+            # gave it, that is guarded wherever this rank is used.
+            self._rank_rests_on_dtype(node, index)
             if dtype in (torch.int64, torch.int32):
                 return x - 1 + r if x >= 1 else None
             if dtype is torch.bool:
@@ -1010,6 +1022,11 @@ def _meta_operand(dtype: torch.dtype, rank: int) -> torch.Tensor:
             tensor = torch.empty((1,) if rank > 0 else (), dtype=dtype, device="meta")
         _META_OPERANDS[key] = tensor
     return tensor
+
+
+# Sources a rank or length may rest on: a rule for an opaque call's items, and the dtype
+# of a parameter or buffer that decided a rank (a tensor index's: RankTracker._getitem).
+_RANK_SOURCES = ("opaque", "param_rank")
 
 
 def _floating(dtype: Optional[torch.dtype]) -> Optional[torch.dtype]:

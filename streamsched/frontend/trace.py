@@ -1030,7 +1030,7 @@ def _assumptions(assumed: set) -> tuple:
     to that call, which checks it each time it runs."""
     guards = []
     for source in assumed:
-        if source[0] == "param":
+        if source[0] in ("param", "param_rank"):
             guards.append(source[1:])
         else:
             _, target, index, rank, dtype = source
