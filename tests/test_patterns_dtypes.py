@@ -212,3 +212,45 @@ def test_rank_from_a_buffers_dtype_is_guarded(how):
         x = torch.randn(4, 8)
         assert_close(sm(x), model(x), what=how)
     assert_path(sm, "plan")
+
+
+class _BranchOnAttributeRank(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.register_buffer("mask", torch.rand(4, 8) > 0.5)
+        self.scale = nn.Parameter(torch.rand(8) + 0.5)
+
+    def forward(self, x):
+        h = (self.a(x) + self.b(x))[self.mask]
+        if self.scale.dim() == 2:
+            h = h * 10
+        if h.dim() == 1:
+            return h.sum() * 2
+        return h.sum() * 3
+
+
+@pytest.mark.parametrize("how", ["buffer", "buffer_data", "parameter", "parameter_data"])
+def test_rank_of_a_tensor_attribute_is_guarded(how):
+    # A get_attr's rank is read off the tensor when tracing; re-assigned (or given new
+    # data) with another rank, the plan made for the old one must not run.
+    torch.manual_seed(0)
+    model = _BranchOnAttributeRank()
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    for _ in range(2):
+        x = torch.randn(4, 8)
+        assert_close(sm(x), model(x))
+    assert_path(sm, "plan")
+    if how == "buffer":
+        model.mask = torch.rand(4) > 0.5
+    elif how == "buffer_data":
+        model.mask.data = torch.rand(4) > 0.5
+    elif how == "parameter":
+        model.scale = nn.Parameter(torch.rand(1, 8))
+    else:
+        model.scale.data = torch.rand(1, 8)
+    for _ in range(2):
+        x = torch.randn(4, 8)
+        assert_close(sm(x), model(x), what=how)
+    assert_path(sm, "plan")

@@ -781,6 +781,12 @@ class RankTracker:
             value = self._attribute(root, str(target))
             if isinstance(value, torch.Tensor):
                 rank = value.dim()
+                # A parameter, buffer or tensor attribute may be re-assigned, or given
+                # new data, of another rank: guarded wherever this rank is used.
+                owner_path, _, name = str(target).rpartition(".")
+                owner = self._attribute(root, owner_path) if owner_path else root
+                if isinstance(owner, nn.Module):
+                    self._assume(node, ("param_dim", owner, name, rank))
         elif kind == "call_module":
             module = self._attribute(root, str(target))
             x = self._r(args[0]) if args else None
@@ -1024,9 +1030,10 @@ def _meta_operand(dtype: torch.dtype, rank: int) -> torch.Tensor:
     return tensor
 
 
-# Sources a rank or length may rest on: a rule for an opaque call's items, and the dtype
-# of a parameter or buffer that decided a rank (a tensor index's: RankTracker._getitem).
-_RANK_SOURCES = ("opaque", "param_rank")
+# Sources a rank or length may rest on: a rule for an opaque call's items, the dtype of a
+# parameter or buffer that decided a rank (a tensor index's: RankTracker._getitem), and
+# the rank of a tensor attribute (a get_attr).
+_RANK_SOURCES = ("opaque", "param_rank", "param_dim")
 
 
 def _floating(dtype: Optional[torch.dtype]) -> Optional[torch.dtype]:

@@ -632,17 +632,17 @@ class Traced:
     """The dtypes of the graph inputs the trace was made for (``frontend.ranks``)."""
     dtype_guards: tuple = ()
     """(module, name, dtype) of each parameter or buffer whose dtype the trace relied on
-    (a dtype computed from it answered ``x.dtype``, a rank rested on it): the trace holds
-    only while each still has that dtype (:meth:`dtypes_hold`, asked on every call)."""
+    (a dtype computed from it answered ``x.dtype``, a rank rested on it), and (module,
+    name, rank) of each tensor attribute whose rank it relied on: the trace holds only
+    while each still has that dtype or rank (:meth:`dtypes_hold`, asked on every call)."""
 
     def dtypes_hold(self) -> bool:
         """Whether every parameter or buffer whose dtype the trace relied on still has
-        it (a submodule cast on its own after tracing: ``model.encoder.half()``)."""
-        for owner, name, dtype in self.dtype_guards:
-            tensor = owner._parameters.get(name)
-            if tensor is None:
-                tensor = owner._buffers.get(name)
-            if tensor is None or tensor.dtype != dtype:
+        it (a submodule cast on its own after tracing: ``model.encoder.half()``), and
+        every tensor attribute whose rank it relied on that rank."""
+        for owner, name, expected in self.dtype_guards:
+            tensor = _guarded_table(owner, name).get(name)
+            if not isinstance(tensor, torch.Tensor) or not _holds(tensor, expected):
                 return False
         return True
 
@@ -996,30 +996,52 @@ def _trace_once(
     return traced
 
 
+def _guarded_table(owner: torch.nn.Module, name: str) -> dict:
+    """Where ``owner`` holds its tensor attribute ``name``: its ``_parameters``, its
+    ``_buffers`` or (a plain tensor attribute) its ``__dict__``."""
+    if name in owner._parameters:
+        return owner._parameters
+    if name in owner._buffers:
+        return owner._buffers
+    return owner.__dict__
+
+
+def _holds(tensor: torch.Tensor, expected: Any) -> bool:
+    """A guard's expectation: a dtype, or a rank (an int)."""
+    if type(expected) is int:
+        return tensor.dim() == expected
+    return tensor.dtype is expected
+
+
 def dtype_probes(traces: Sequence[Traced]) -> tuple:
-    """(table, name, dtype) for each parameter or buffer whose dtype ``traces`` relied on,
-    ``table`` being its owner's ``_parameters`` or ``_buffers`` as the model holds them
-    now: what :func:`dtypes_same` compares on every call. The tensor is looked up in the
-    table each time: a cast changes a parameter's dtype in place, and one put straight
-    into the table (``torch.func.functional_call`` does so, moving no generation) is
-    another tensor there; a re-registered one moves the generation, and the probes are
-    made again."""
-    probes: dict[tuple[int, str], tuple] = {}
+    """(table, name, expected) for each parameter or buffer whose dtype ``traces`` relied
+    on (``expected``: that dtype) and each tensor attribute whose rank they relied on
+    (that rank, an int), ``table`` being where its owner holds it now
+    (:func:`_guarded_table`): what :func:`dtypes_same` compares on every call. The tensor
+    is looked up in the table each time: a cast changes a parameter's dtype in place, and
+    one put straight into the table (``torch.func.functional_call`` does so, moving no
+    generation) is another tensor there; a re-registered one moves the generation, and
+    the probes are made again."""
+    probes: dict[tuple[int, str, Any], tuple] = {}
     for traced in traces:
-        for owner, name, dtype in traced.dtype_guards:
-            table = owner._parameters
-            if table.get(name) is None:
-                table = owner._buffers
-            if table.get(name) is not None:
-                probes[(id(table), name)] = (table, name, dtype)
+        for owner, name, expected in traced.dtype_guards:
+            table = _guarded_table(owner, name)
+            if isinstance(table.get(name), torch.Tensor):
+                probes[(id(table), name, expected)] = (table, name, expected)
     return tuple(probes.values())
 
 
 def dtypes_same(probes: tuple) -> bool:
-    """Whether the tensor each probe (:func:`dtype_probes`) names still has its dtype."""
-    for table, name, dtype in probes:
+    """Whether the tensor each probe (:func:`dtype_probes`) names still has its dtype
+    (or rank)."""
+    for table, name, expected in probes:
         tensor = table.get(name)
-        if tensor is None or tensor.dtype is not dtype:
+        if tensor is None:
+            return False
+        if type(expected) is int:
+            if tensor.dim() != expected:
+                return False
+        elif tensor.dtype is not expected:
             return False
     return True
 
@@ -1030,7 +1052,7 @@ def _assumptions(assumed: set) -> tuple:
     to that call, which checks it each time it runs."""
     guards = []
     for source in assumed:
-        if source[0] in ("param", "param_rank"):
+        if source[0] in ("param", "param_rank", "param_dim"):
             guards.append(source[1:])
         else:
             _, target, index, rank, dtype = source
