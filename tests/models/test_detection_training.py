@@ -221,10 +221,15 @@ def _check_paths(sm: ss.StreamScheduledModule, case: Case, call: int, what: str)
     return paths
 
 
+def _keys(what: str, actual: dict, expected: dict) -> str:
+    wrapper_only, eager_only = sorted(set(actual) - set(expected)), sorted(set(expected) - set(actual))
+    return f"{what}: only the wrapper's {wrapper_only}, only eager's {eager_only}"
+
+
 def _compare(what: str, actual: dict, expected: dict, fused: bool, exp64: dict, act64: dict) -> list[str]:
     problems = []
     if set(actual) != set(expected):
-        return [f"{what}: keys {sorted(actual)} vs eager's {sorted(expected)}"]
+        return [_keys(what, actual, expected)]
     for k in expected:
         problem = compare_tensor(
             f"{what} {k}",
@@ -244,7 +249,7 @@ def _compare64(what: str, actual: dict, expected: dict) -> list[str]:
     1e-4 of the norm of all of them together (the gradient of a bias that BatchNorm
     cancels is zero but for rounding, 1e-16, and its reordered sums differ by as much)."""
     if set(actual) != set(expected):
-        return [f"{what}: keys {sorted(actual)} vs eager's {sorted(expected)}"]
+        return [_keys(what, actual, expected)]
     problems = []
     scale = float(torch.stack([e.norm() for e in expected.values()]).norm())
     for k, e in expected.items():
