@@ -202,3 +202,51 @@ def _setattr(self, name: str, value: Any) -> None:
 if not getattr(_module.Module.__setattr__, "_streamsched", False):
     _setattr._streamsched = True  # type: ignore[attr-defined]
     _module.Module.__setattr__ = _setattr  # type: ignore[method-assign]
+
+
+# torch.func.functional_call and torch.nn.utils.stateless put the tensors they are given
+# straight into the modules' ``_parameters`` / ``_buffers`` (``swap_tensor`` of
+# torch.nn.utils._named_member_accessor), without ``__setattr__``, and put the originals
+# back the same way. A swap on a tracked module moves the generation (the wrapper then
+# re-checks what its plans read: fused stacks, CUDA graphs), and the tensor swapped in is
+# remembered (weakly), so that a stack can tell a tensor standing in for a member for a
+# while (read it, do not take over its storage) from a member re-assigned for good.
+_swapped_in: weakref.WeakKeyDictionary[Any, dict[str, weakref.ref]] = weakref.WeakKeyDictionary()
+
+
+def swapped_in(module: Any, name: str, tensor: Any) -> bool:
+    """Whether ``tensor`` is what the last swap (``functional_call``) put at ``module.name``."""
+    entry = _swapped_in.get(module)
+    ref = entry.get(name) if entry is not None else None
+    return ref is not None and ref() is tensor
+
+
+def _counting_swaps(swap: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(swap)
+    def swap_tensor(module: Any, name: str, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        out = swap(module, name, tensor, *args, **kwargs)
+        if tracked(module):
+            try:
+                ref = weakref.ref(tensor)
+            except TypeError:  # None, or the accessor's "missing" marker
+                ref = None
+            entry = _swapped_in.get(module)
+            if entry is None:
+                entry = _swapped_in[module] = {}
+            if ref is None:
+                entry.pop(name, None)
+            else:
+                entry[name] = ref
+            _bump()
+        return out
+
+    swap_tensor._streamsched = True  # type: ignore[attr-defined]
+    return swap_tensor
+
+
+try:
+    from torch.nn.utils import _named_member_accessor as _accessor
+except ImportError:  # pragma: no cover - a torch without the accessor
+    _accessor = None  # type: ignore[assignment]
+if _accessor is not None and not getattr(_accessor.swap_tensor, "_streamsched", False):
+    _accessor.swap_tensor = _counting_swaps(_accessor.swap_tensor)  # type: ignore[assignment]

@@ -15,9 +15,12 @@ stacked tensor (``alias`` mode): ``stack[i]`` *is* member ``i``'s weight. So:
 
 Anything that gives a member new storage (``.to()``, ``p.data = ...``, re-assigning the
 attribute) breaks the alias; :meth:`StackedTensors.check` notices and re-stacks before
-the next use. Where aliasing is impossible (a tensor shared by two members, or already
-aliased into another group's stack, or ``fuse_params="copy"``), the stack is rebuilt
-with ``torch.stack`` on every call (``copy`` mode): slower, never stale.
+the next use. A tensor that ``torch.func.functional_call`` swaps into a member's place
+(straight into ``_parameters`` / ``_buffers``) is read instead of the stack, stacked per
+call, until the member is put back; its storage is never taken over. Where aliasing
+is impossible (a tensor shared by two members, or already aliased into another group's
+stack, or ``fuse_params="copy"``), the stack is rebuilt with ``torch.stack`` on every
+call (``copy`` mode): slower, never stale.
 
 Members of different sizes along dim 0 (heads of different widths reading one input)
 are held concatenated instead of stacked (``concat=True``).
@@ -36,6 +39,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
+from ... import _generation
 from ..._native import native
 
 __all__ = ["GatherStacked", "HandOffStacked", "StackedTensors"]
@@ -113,6 +117,10 @@ class StackedTensors:
         self.concat = concat
         self.alias = alias
         self.direct_grads = direct_grads
+        # Whether value() reads the stack: False in copy mode, and while a tensor swapped
+        # into a member's place (torch.func.functional_call) stands in for it (see check).
+        self.live = alias
+        self._set_aside: Optional[torch.Tensor] = None  # the stack, while something stands in
         self.tensors: list[torch.Tensor] = [getattr(m, n) for m, n in self.owners]
         self.sizes: Optional[tuple[int, ...]] = tuple(int(t.shape[0]) for t in self.tensors) if concat else None
         self.stack: Optional[torch.Tensor] = None
@@ -195,12 +203,32 @@ class StackedTensors:
         Every call, every member's storage: with the native runtime in one C++ loop,
         without it in one ``map`` (``member.data = t`` on any one member gives it storage of
         its own, which the kernel reading the stack would not see). ``full=True`` (after a
-        module anywhere re-registered a parameter) also checks that each member is still
-        the same object.
+        module anywhere re-registered a parameter, or had a tensor swapped in) also checks
+        that each owner still holds its member in its ``_parameters`` / ``_buffers``.
+
+        A tensor that ``torch.func.functional_call`` (``torch.nn.utils.stateless``) swapped
+        into an owner's table stands in for the member until it is swapped back: the stack
+        is set aside and :meth:`value` stacks what the owners hold on every call (copy mode,
+        differentiable with respect to the tensors given), never taking over their storage.
+        Any other tensor in a member's place is the member from now on: re-stacked.
         """
         if not self.alias:
             return
         tensors = self.tensors
+        if full or not self.live:
+            held = [getattr(m, n, None) for m, n in self.owners]
+            if any(h is not t for h, t in zip(held, tensors)):
+                if all(h is t or _generation.swapped_in(m, n, h) for (m, n), h, t in zip(self.owners, held, tensors)):
+                    if self.live:
+                        log.debug("fused tensors (%s) swapped out: stacked per call", self.owners[0][1])
+                        self.live = False
+                        self._set_aside, self.stack = self.stack, None
+                        self._views.clear()
+                    return
+                self._take_back()
+                self._restack()
+                return
+            self._take_back()
         if self._guard is not None:
             stale = not self._guard.valid()
         else:
@@ -213,10 +241,16 @@ class StackedTensors:
             log.debug("re-stacking %d fused tensors (%s)", len(tensors), self.owners[0][1])
             self._restack()
 
+    def _take_back(self) -> None:
+        """The members are in their owners' tables again: read the stack again."""
+        if not self.live:
+            self.live = True
+            self.stack, self._set_aside = self._set_aside, None
+
     # --- values -----------------------------------------------------------------------
 
     def value(self, grad: bool) -> torch.Tensor:
-        if not self.alias:
+        if not self.live:
             current = [getattr(m, n) for m, n in self.owners]
             return torch.cat(current, 0) if self.concat else torch.stack(current, 0)
         stack = self.stack

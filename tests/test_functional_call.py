@@ -1,0 +1,269 @@
+"""``torch.func.functional_call`` and ``torch.nn.utils.stateless._reparametrize_module`` on a
+wrapped model: the tensors given are put straight into the modules' ``_parameters`` /
+``_buffers`` (no ``__setattr__``), and every plan must compute with them, fused stacks and
+CUDA graphs included, then with the model's own weights again once they are put back."""
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils import stateless
+
+import streamsched as ss
+from benchmarks.zoo import CriticEnsemble
+from streamsched.testing import assert_path, last_path
+
+from .helpers import Towers, assert_close
+
+EXECUTORS = ["serial", "threads", "streams"]
+
+
+class TwoHeads(nn.Module):
+    """Two Linears reading one input (one wide fused group) and a buffer read by get_attr."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.a = nn.Linear(d, d)
+        self.b = nn.Linear(d, d)
+        self.register_buffer("scale", torch.rand(d) + 0.5)
+
+    def forward(self, x):
+        return self.a(x).relu() * self.scale + self.b(x)
+
+
+def _planned(model: nn.Module, **config) -> ss.StreamScheduledModule:
+    sm = ss.StreamScheduledModule(model, min_task_cost=0.0, **config)
+    for _ in range(2):
+        x = torch.randn(4, 8)
+        assert_close(sm(x), model(x), what="before functional_call")
+    assert_path(sm, "plan")
+    assert [g.kernel for g in sm.plan.fused_groups] == ["wide linear"]
+    return sm
+
+
+def _other_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("trainable", [False, True], ids=["frozen", "trainable"])
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_functional_call_computes_with_the_tensors_given(executor, trainable):
+    torch.manual_seed(0)
+    model = TwoHeads().requires_grad_(trainable)
+    sm = _planned(model, executor=executor)
+    stacks = list(sm._ss.fusion._stacks.values())
+    rebuilds = [s.rebuilds for s in stacks]
+    for _ in range(2):
+        weights = _other_weights(model)
+        where = {k: (v.untyped_storage().data_ptr(), v.storage_offset()) for k, v in weights.items()}
+        x = torch.randn(4, 8)
+        out = torch.func.functional_call(sm, weights, (x,))
+        assert_path(sm, "plan:" + executor)
+        # Read, not taken over: the tensors given keep their own storage.
+        assert {k: (v.untyped_storage().data_ptr(), v.storage_offset()) for k, v in weights.items()} == where
+        assert_close(out, torch.func.functional_call(model, weights, (x,)), what="functional_call")
+        with stateless._reparametrize_module(sm, weights):
+            out = sm(x)
+            assert_path(sm, "plan:" + executor)
+        assert_close(out, torch.func.functional_call(model, weights, (x,)), what="_reparametrize_module")
+        # Put back: the model's own weights again, read through the stack.
+        x = torch.randn(4, 8)
+        assert_close(sm(x), model(x), what="after functional_call")
+        assert_path(sm, "plan:" + executor)
+    # The members still alias the stack they had: nothing was re-stacked.
+    assert all(s.live and s.stack is not None for s in stacks)
+    assert [s.rebuilds for s in stacks] == rebuilds
+    with torch.no_grad():
+        model.a.weight.mul_(2)  # an in-place update still reaches the fused kernel
+    x = torch.randn(4, 8)
+    assert_close(sm(x), model(x), what="in-place update after functional_call")
+
+
+def test_functional_call_with_some_tensors_given():
+    torch.manual_seed(1)
+    model = TwoHeads()
+    sm = _planned(model, executor="serial")
+    weights = {"b.weight": torch.randn(8, 8), "scale": torch.randn(8)}
+    x = torch.randn(4, 8)
+    out = torch.func.functional_call(sm, weights, (x,), strict=False)
+    assert_path(sm, "plan:serial")
+    assert_close(out, torch.func.functional_call(model, weights, (x,), strict=False))
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_gradients_reach_the_tensors_given(executor):
+    torch.manual_seed(2)
+    model = TwoHeads()
+    sm = _planned(model, executor=executor)
+    weights = {k: v.detach().clone().requires_grad_() for k, v in _other_weights(model).items()}
+    mine = {k: v.detach().clone().requires_grad_() for k, v in weights.items()}
+    x = torch.randn(4, 8)
+    out = torch.func.functional_call(sm, weights, (x,))
+    assert_path(sm, "plan:" + executor)
+    torch.func.functional_call(model, mine, (x,)).square().sum().backward()
+    out.square().sum().backward()
+    for k in weights:
+        assert_close(weights[k].grad, mine[k].grad, what=f"grad of {k}")
+    # The model's own parameters received nothing.
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_torch_func_grad_over_functional_call():
+    """torch.func.grad over functional_call equals eager's, or (trainable fused weights: an
+    autograd Function without functorch's hooks) is refused with a clear error."""
+    torch.manual_seed(3)
+    for trainable in (False, True):
+        model = TwoHeads().requires_grad_(trainable)
+        sm = _planned(model, executor="serial")
+        weights = {k: v.detach() for k, v in _other_weights(model).items()}
+        x = torch.randn(4, 8)
+
+        def loss(params, module, x=x):
+            return torch.func.functional_call(module, params, (x,)).square().sum()
+
+        expected = torch.func.grad(loss)(weights, model)
+        try:
+            got = torch.func.grad(loss)(weights, sm)
+        except RuntimeError as exc:
+            assert trainable, exc
+            assert "autograd.Function" in str(exc) or "functorch" in str(exc), exc
+            continue
+        assert_path(sm, "plan")
+        for k in weights:
+            assert_close(got[k], expected[k], what=f"torch.func.grad of {k} (trainable={trainable})")
+
+
+class NormBranches(nn.Module):
+    """Two conv + BatchNorm branches on one input: fused BatchNorm stacks buffers."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(3, 4, 3), nn.Conv2d(3, 4, 3)
+        self.n1, self.n2 = nn.BatchNorm2d(4), nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return self.n1(self.c1(x)) + self.n2(self.c2(x))
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_functional_call_swaps_fused_buffers(executor):
+    torch.manual_seed(4)
+    model = NormBranches().eval()
+    with torch.no_grad():
+        for n in (model.n1, model.n2):
+            n.running_mean.uniform_(-1, 1)
+            n.running_var.uniform_(0.5, 2)
+    sm = ss.StreamScheduledModule(model, executor=executor, min_task_cost=0.0)
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(2, 3, 8, 8)
+            assert_close(sm(x), model(x))
+        assert_path(sm, "plan")
+        assert sm.plan.fused_groups
+        weights = {k: v.clone() for k, v in model.state_dict().items()}
+        for k in ("n1.running_mean", "n2.running_var", "n2.running_mean"):
+            weights[k] = weights[k] + torch.rand_like(weights[k])
+        x = torch.randn(2, 3, 8, 8)
+        out = torch.func.functional_call(sm, weights, (x,))
+        assert_path(sm, "plan:" + executor)
+        assert_close(out, torch.func.functional_call(model, weights, (x,)), what="swapped buffers")
+        x = torch.randn(2, 3, 8, 8)
+        assert_close(sm(x), model(x), what="after")
+
+
+def test_a_member_replaced_in_its_table_for_good_is_restacked():
+    """Not a swap: a Parameter assigned (moves the generation) becomes the member."""
+    torch.manual_seed(5)
+    model = TwoHeads()
+    sm = _planned(model, executor="serial")
+    model.a.weight = nn.Parameter(torch.randn(8, 8))
+    x = torch.randn(4, 8)
+    assert_close(sm(x), model(x))
+    stacks = sm._ss.fusion._stacks.values()
+    assert all(s.live for s in stacks)
+    assert any(s.tensors[0] is model.a.weight for s in stacks)
+
+
+def test_stacked_layers_gradients_and_torch_func_grad():
+    """The critics: a wide layer, then stacked ones (baddbmm, StackedLinear for gradients)."""
+    torch.manual_seed(6)
+    model = CriticEnsemble(4)
+    sm = ss.StreamScheduledModule(model, executor="serial", min_task_cost=0.0)
+    x = torch.randn(16, 23)
+    sm(x)
+    sm(x)
+    assert "baddbmm" in [g.kernel for g in sm.plan.fused_groups]
+    weights = {k: torch.randn_like(v) * 0.3 for k, v in model.state_dict().items()}
+    given = {k: v.clone().requires_grad_() for k, v in weights.items()}
+    mine = {k: v.clone().requires_grad_() for k, v in weights.items()}
+    x = torch.randn(16, 23)
+    out = torch.func.functional_call(sm, given, (x,))
+    assert_path(sm, "plan:serial")
+    expected = torch.func.functional_call(model, mine, (x,))
+    assert_close(out, expected, rtol=1e-4, what="stacked layers")
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    for k in given:
+        assert_close(given[k].grad, mine[k].grad, rtol=1e-4, atol=1e-4, what=f"grad of {k}")
+
+    def loss(params):
+        return torch.func.functional_call(sm, params, (x,)).square().sum()
+
+    # StackedLinear has no functorch hooks: refused, naming the fused group.
+    with pytest.raises(RuntimeError, match=r"(?s)autograd.Function.*raised in module 'critics"):
+        torch.func.grad(loss)(weights)
+    x = torch.randn(16, 23)
+    assert_close(sm(x), model(x), rtol=1e-4, what="after")
+    assert last_path(sm) == "plan:serial"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fuse", [False, True], ids=["unfused", "fused"])
+def test_functional_call_on_cuda_graphs(fuse):
+    """A CUDA graph reads the weights at their addresses: a call with other tensors swapped
+    in must not replay the graph captured with the model's own."""
+    torch.manual_seed(7)
+    dev = torch.device("cuda")
+    model = Towers(3, 64).to(dev).eval()
+    sm = ss.StreamScheduledModule(
+        model, executor="streams", cuda_graph=True, num_streams=4, min_task_cost=0.0, fuse=fuse
+    )
+    x = torch.randn(8, 64, device=dev)
+    with torch.no_grad():
+        for _ in range(3):
+            assert_close(sm(x), model(x), atol=1e-5)
+        assert_path(sm, "graph")
+        for _ in range(2):
+            weights = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+            out = torch.func.functional_call(sm, weights, (x,))
+            assert_close(out, torch.func.functional_call(model, weights, (x,)), atol=1e-4, what="functional_call")
+            assert_close(sm(x), model(x), atol=1e-5, what="after")
+        assert_path(sm, "graph")
+
+
+def test_functional_call_reaches_nested_plans():
+    """An untraceable forward runs as written; its children run fused plans of their own."""
+    import warnings
+
+    from .test_nested_plans import Untraceable
+
+    torch.manual_seed(8)
+    model = Untraceable().eval()
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ss.UntraceableWarning)
+        for _ in range(4):
+            x = torch.randn(8, 16)
+            assert_close(sm(x), model(x))
+        plans = sm.nested_plans
+        assert sorted(plans) == ["blocks.0", "blocks.1"] and all(p.fused_groups for p in plans.values())
+        sites = {s.path: s.wrapper for s in sm._ss.nested.sites()}
+        for _ in range(2):
+            # Requiring grad as the parameters do: the children's inputs keep their signature.
+            weights = {k: (torch.randn_like(v) * 0.5).requires_grad_() for k, v in model.state_dict().items()}
+            x = torch.randn(8, 16)
+            out = torch.func.functional_call(sm, weights, (x,))
+            assert_path(sites["blocks.0"], "plan:serial")
+            assert_path(sites["blocks.1"], "plan:serial")
+            assert_close(out, torch.func.functional_call(model, weights, (x,)), what="nested functional_call")
+            x = torch.randn(8, 16)
+            assert_close(sm(x), model(x), what="after")
