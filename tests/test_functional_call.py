@@ -267,3 +267,40 @@ def test_functional_call_reaches_nested_plans():
             assert_close(out, torch.func.functional_call(model, weights, (x,)), what="nested functional_call")
             x = torch.randn(8, 16)
             assert_close(sm(x), model(x), what="after")
+
+
+@pytest.mark.parametrize("call_first", [False, True], ids=["at-entry", "after-a-call"])
+def test_fused_parameters_inside_functional_call_is_refused(call_first):
+    """The stacked parameters are the model's own weights, set aside while tensors are
+    swapped in: fused_parameters() inside the swap says so, changes nothing, and works
+    after it; an optimizer built before it keeps stepping the model's own weights."""
+    torch.manual_seed(9)
+    model = TwoHeads()
+    sm = _planned(model, executor="serial")
+    weights = _other_weights(model)
+    x = torch.randn(4, 8)
+    with stateless._reparametrize_module(sm, weights):
+        if call_first:
+            assert_close(sm(x), torch.func.functional_call(model, weights, (x,)), what="inside")
+        with pytest.raises(
+            RuntimeError, match=r"fused_parameters\(\): called while torch.func.functional_call.*a\.weight"
+        ):
+            sm.fused_parameters()
+        with pytest.raises(RuntimeError, match="before or after functional_call"):
+            ss.optim.fused_parameters(sm, [{"params": list(model.parameters())}])
+        assert_close(sm(x), torch.func.functional_call(model, weights, (x,)), what="inside, after the refusal")
+    params = sm.fused_parameters()
+    assert sorted(type(p).__name__ for p in params) == ["StackedParameter", "StackedParameter"]
+    opt = torch.optim.SGD(params, lr=0.1)
+    expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    x = torch.randn(4, 8)
+    sm(x).square().sum().backward()
+    assert_path(sm, "plan:serial")
+    with stateless._reparametrize_module(sm, weights):
+        with pytest.raises(RuntimeError, match="functional_call"):
+            sm.fused_parameters()
+    opt.step()  # steps the model's own weights, through the stacks
+    assert all(not torch.equal(model.state_dict()[k], expected[k]) for k in expected if k != "scale")
+    x = torch.randn(4, 8)
+    assert_close(sm(x), model(x), what="after a step")
+    assert sm.fused_parameters() == params

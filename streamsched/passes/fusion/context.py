@@ -122,10 +122,24 @@ class FusionContext:
         :class:`StackedParameter` (at its first member's place), the others as themselves."""
         names = {id(m): name for name, m in self.model.named_modules(remove_duplicate=False)}
         holder: dict[int, StackedParameter] = {}
-        for key, stack in list(self._stacks.items()):
-            if not stack.alias or not all(isinstance(t, nn.Parameter) for t in stack.tensors):
-                continue
+        stacks = [
+            (key, stack)
+            for key, stack in list(self._stacks.items())
+            if stack.alias and all(isinstance(t, nn.Parameter) for t in stack.tensors)
+        ]
+        for _, stack in stacks:
             stack.check(full=True)
+        # Checked all before binding any: a refusal leaves every group as it was.
+        swapped = [stack for _, stack in stacks if not stack.live]
+        if swapped:
+            held = [_qualified(names, m, n) for stack in swapped for m, n in stack.owners]
+            raise RuntimeError(
+                "fused_parameters(): called while torch.func.functional_call (torch.nn.utils.stateless) has "
+                f"tensors swapped into the fused parameters {', '.join(held[:4])}{', ...' if len(held) > 4 else ''}; "
+                "an optimizer must be given the model's own parameters, which are not in their places until the "
+                "call returns: call fused_parameters() before or after functional_call, not inside it"
+            )
+        for key, stack in stacks:
             param = self._params.get(key)
             if param is None or not all(a is b for a, b in zip(param._ss.members, stack.tensors)):
                 member_names = [_qualified(names, m, n) for m, n in stack.owners]
