@@ -1195,7 +1195,10 @@ class StreamScheduledModule(nn.Module):
             return None
         if not GraphExecutor.captures(tensors):
             return None
-        return self._ss.executors.graphs_for(schedule.plan.device, self.module, self.config)
+        graphs = self._ss.executors.graphs_for(schedule.plan.device, self.module, self.config)
+        if graphs.swapped():
+            return None  # tensors swapped in (functional_call): streams, the graphs kept
+        return graphs
 
     def _run(self, schedule: _Compiled, tensors: list[torch.Tensor]) -> Any:
         st = self._ss

@@ -304,3 +304,129 @@ def test_fused_parameters_inside_functional_call_is_refused(call_first):
     x = torch.randn(4, 8)
     assert_close(sm(x), model(x), what="after a step")
     assert sm.fused_parameters() == params
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fuse", [False, True], ids=["unfused", "fused"])
+def test_functional_call_under_cuda_graphs_captures_nothing(fuse, monkeypatch):
+    """Calls made while tensors are swapped in run the plan on streams, without capture;
+    the graph of the model's own weights stays cached and replays after the swap."""
+    from streamsched.runtime.graphs import GraphExecutor
+
+    captures = []
+    capture = GraphExecutor._capture
+
+    def counting(self, program, inputs, stacks):
+        captures.append(id(program))
+        return capture(self, program, inputs, stacks)
+
+    monkeypatch.setattr(GraphExecutor, "_capture", counting)
+    torch.manual_seed(10)
+    dev = torch.device("cuda")
+    model = Towers(3, 64).to(dev).eval()
+    sm = ss.StreamScheduledModule(
+        model, executor="streams", cuda_graph=True, num_streams=4, min_task_cost=0.0, fuse=fuse, graph_cache_size=1
+    )
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(8, 64, device=dev)
+            assert_close(sm(x), model(x), atol=1e-5)
+        assert_path(sm, "graph")
+        assert len(captures) == 1
+        for _ in range(2):
+            weights = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+            x = torch.randn(8, 64, device=dev)
+            out = torch.func.functional_call(sm, weights, (x,))
+            assert_path(sm, "plan:streams")
+            assert_close(out, torch.func.functional_call(model, weights, (x,)), atol=1e-4, what="functional_call")
+            with stateless._reparametrize_module(sm, weights):
+                for _ in range(2):
+                    x = torch.randn(8, 64, device=dev)
+                    assert_close(sm(x), torch.func.functional_call(model, weights, (x,)), atol=1e-4, what="inside")
+                    assert_path(sm, "plan:streams")
+            x = torch.randn(8, 64, device=dev)
+            assert_close(sm(x), model(x), atol=1e-5, what="after")
+            assert_path(sm, "graph")
+        assert len(captures) == 1, captures
+        # A parameter replaced for good is not a swap: captured again, with it.
+        model.towers[0][0].weight = nn.Parameter(torch.randn_like(model.towers[0][0].weight))
+        x = torch.randn(8, 64, device=dev)
+        assert_close(sm(x), model(x), atol=1e-5, what="re-assigned")
+        assert_path(sm, "graph")
+        assert len(captures) == 2, captures
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_functional_call_with_only_buffers(executor):
+    """A dict of buffers alone: the fused BatchNorm statistics and a get_attr buffer."""
+    torch.manual_seed(11)
+    model = NormBranches().eval()
+    sm = ss.StreamScheduledModule(model, executor=executor, min_task_cost=0.0)
+    heads = TwoHeads()
+    sh = _planned(heads, executor=executor)
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(2, 3, 8, 8)
+            assert_close(sm(x), model(x))
+            x = torch.randn(4, 8)
+            assert_close(sh(x), heads(x))
+        assert sm.plan.fused_groups
+        for _ in range(2):
+            buffers = {k: v + torch.rand_like(v) for k, v in model.named_buffers() if "running" in k}
+            x = torch.randn(2, 3, 8, 8)
+            out = torch.func.functional_call(sm, buffers, (x,), strict=False)
+            assert_path(sm, "plan:" + executor)
+            assert_close(out, torch.func.functional_call(model, buffers, (x,), strict=False), what="buffers")
+            x = torch.randn(4, 8)
+            scale = {"scale": torch.randn(8)}
+            out = torch.func.functional_call(sh, scale, (x,), strict=False)
+            assert_path(sh, "plan:" + executor)
+            assert_close(out, torch.func.functional_call(heads, scale, (x,), strict=False), what="get_attr buffer")
+            x = torch.randn(2, 3, 8, 8)
+            assert_close(sm(x), model(x), what="after")
+            x = torch.randn(4, 8)
+            assert_close(sh(x), heads(x), what="after")
+    assert all(s.live for s in sm._ss.fusion._stacks.values() if s.alias)
+
+
+class TiedHeads(TwoHeads):
+    """TwoHeads (a and b one fused group) and a Linear ``c`` after them whose weight is
+    ``a``'s (tied: one Parameter in both modules' tables)."""
+
+    def __init__(self, d: int = 8):
+        super().__init__(d)
+        self.c = nn.Linear(d, d)
+        self.c.weight = self.a.weight
+
+    def forward(self, x):
+        return self.c(super().forward(x))
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_functional_call_with_tied_weights(executor):
+    torch.manual_seed(12)
+    model = TiedHeads()
+    sm = _planned(model, executor=executor)
+    stacks = [s for s in sm._ss.fusion._stacks.values() if s.alias]
+    assert any(model.a.weight in s.tensors for s in stacks)
+    for tie in (True, False):
+        for keys in (None, {"a.weight"}, {"c.weight"}, {"c.weight", "b.bias"}):
+            params = dict(model.named_parameters())  # c.weight only as a.weight (tied)
+            if keys is not None:
+                params = {k: torch.randn(model.get_parameter(k).shape) for k in keys}
+            else:
+                params = {k: torch.randn_like(v) for k, v in params.items()}
+            x = torch.randn(4, 8)
+            kw = {"tie_weights": tie, "strict": False}
+            out = torch.func.functional_call(sm, params, (x,), **kw)
+            assert_path(sm, "plan:" + executor)
+            expected = torch.func.functional_call(model, params, (x,), **kw)
+            assert_close(out, expected, what=f"tie_weights={tie}, {sorted(params)}")
+            assert model.c.weight is model.a.weight
+            x = torch.randn(4, 8)
+            assert_close(sm(x), model(x), what="after")
+    assert all(s.live for s in stacks)
+    with torch.no_grad():
+        model.c.weight.mul_(2)  # the tied weight still aliases the stack
+    x = torch.randn(4, 8)
+    assert_close(sm(x), model(x), what="in-place update of the tied weight")

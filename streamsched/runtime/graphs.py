@@ -15,7 +15,10 @@ cross-stream dependencies as graph edges; one replay launches the whole schedule
   parameter given new storage (``.to()``, ``p.data = ...``, a re-stacked fused group)
   is detected before replay and the schedule is captured again; so is a parameter or
   buffer replaced by another object (``m.fc.weight = nn.Parameter(...)``), checked when
-  any module registration happened since the last replay (``_generation``).
+  any module registration happened since the last replay (``_generation``). Tensors that
+  ``torch.func.functional_call`` swaps in for a while are not captured: those calls run
+  on plain streams and the graphs of the module's own weights are kept, replayed again
+  once the swap ends.
 - **One graph per input signature** (each plan has its own), at most
   ``graph_cache_size`` alive, in one memory pool per module, captured on one capture
   stream per device (PyTorch wants the same stream for captures sharing a pool).
@@ -135,7 +138,10 @@ class GraphExecutor:
         self._graphs: OrderedDict[int, _Captured] = OrderedDict()
         self._streams: dict[Any, Any] = {}  # the capture stream of each device
         self._generation = _generation.current()
-        self._known = self._weights()
+        self._known = self._slots()
+        # Whether tensors are swapped into the module now (torch.func.functional_call):
+        # calls run on streams, uncaptured, and the graphs of its own weights are kept.
+        self._swapped = False
         self._state: PerProgram[_ProgramState] = PerProgram()
 
     # --- decisions ------------------------------------------------------------------
@@ -156,17 +162,56 @@ class GraphExecutor:
     def _weights(self) -> list[torch.Tensor]:
         return [t for t in list(self.module.parameters()) + list(self.module.buffers()) if t.is_cuda]
 
-    def _check_weights(self) -> None:
+    def _slots(self) -> list[tuple[Any, str, torch.Tensor]]:
+        """Every parameter and buffer of the module, as (owner, name, tensor)."""
+        return [
+            (m, n, t)
+            for m in self.module.modules()
+            for table in (m._parameters, m._buffers)
+            for n, t in table.items()
+            if t is not None
+        ]
+
+    def _check_weights(self) -> bool:
         """After any module registration anywhere: if a parameter or buffer of the module
-        is now another tensor object, every graph reads the old one: forget them all."""
+        is now another tensor object, every graph reads the old one: forget them all.
+        Tensors that ``torch.func.functional_call`` (``torch.nn.utils.stateless``) swapped
+        in stand in for a while: nothing is forgotten, and this returns True (the call is
+        not to be captured) until the module's own tensors are back."""
         generation = _generation.current()
         if generation == self._generation:
-            return
-        weights = self._weights()
-        if len(weights) != len(self._known) or any(a is not b for a, b in zip(weights, self._known)):
+            return self._swapped
+        slots = self._slots()
+        known = self._known
+        swapped = False
+        if len(slots) != len(known) or any(a[0] is not b[0] or a[1] != b[1] for a, b in zip(slots, known)):
             self.forget()
-            self._known = weights
+            self._known = slots
+        else:
+            # A tensor swapped in leaves its slot known as the module's own (what comes
+            # back when the swap ends); any other new tensor is the module's from now on.
+            replaced = False
+            now = []
+            for (m, n, t), slot in zip(slots, known):
+                if t is slot[2]:
+                    now.append(slot)
+                elif _generation.swapped_in(m, n, t):
+                    swapped = True
+                    now.append(slot)
+                else:
+                    replaced = True
+                    now.append((m, n, t))
+            if replaced:
+                self.forget()
+                self._known = now
+        self._swapped = swapped
         self._generation = generation
+        return swapped
+
+    def swapped(self) -> bool:
+        """Whether tensors are swapped into the module now (see :meth:`_check_weights`):
+        the call runs on streams, as calls that cannot be captured do."""
+        return self._check_weights()
 
     def _capture_stream(self, device: torch.device) -> Any:
         stream = self._streams.get(device)
@@ -255,9 +300,8 @@ class GraphExecutor:
         if log is not None or chaos is not None or observer is not None or state.failed is not None:
             # Logging, chaos and per-task observation need the host to see every task.
             return self.streams.run(program, inputs, log, chaos, observer)
-        if not self.captures(inputs, self.module):
+        if not self.captures(inputs, self.module) or self._check_weights():
             return self.streams.run(program, inputs)
-        self._check_weights()
         if not self.strict:
             # "auto": capture a signature from its second scheduled call on, so shapes
             # seen once never pay for a capture.
