@@ -46,6 +46,7 @@ from .errors import (
 from .frontend.binder import ShapeCachedBinder
 from .frontend.effects import EffectRecorder, Effects
 from .frontend.hooks import global_hooks, has_hooks
+from .frontend.leafcalls import counting_dispatch
 from .frontend.meta import run_and_record
 from .frontend.nodes import node_label
 from .frontend.trace import CallBinder, Traced, dtype_probes, dtypes_same, is_compiled_module, trace_model
@@ -92,16 +93,19 @@ class _AsWritten:
     """What ``sm.plan`` reports for a call that ran the model as written: a plan, or how
     to make one when asked (these calls are the cheap path: no pydantic model per call)."""
 
-    __slots__ = ("_plan", "_make")
+    __slots__ = ("_plan", "_make", "nests")
 
     # Read by the call path like a compiled signature's: it runs the model as written.
     eager = True
     alias_pattern = None
     trial = None
 
-    def __init__(self, plan: Optional[Plan] = None, make: Any = None):
+    def __init__(self, plan: Optional[Plan] = None, make: Any = None, nests: bool = False):
         self._plan = plan
         self._make = make
+        # Whether its calls nest the forward's children (nesting.py): a forward run as
+        # written because an argument is an object.
+        self.nests = nests
 
     @property
     def plan(self) -> Plan:
@@ -128,6 +132,9 @@ class _Compiled:
         "nested_sites",
         "direct",
     )
+
+    # Its calls run as written (``eager``) without nesting the forward's children.
+    nests = False
 
     def __init__(self, schedule: Schedule, program: Program, rebuild: Any):
         self.schedule = schedule
@@ -660,6 +667,8 @@ class StreamScheduledModule(nn.Module):
                 # Settled to run the model as written: nothing else to decide.
                 st.calls += 1
                 st.last = schedule
+                if schedule.nests:
+                    return self._forward_nesting(spec, args, kwargs)
                 st.last_path = "as-written"
                 return type(module).forward(module, *args, **kwargs)
         else:
@@ -681,6 +690,8 @@ class StreamScheduledModule(nn.Module):
             if schedule.eager:
                 # The first calls measured the model's own forward faster: run it as
                 # written (its own output types: no rebuild).
+                if schedule.nests:
+                    return self._forward_nesting(spec, args, kwargs)
                 return self._forward_as_written(args, kwargs)
             if schedule.trial is not None and not self.config.sync_log and self.config.chaos is None:
                 return self._run_trial(schedule, schedule.trial, tensors, args, kwargs)
@@ -768,17 +779,20 @@ class StreamScheduledModule(nn.Module):
             # An object argument (a KV cache, a config, a dataclass batch) would be baked
             # into a trace, the tensors it holds as constants, that a later call passing
             # another object must not reuse: as written under every executor; keyed by
-            # type, never kept.
+            # type, never kept. Its children, which are passed tensors (or objects in
+            # turn), are nested as an untraceable forward's are (nesting.py).
             kind = spec.has_objects
             why = (
                 f"an argument is a {kind} object, which a trace would bake in (a later call passes "
                 "another one): calls passing one run the model as written"
             )
-            st.last = _AsWritten(make=lambda: self._as_written_plan(why))
+            counted = st.dispatch.leaf_calls
+            structure = spec.key
+            st.last = _AsWritten(make=lambda: self._as_written_plan(why, leaf_calls=counted.get(structure)), nests=True)
             # Later calls with this key (objects key by type) run as written at once.
             st.written.put(key, st.last)
             st.hot = (key, st.last)
-            return self._forward_as_written(args, kwargs)
+            return self._forward_nesting(spec, args, kwargs)
         sizes = key[1]
         structure_key = (spec.key, tuple(m[1:] + (len(m[0]),) for m in sizes), *key[2:])
         structure = st.structures.get_fresh(structure_key)
@@ -842,10 +856,14 @@ class StreamScheduledModule(nn.Module):
         if compiled.structure is not None:
             compiled.structure.plan = plan
 
-    def _as_written_plan(self, why: str, like: Optional[Plan] = None) -> Plan:
-        """What ``sm.plan`` reports for a call that ran the model as written."""
+    def _as_written_plan(self, why: str, like: Optional[Plan] = None, leaf_calls: Optional[tuple] = None) -> Plan:
+        """What ``sm.plan`` reports for a call that ran the model as written (``leaf_calls``:
+        its forward's, counted with the nested children's share, ``_forward_nesting``)."""
         if like is None:
-            return Plan.as_written(type(self.module).__name__, why)
+            plan = Plan.as_written(type(self.module).__name__, why)
+            if leaf_calls is not None:
+                plan = plan.model_copy(update={"leaf_calls": leaf_calls[1], "nested_leaf_calls": dict(leaf_calls[2])})
+            return plan
         return like.model_copy(update={"executor": "eager", "reason": why, "trial": None})
 
     def _first_call(self, key: Any, spec: Any, tensors: list[torch.Tensor], args: tuple, kwargs: dict) -> Any:
@@ -1031,6 +1049,27 @@ class StreamScheduledModule(nn.Module):
             )
         st.last_path = "as-written"
         return self.module(*args, **kwargs)
+
+    def _forward_nesting(self, spec: Any, args: tuple, kwargs: dict) -> Any:
+        """The forward as written, its children nested (nesting.py), as an untraceable
+        forward's as-written calls run: a call passing an object. The first call of each
+        call structure counts the leaf calls (``Plan.coverage``), as eager dispatch does."""
+        st = self._ss
+        nested = self._nesting()
+        counted = st.dispatch.leaf_calls
+        if counted.get(spec.key) is not None and nested.all_quiet():
+            return self._forward_as_written(args, kwargs)
+        with nested.installed():
+            if counted.get_fresh(spec.key) is not None:
+                return self._forward_as_written(args, kwargs)
+            with counting_dispatch(self.module, self.config.leaf_modules, self._ss._nested_site) as counter:
+                out = self._forward_as_written(args, kwargs)
+        calls: dict[str, int] = {}
+        for hit in counter.hits:
+            if type(hit) is str:
+                calls[hit] = calls.get(hit, 0) + 1
+        counted.put(spec.key, (0, len(counter.hits), calls))
+        return out
 
     def _forward_as_written(self, args: tuple, kwargs: dict) -> Any:
         # The class's forward, as the trace calls it: hooks on the model itself run on no

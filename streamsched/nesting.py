@@ -18,11 +18,14 @@ does for the root), so the child's own ``__call__`` (its hooks) runs as in eager
 its forward runs through the wrapper. The attribute is removed when the forward
 returns or raises: outside the parent's calls the child is the user's module, unchanged.
 
+The same holds for a forward run as written because an argument is an object (a KV
+cache, torchvision's ``ImageList``): its children, passed tensors, are nested.
+
 A child whose wrapper ran it as written for :data:`_QUIET_CALLS` calls in a row (a
-decoding step's new sizes, a KV cache object, a trial that found the child faster as
-written) stops being nested: the wrapper's own per-call cost is then all it adds. Every
-:data:`_RETRY_EVERY` calls of the parent the quiet children are tried again (the
-workload may have changed).
+decoding step's new sizes, a trial that found the child faster as written; a child run
+as written for an object none of whose own children scheduled anything) stops being
+nested: the wrapper's own per-call cost is then all it adds. Every :data:`_RETRY_EVERY`
+calls of the parent the quiet children are tried again (the workload may have changed).
 """
 
 from __future__ import annotations
@@ -277,6 +280,21 @@ class NestedPlans:
             if inner is not None:
                 out.update({f"{site.path}.{path}": plan for path, plan in inner.plans().items()})
         return out
+
+    def all_quiet(self) -> bool:
+        """Whether the next call has nothing to nest: every child stopped being nested
+        and no retry is due. Counted as a call; the caller runs the forward without
+        :meth:`installed` (a call that passes an object: its per-call cost is all the
+        wrapper adds once the children went quiet)."""
+        sites = self.sites()
+        if (self.calls + 1) % _RETRY_EVERY == 0:
+            return False
+        for site in sites:
+            if site.active:
+                return False
+        self.calls += 1
+        self.scheduled = False
+        return True
 
     @contextlib.contextmanager
     def installed(self, sites: Optional[list[_Site]] = None) -> Iterator[None]:

@@ -350,3 +350,63 @@ def test_too_many_children_are_not_nested(monkeypatch):
     sm.invalidate()
     sm(torch.randn(8, 16))
     assert len(sm._ss.nested.sites()) == 4
+
+
+class Batch:
+    """A plain object holding tensors: a trace would bake it in."""
+
+    def __init__(self, x: torch.Tensor, scale: torch.Tensor):
+        self.x = x
+        self.scale = scale
+
+
+class TakesObject(nn.Module):
+    """A traceable forward that is passed an object: it runs as written, its branchy
+    children get plans of their own."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d) for _ in range(2))
+        self.out = nn.Linear(d, 3)
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        x = batch.x * batch.scale
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+def test_a_forward_passed_an_object_nests_its_children():
+    torch.manual_seed(0)
+    model = TakesObject().eval()
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    for step in range(5):
+        batch = Batch(torch.randn(8, 16), torch.rand(16))
+        assert_close(sm(batch), model(batch))
+        assert_path(sm, "as-written")
+        # Every call goes through the children's wrappers, the settled path's (the
+        # signature of the previous call) included.
+        for path in ("blocks.0", "blocks.1"):
+            wrapper = _site(sm, path).wrapper
+            assert wrapper._ss.calls == step + 1, (step, path)
+            assert_path(wrapper, "recorded" if step == 0 else "plan:serial")
+    assert sorted(sm.nested_plans) == ["blocks.0", "blocks.1"]
+    assert all("forward" not in b.__dict__ for b in model.blocks)
+    # Coverage: 9 leaf calls (two blocks of four heads, and out); the blocks' plans
+    # schedule their 8.
+    plan = sm.plan
+    assert plan.mode == "as-written"
+    assert plan.nested_leaf_calls == {"blocks.0": 4, "blocks.1": 4}
+    assert plan.coverage_calls == (8, 9)
+    assert plan.coverage == pytest.approx(8 / 9)
+    # Gradients through the nested plans equal eager's.
+    ref = TakesObject()
+    ref.load_state_dict(model.state_dict())
+    model.train()
+    ref.train()
+    for step in range(2):
+        x, scale = torch.randn(8, 16), torch.rand(16)
+        sm(Batch(x, scale)).square().sum().backward()
+        ref(Batch(x, scale)).square().sum().backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert_close(p.grad, q.grad, what=f"step {step}: {name}")
