@@ -1059,7 +1059,10 @@ class StreamScheduledModule(nn.Module):
         counted = st.dispatch.leaf_calls
         if counted.get(spec.key) is not None and nested.all_quiet():
             return self._forward_as_written(args, kwargs)
-        with nested.installed():
+        # A child that settles to run as written stops being nested at once: every call
+        # passes the object (a decoding step), and a child nested for nothing costs each
+        # of them its wrapper (and its parents' down to it).
+        with nested.installed(hand_back=True):
             if counted.get_fresh(spec.key) is not None:
                 return self._forward_as_written(args, kwargs)
             with counting_dispatch(self.module, self.config.leaf_modules, self._ss._nested_site) as counter:

@@ -93,6 +93,18 @@ def _is_container(module: nn.Module) -> bool:
     return type(module).forward is nn.Module.forward
 
 
+def _settled_as_written(st: Any) -> bool:
+    """Whether a child's wrapper has settled to run it as written at this signature: its
+    trial decided for the model as written, or (a call passing an object) every child of
+    its own stopped being nested. Unlike a new size run as written, the next calls with
+    these arguments would run as written too."""
+    last = st.last
+    if getattr(last, "program", None) is not None:
+        return bool(last.eager) and last.trial is None
+    inner = st.nested
+    return bool(getattr(last, "nests", False)) and inner is not None and inner.all_inactive()
+
+
 class _Site:
     """One child module of the parent's forward, nested while the parent runs."""
 
@@ -147,7 +159,7 @@ class _NestedForward:
             site.owner.scheduled = True
         else:
             site.quiet += 1
-            if site.quiet >= _QUIET_CALLS:
+            if site.quiet >= _QUIET_CALLS or (site.owner.hand_back and _settled_as_written(st)):
                 site.active = False
         return out
 
@@ -181,6 +193,8 @@ class NestedPlans:
         self.hooks_at_entry = -1
         # Whether a nested child scheduled something during the current call.
         self.scheduled = False
+        # Whether the current call hands settled children back at once (installed()).
+        self.hand_back = False
 
     def sites(self) -> list[_Site]:
         """The children nested while the model's forward runs (found once per structure)."""
@@ -281,6 +295,10 @@ class NestedPlans:
                 out.update({f"{site.path}.{path}": plan for path, plan in inner.plans().items()})
         return out
 
+    def all_inactive(self) -> bool:
+        """Whether every child found stopped being nested (none found: also true)."""
+        return self._sites is not None and not any(site.active for site in self._sites)
+
     def all_quiet(self) -> bool:
         """Whether the next call has nothing to nest: every child stopped being nested
         and no retry is due. Counted as a call; the caller runs the forward without
@@ -297,11 +315,14 @@ class NestedPlans:
         return True
 
     @contextlib.contextmanager
-    def installed(self, sites: Optional[list[_Site]] = None) -> Iterator[None]:
+    def installed(self, sites: Optional[list[_Site]] = None, hand_back: bool = False) -> Iterator[None]:
         """The block in which the model's forward (``sites``: a plan) runs: the calls of the
-        nested modules (the forward's children by default) go through their wrappers."""
+        nested modules (the forward's children by default) go through their wrappers.
+        ``hand_back``: a child that has settled to run as written stops being nested at
+        once (:func:`_settled_as_written`), not after :data:`_QUIET_CALLS` calls."""
         self.calls += 1
         self.scheduled = False
+        self.hand_back = hand_back
         self.hooks_at_entry = _generation.hook_registrations()
         if sites is None:
             sites = self.sites()

@@ -410,3 +410,38 @@ def test_a_forward_passed_an_object_nests_its_children():
         ref(Batch(x, scale)).square().sum().backward()
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
             assert_close(p.grad, q.grad, what=f"step {step}: {name}")
+
+
+def test_a_child_of_an_object_call_that_settles_as_written_is_handed_back_at_once(monkeypatch):
+    """Every call passes the object (a decoding step): a child whose trial decides for the
+    model as written stops being nested on that call, not :data:`nesting._QUIET_CALLS`
+    calls later, and so does the object call's parent chain above it."""
+    from streamsched.planning.choice import Trial
+
+    decide = Trial.decide
+
+    def as_written(self, plan):
+        plan, _ = decide(self, plan)
+        return plan.model_copy(update={"executor": "eager"}), True
+
+    monkeypatch.setattr(Trial, "decide", as_written)
+    torch.manual_seed(0)
+    model = TakesObject().eval()
+    sm = ss.StreamScheduledModule(model)
+    settled_at = None
+    for call in range(nesting._QUIET_CALLS + 4):
+        batch = Batch(torch.randn(8, 16), torch.rand(16))
+        assert_close(sm(batch), model(batch))
+        site = _site(sm, "blocks.0")
+        last = site.wrapper._ss.last
+        if settled_at is None and getattr(last, "program", None) is not None and last.eager and last.trial is None:
+            settled_at = call
+        if settled_at is not None:
+            assert not site.active, (call, settled_at)
+    assert settled_at is not None and settled_at < nesting._QUIET_CALLS
+    assert all(not s.active for s in sm._ss.nested.sites())
+    # The root's calls skip the nesting block now, and still match eager.
+    calls = site.wrapper._ss.calls
+    batch = Batch(torch.randn(8, 16), torch.rand(16))
+    assert_close(sm(batch), model(batch))
+    assert site.wrapper._ss.calls == calls
