@@ -19,6 +19,7 @@ from streamsched.module import StreamScheduledModule
 from streamsched.testing import assert_path
 
 from .helpers import assert_close
+from .test_dynamic_calls import Cache, WithCache
 
 
 class Keywords(nn.Module):
@@ -256,23 +257,6 @@ def test_positional_tensor_calls_skip_the_bind_and_other_values_do_not():
     x = torch.randn(3, 4)
     assert_close(sm(x, y), model(x, y))
     assert_path(sm, "plan")
-
-
-class Cache:
-    """Holds a tensor, like transformers' DynamicCache: an object argument."""
-
-    def __init__(self) -> None:
-        self.k = torch.randn(2, 16)
-
-
-class WithCache(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
-
-    def forward(self, x: torch.Tensor, past: object = None) -> torch.Tensor:
-        out = self.a(x) + self.b(x)
-        return out if past is None else out + past.k.sum()
 
 
 def test_a_call_settled_as_written_reports_its_own_plan_and_path():
