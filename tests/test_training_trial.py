@@ -135,6 +135,16 @@ def test_no_backward_hook_is_left_on_the_parameters(monkeypatch):
         assert not p._backward_hooks, p._backward_hooks
 
 
+def _forwards_until_decided(sm, model) -> None:
+    """Forward-only calls (each checked against eager) until the trial has decided."""
+    for _ in range(40):
+        x = torch.randn(5, 16)
+        assert_close(sm(x), model(x))
+        if sm._ss.last.trial is None:
+            break
+    assert sm._ss.last.trial is None
+
+
 def test_the_trial_hands_backward_timing_over_to_forwards_when_backward_stops(monkeypatch):
     """Training calls, then calls whose outputs are never backpropagated (an evaluation
     with grad enabled, mid-trial): the trial starts over on forwards and still decides."""
@@ -144,12 +154,7 @@ def test_the_trial_hands_backward_timing_over_to_forwards_when_backward_stops(mo
     _train(sm, model, 3)
     trial = sm._ss.last.trial
     assert trial is not None and trial.backward
-    for _ in range(40):
-        x = torch.randn(5, 16)
-        assert_close(sm(x), model(x))
-        if sm._ss.last.trial is None:
-            break
-    assert sm._ss.last.trial is None
+    _forwards_until_decided(sm, model)
     assert "forward and backward" not in sm.plan.reason
 
 
@@ -178,10 +183,5 @@ def test_a_training_trial_whose_outputs_stop_carrying_gradients_still_decides():
     _train(sm, model, 3)
     assert sm._ss.last.trial is not None and sm._ss.last.trial.backward
     model.requires_grad_(False)
-    for _ in range(40):
-        x = torch.randn(5, 16)
-        assert_close(sm(x), model(x))
-        if sm._ss.last.trial is None:
-            break
-    assert sm._ss.last.trial is None
+    _forwards_until_decided(sm, model)
     assert "forward and backward" not in sm.plan.reason
