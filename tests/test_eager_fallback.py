@@ -45,10 +45,13 @@ def _slow_serial(monkeypatch, seconds=0.02, when=lambda inputs: True):
     runs = []
     original = SerialExecutor.run
 
-    def slow(self, program, inputs, *args, **kwargs):
+    def delay(inputs):
         runs.append(1)
         if when(inputs):
             spin(seconds)
+
+    def slow(self, program, inputs, *args, **kwargs):
+        delay(inputs)
         return original(self, program, inputs, *args, **kwargs)
 
     monkeypatch.setattr(SerialExecutor, "run", slow)
@@ -63,9 +66,7 @@ def _slow_serial(monkeypatch, seconds=0.02, when=lambda inputs: True):
         plan, call, wanted = found
 
         def slow_call(inputs):
-            runs.append(1)
-            if when(inputs):
-                spin(seconds)
+            delay(inputs)
             return call(inputs)
 
         return plan, slow_call, wanted
