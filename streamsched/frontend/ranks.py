@@ -93,9 +93,22 @@ _LIKE_FACTORIES = {
     torch.rand_like,
     torch.randn_like,
 }
-# torch.nn.functional operations that keep their input's rank and a floating input's
-# dtype: in both the same-rank and the float-keeping tables.
-_NN_FUNCTIONS_KEEPING_RANK_AND_FLOAT = (
+# Functions that keep their input's rank and a floating input's dtype: in both the
+# same-rank and the float-keeping tables.
+_KEEPING_RANK_AND_FLOAT = (
+    torch.sigmoid,
+    torch.tanh,
+    torch.relu,
+    torch.exp,
+    torch.log,
+    torch.sqrt,
+    torch.rsqrt,
+    torch.abs,
+    torch.cos,
+    torch.sin,
+    torch.erf,
+    torch.softmax,
+    torch.log_softmax,
     F.relu,
     F.gelu,
     F.silu,
@@ -121,31 +134,18 @@ _NN_FUNCTIONS_KEEPING_RANK_AND_FLOAT = (
     F.conv3d,
 )
 _SAME_FUNCTIONS = {
-    torch.sigmoid,
-    torch.tanh,
-    torch.relu,
-    torch.exp,
-    torch.log,
-    torch.sqrt,
-    torch.rsqrt,
     torch.neg,
-    torch.abs,
-    torch.cos,
-    torch.sin,
-    torch.softmax,
-    torch.log_softmax,
     torch.transpose,
     torch.clamp,
     torch.triu,
     torch.tril,
-    torch.erf,
     torch.cumsum,
     torch.flip,
     torch.roll,
     torch.nan_to_num,
     torch.clone,
     *_LIKE_FACTORIES,
-    *_NN_FUNCTIONS_KEEPING_RANK_AND_FLOAT,
+    *_KEEPING_RANK_AND_FLOAT,
     F.conv_transpose1d,
     F.conv_transpose2d,
     F.conv_transpose3d,
@@ -323,9 +323,9 @@ _COMPARISON_FUNCTIONS = {
 }
 _ARITHMETIC = frozenset("add sub mul div".split())
 _ARITHMETIC_FUNCTIONS = {operator.add, operator.sub, operator.mul, operator.truediv, torch.add, torch.sub, torch.mul}
+_INPLACE_OPERATORS = frozenset(AUGMENTED_OPERATORS)
 # Operations that give a floating input's dtype (or raise): activations, norms, dropout,
 # softmax without a dtype, floating reductions. On integers some give the default dtype.
-_INPLACE_OPERATORS = frozenset(AUGMENTED_OPERATORS)
 _FLOAT_KEEPING_METHODS = frozenset(
     """
     softmax log_softmax relu sigmoid tanh exp log sqrt rsqrt erf cos sin abs square reciprocal
@@ -333,24 +333,11 @@ _FLOAT_KEEPING_METHODS = frozenset(
     """.split()
 )
 _FLOAT_KEEPING_FUNCTIONS = {
-    torch.sigmoid,
-    torch.tanh,
-    torch.relu,
-    torch.exp,
-    torch.log,
-    torch.sqrt,
-    torch.rsqrt,
-    torch.abs,
-    torch.cos,
-    torch.sin,
-    torch.erf,
-    torch.softmax,
-    torch.log_softmax,
     torch.sum,
     torch.mean,
     torch.amax,
     torch.amin,
-    *_NN_FUNCTIONS_KEEPING_RANK_AND_FLOAT,
+    *_KEEPING_RANK_AND_FLOAT,
 }
 _FACTORY_DTYPES = {
     torch.zeros,
