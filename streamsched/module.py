@@ -66,6 +66,7 @@ from .runtime.graphs import GraphExecutor
 from .runtime.pool import ExecutorPool
 from .runtime.program import Program, ProgramCache, annotate_exception, compile_program, failing_node
 from .runtime.synclog import SyncLog
+from .settled_calls import SettledCalls
 
 __all__ = ["StreamScheduledModule"]
 
@@ -93,7 +94,7 @@ class _AsWritten:
     """What ``sm.plan`` reports for a call that ran the model as written: a plan, or how
     to make one when asked (these calls are the cheap path: no pydantic model per call)."""
 
-    __slots__ = ("_plan", "_make", "nests")
+    __slots__ = ("_plan", "_make", "nests", "every_size")
 
     # Read by the call path like a compiled signature's: it runs the model as written.
     eager = True
@@ -106,6 +107,8 @@ class _AsWritten:
         # Whether its calls nest the forward's children (nesting.py): a forward run as
         # written because an argument is an object.
         self.nests = nests
+        # Whether its call structure runs as written at every size (settled_calls.py).
+        self.every_size = False
 
     @property
     def plan(self) -> Plan:
@@ -133,8 +136,10 @@ class _Compiled:
         "direct",
     )
 
-    # Its calls run as written (``eager``) without nesting the forward's children.
+    # Its calls run as written (``eager``) without nesting the forward's children; the
+    # shortcut for structures run as written at every size starts from an _AsWritten.
     nests = False
+    every_size = False
 
     def __init__(self, schedule: Schedule, program: Program, rebuild: Any):
         self.schedule = schedule
@@ -202,6 +207,10 @@ class _State:
         self.last_path = ""
         # (key, schedule) of the most recent traced call: the common case skips the LRU.
         self.hot: Optional[tuple] = None
+        # Calls settled to run as written whatever their sizes (passing an object, or of
+        # a structure run as written at every size): their layout, checked before
+        # anything else (settled_calls.py).
+        self.settled: Optional[SettledCalls] = None
         self.lock = threading.RLock()
         self.generation = _generation.current()
         # The model's first parameter (or buffer) and its (dtype, device) when traces were
@@ -463,6 +472,7 @@ class StreamScheduledModule(nn.Module):
         previous = st.observer
         st.observer = observer
         st.hot = None  # observed calls run schedules: no as-written shortcut
+        st.settled = None
         try:
             yield observer
         finally:
@@ -533,6 +543,7 @@ class StreamScheduledModule(nn.Module):
             st.structures.clear()
             st.last = None
             st.hot = None
+            st.settled = None
             if st.fusion is not None:
                 st.fusion.invalidate()
             st.executors.forget_graphs()
@@ -556,6 +567,9 @@ class StreamScheduledModule(nn.Module):
             and "forward" not in self.__dict__
             and not _tracing_state()
         ):
+            settled = self._ss.settled
+            if settled is not None and settled.generation == _generation._generation and settled.admits(args, kwargs):
+                return self._settled_call(settled, args, kwargs)
             return self._entry(args, kwargs, False)
         return _module_call(self, *args, **kwargs)
 
@@ -583,6 +597,14 @@ class StreamScheduledModule(nn.Module):
 
     def _entry(self, args: tuple, kwargs: dict, inside_model_call: bool) -> Any:
         st = self._ss
+        settled = st.settled
+        if (
+            inside_model_call
+            and settled is not None
+            and settled.generation == _generation._generation
+            and settled.admits(args, kwargs)
+        ):
+            return self._settled_call(settled, args, kwargs)
         with st.lock:
             try:
                 if st.observer is None:
@@ -602,6 +624,42 @@ class StreamScheduledModule(nn.Module):
             if ran is not None:
                 ran(st.last)
             return out
+
+    def _settle_tensor_calls(self, spec: Any, args: tuple, schedule: Any) -> None:
+        """A call of positional tensors whose structure runs as written at every size:
+        later calls of its layout skip binding and keys (settled_calls.py)."""
+        st = self._ss
+        if spec is st.tensors_spec and st.observer is None:
+            st.settled = SettledCalls(st.generation, args, {}, schedule, tensors=True)
+
+    def _settled_call(self, settled: SettledCalls, args: tuple, kwargs: dict) -> Any:
+        """A call in the layout of one settled to run as written (passing an object, its
+        nested children quiet; or of a structure run as written at every size), at the
+        generation it settled at: the forward itself (settled_calls.py). The caller
+        checked the hooks, as for any call.
+
+        Without the lock: the call runs the user's model as written, which two threads may
+        do at once as in eager (a nested child another thread's call placed is reached
+        through that child's wrapper, which takes its own lock); the counters below are
+        hints (a lost decrement only delays the nested children's retry by a call). The
+        lock would cost these calls as much as the rest of the wrapper together."""
+        st = self._ss
+        settled.left -= 1
+        if settled.left <= 0:
+            st.settled = None  # the nested children's retry is due next call
+        st.calls += 1
+        if settled.nested is not None:
+            settled.nested.calls += 1  # counted as NestedPlans.all_quiet counts a call
+        st.last = settled.schedule
+        st.last_path = "as-written"
+        module = self.module
+        try:
+            return type(module).forward(module, *args, **kwargs)
+        except Exception as exc:
+            path = raised_in(exc, module)
+            if path or (path is not None and st.where[0]):
+                annotate_exception(exc, self._where(path))
+            raise
 
     def _call(self, args: tuple, kwargs: dict, inside_model_call: bool = False) -> Any:
         """One call, under the lock: bind, find or make the plan, run it.
@@ -669,6 +727,8 @@ class StreamScheduledModule(nn.Module):
                 st.last = schedule
                 if schedule.nests:
                     return self._forward_nesting(spec, args, kwargs)
+                if schedule.every_size:
+                    self._settle_tensor_calls(spec, args, schedule)
                 st.last_path = "as-written"
                 return type(module).forward(module, *args, **kwargs)
         else:
@@ -692,6 +752,8 @@ class StreamScheduledModule(nn.Module):
                 # written (its own output types: no rebuild).
                 if schedule.nests:
                     return self._forward_nesting(spec, args, kwargs)
+                if schedule.every_size:
+                    self._settle_tensor_calls(spec, args, schedule)
                 return self._forward_as_written(args, kwargs)
             if schedule.trial is not None and not self.config.sync_log and self.config.chaos is None:
                 return self._run_trial(schedule, schedule.trial, tensors, args, kwargs)
@@ -805,6 +867,9 @@ class StreamScheduledModule(nn.Module):
                 if verdict.settled:
                     # Later calls with this signature run as written without asking again.
                     st.written.put(key, st.last)
+                    if structure.as_written_at_every_size():
+                        st.last.every_size = True
+                        self._settle_tensor_calls(spec, args, st.last)
                 return self._forward_as_written(args, kwargs)
         start = time.perf_counter()
         out = self._first_call(key, spec, tensors, args, kwargs)
@@ -1058,6 +1123,9 @@ class StreamScheduledModule(nn.Module):
         nested = self._nesting()
         counted = st.dispatch.leaf_calls
         if counted.get(spec.key) is not None and nested.all_quiet():
+            if st.observer is None:
+                # Later calls of this layout skip binding and keys (settled_calls.py).
+                st.settled = SettledCalls(st.generation, args, kwargs, st.last, nested, nested.quiet_calls_ahead())
             return self._forward_as_written(args, kwargs)
         # A child that settles to run as written stops being nested at once: every call
         # passes the object (a decoding step), and a child nested for nothing costs each

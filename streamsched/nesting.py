@@ -314,6 +314,11 @@ class NestedPlans:
         self.scheduled = False
         return True
 
+    def quiet_calls_ahead(self) -> int:
+        """After :meth:`all_quiet` said true: how many calls in a row may run without
+        asking it again (each adding one to ``calls``, as it does), before a retry is due."""
+        return _RETRY_EVERY - 1 - self.calls % _RETRY_EVERY
+
     @contextlib.contextmanager
     def installed(self, sites: Optional[list[_Site]] = None, hand_back: bool = False) -> Iterator[None]:
         """The block in which the model's forward (``sites``: a plan) runs: the calls of the

@@ -174,6 +174,14 @@ class Structure:
         """The bucket whose trial decides for ``sizes``."""
         return ANY_SIZE if self.uniform else size_bucket(sizes)
 
+    def as_written_at_every_size(self) -> bool:
+        """Whether every size of the structure was decided for the model as written: it
+        has one bucket (nothing side by side or batched), decided so."""
+        if not self.uniform:
+            return False
+        decision = self.decisions.get(ANY_SIZE)
+        return decision is not None and decision.eager
+
     def decision(self, bucket: tuple) -> Optional[Decision]:
         return self.decisions.get(bucket)
 

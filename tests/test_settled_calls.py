@@ -1,0 +1,219 @@
+"""Calls settled to run the model as written whatever their sizes (settled_calls.py): a
+call passing an object once its nested children went quiet, and a call of a structure
+run as written at every size. They skip binding and keys; everything that could change
+the verdict sends the call back to the full path. Each test counts the full path's calls
+(``StreamScheduledModule._call``) to tell which way a call went, and compares with eager."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import streamsched as ss
+from streamsched import nesting
+from streamsched.testing import assert_path
+
+from .helpers import assert_close
+from .test_dynamic_calls import Cache, Chain, WithCache, _slow_schedules
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
+
+@pytest.fixture
+def full_calls(monkeypatch) -> list:
+    """Appends one entry per call that took the full path."""
+    calls: list = []
+    full = ss.StreamScheduledModule._call
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return full(self, *args, **kwargs)
+
+    monkeypatch.setattr(ss.StreamScheduledModule, "_call", counted)
+    return calls
+
+
+def _settle_objects(sm: ss.StreamScheduledModule, model: nn.Module) -> None:
+    for _ in range(4):
+        x, cache = torch.randn(3, 16), Cache()
+        assert_close(sm(x, past=cache), model(x, past=cache))
+    assert sm._ss.settled is not None
+
+
+def test_object_calls_skip_the_full_path_once_settled(full_calls):
+    model = WithCache()
+    sm = ss.StreamScheduledModule(model)
+    _settle_objects(sm, model)
+    full_calls.clear()
+    refs = []
+    for _ in range(20):
+        x, cache = torch.randn(3, 16), Cache()
+        refs.append(weakref.ref(cache))
+        assert_close(sm(x, past=cache), model(x, past=cache))
+        assert_path(sm, "as-written")
+        del cache
+    assert full_calls == []
+    gc.collect()
+    assert all(r() is None for r in refs)  # the shortcut keeps types, not objects
+    assert "Cache object" in sm.plan.reason
+
+
+def test_another_layout_takes_the_full_path(full_calls):
+    model = WithCache()
+    sm = ss.StreamScheduledModule(model)
+    _settle_objects(sm, model)
+    full_calls.clear()
+    x = torch.randn(3, 16)
+    assert_close(sm(x, past=None), model(x, past=None))  # no object: traced and planned
+    assert_path(sm, "recorded")
+    assert_close(sm(x), model(x))
+    assert len(full_calls) == 2
+
+
+def test_a_hook_registered_on_the_model_fires_after_settling(full_calls):
+    """Registering a hook moves the generation: the call takes the full path, which
+    runs the model's own __call__ and so its hooks."""
+    model = WithCache()
+    sm = ss.StreamScheduledModule(model)
+    _settle_objects(sm, model)
+    handle = model.register_forward_hook(lambda m, i, out: out * 2)
+    x, cache = torch.randn(3, 16), Cache()
+    assert_close(sm(x, past=cache), model(x, past=cache))  # both doubled
+    handle.remove()
+    assert_close(sm(x, past=cache), model(x, past=cache))
+
+
+def test_a_global_hook_fires_after_settling():
+    model = WithCache()
+    sm = ss.StreamScheduledModule(model)
+    _settle_objects(sm, model)
+    seen = []
+    handle = nn.modules.module.register_module_forward_hook(lambda m, i, out: seen.append(type(m).__name__))
+    try:
+        x, cache = torch.randn(3, 16), Cache()
+        sm(x, past=cache)
+        wrapped = list(seen)
+        seen.clear()
+        model(x, past=cache)
+        # The wrapper's own call fires it too; the model's calls fire it as in eager.
+        assert sorted(n for n in wrapped if n != "StreamScheduledModule") == sorted(seen)
+        assert "WithCache" in seen
+    finally:
+        handle.remove()
+
+
+def test_a_swapped_child_is_called_after_settling():
+    model = WithCache()
+    sm = ss.StreamScheduledModule(model)
+    _settle_objects(sm, model)
+    model.b = nn.Linear(16, 16)
+    x, cache = torch.randn(3, 16), Cache()
+    assert_close(sm(x, past=cache), model(x, past=cache))
+
+
+def test_the_nested_children_are_retried_on_schedule(monkeypatch, full_calls):
+    """The shortcut counts the parent's calls for the nested children's retry, and hands
+    the call due for one back to the full path."""
+    monkeypatch.setattr(nesting, "_RETRY_EVERY", 8)
+    model = WithCache()
+    sm = ss.StreamScheduledModule(model)
+    _settle_objects(sm, model)
+    full_calls.clear()
+    for _ in range(32):
+        x, cache = torch.randn(3, 16), Cache()
+        assert_close(sm(x, past=cache), model(x, past=cache))
+    # One call in eight retries (the full path), and the next one settles again.
+    assert 4 <= len(full_calls) <= 10, len(full_calls)
+
+
+def test_an_observed_call_takes_the_full_path(full_calls):
+    model = WithCache()
+    sm = ss.StreamScheduledModule(model)
+    _settle_objects(sm, model)
+    full_calls.clear()
+
+    class Observer:
+        def push(self, task, stream):
+            pass
+
+        def pop(self, task, stream):
+            pass
+
+    with sm.observing(Observer()):
+        x, cache = torch.randn(3, 16), Cache()
+        assert_close(sm(x, past=cache), model(x, past=cache))
+    assert len(full_calls) == 1
+
+
+def _settle_every_size(sm: ss.StreamScheduledModule, model: nn.Module) -> None:
+    for _rep in range(6):
+        for n in (3, 6, 12, 24, 48):
+            x = torch.randn(n, 16)
+            assert_close(sm(x), model(x))
+    assert "every size of this call structure" in sm.plan.reason
+    assert sm._ss.settled is not None
+
+
+def test_a_structure_run_as_written_at_every_size_skips_the_full_path(monkeypatch, full_calls):
+    _slow_schedules(monkeypatch)
+    model = Chain()
+    sm = ss.StreamScheduledModule(model)
+    _settle_every_size(sm, model)
+    full_calls.clear()
+    for n in range(1, 40):  # decoding that grows the input: a new size every call
+        x = torch.randn(n, 16)
+        assert_close(sm(x), model(x))
+        assert_path(sm, "as-written")
+    assert full_calls == []
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["dtype", "requires_grad", "rank", "no_grad", "keyword", "two_args"],
+)
+def test_what_the_structure_key_holds_besides_sizes_takes_the_full_path(monkeypatch, full_calls, change):
+    _slow_schedules(monkeypatch)
+    model = Chain()
+    sm = ss.StreamScheduledModule(model)
+    _settle_every_size(sm, model)
+    full_calls.clear()
+    x = torch.randn(5, 16)
+    if change == "dtype":
+        model.double()
+        out, expected = sm(x.double()), model(x.double())
+        model.float()
+    elif change == "requires_grad":
+        x.requires_grad_(True)
+        out, expected = sm(x), model(x)
+    elif change == "rank":
+        out, expected = sm(x.unsqueeze(0)), model(x.unsqueeze(0))
+    elif change == "no_grad":
+        with torch.no_grad():
+            out, expected = sm(x), model(x)
+    elif change == "keyword":
+        out, expected = sm(x=x), model(x=x)
+    else:
+        with pytest.raises(TypeError, match="Chain"):
+            sm(x, x)
+        assert len(full_calls) == 1
+        return
+    assert_close(out, expected)
+    assert len(full_calls) == 1
+
+
+def test_grad_flows_through_a_settled_call(monkeypatch):
+    _slow_schedules(monkeypatch)
+    model = Chain()
+    sm = ss.StreamScheduledModule(model)
+    _settle_every_size(sm, model)
+    x = torch.randn(7, 16)
+    sm(x).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x).sum().backward()
+    for got, want in zip(grads, (p.grad for p in model.parameters())):
+        assert_close(got, want)
