@@ -42,8 +42,7 @@ import torch.nn.functional as F
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 import streamsched as ss  # noqa: E402
-from benchmarks.zoo import CriticEnsemble, ParallelFCN  # noqa: E402
-from benchmarks.zoo.parallel_fcn import StackedFCN  # noqa: E402
+from benchmarks.zoo import CriticEnsemble, ParallelFCN, StackedCritics, StackedFCN  # noqa: E402
 from streamsched.envinfo import environment_report  # noqa: E402
 
 PHASES = ("zero_grad", "forward", "backward", "step")
@@ -65,25 +64,6 @@ def stepper(model: torch.nn.Module, params, x, target, optimizer_kw):
         return [t1 - t0, t2 - t1, t3 - t2, t4 - t3]
 
     return step
-
-
-class StackedCritics(torch.nn.Module):
-    """``CriticEnsemble`` rewritten by hand: the first layers as one wide ``linear`` (all
-    critics read the same input), the others as ``baddbmm`` over stacked weights."""
-
-    def __init__(self, src: CriticEnsemble):
-        super().__init__()
-        layers = [[c.net[i] for c in src.critics] for i in (0, 2, 4)]
-        with torch.no_grad():
-            self.w = torch.nn.ParameterList(torch.stack([m.weight for m in ms]).clone() for ms in layers)
-            self.b = torch.nn.ParameterList(torch.stack([m.bias for m in ms]).clone() for ms in layers)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n, hidden, obs = self.w[0].shape
-        h = torch.relu(F.linear(x, self.w[0].reshape(n * hidden, obs), self.b[0].reshape(-1)))
-        h = h.view(x.shape[0], n, hidden).transpose(0, 1)
-        h = torch.relu(torch.baddbmm(self.b[1].unsqueeze(1), h, self.w[1].transpose(1, 2)))
-        return torch.baddbmm(self.b[2].unsqueeze(1), h, self.w[2].transpose(1, 2))
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ from benchmarks.suite.cases import parse_families, suite_cases
 from benchmarks.suite.correctness import compare, tolerance
 from benchmarks.suite.peers import compile_skip_reason
 from benchmarks.suite.timing import Clock, Stats, measure_interleaved, percentile
-from benchmarks.suite.training import grad_error
+from benchmarks.suite.training import grad_error, hand_written_model
 from benchmarks.suite.variant import BuiltCase, SuiteContext, Variant
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -114,12 +114,16 @@ def test_peers_of_the_reference_case_compute_the_same_function(tmp_path):
         "streamsched, grad_handoff=direct",
         "streamsched, no fusion",
         "streamsched, fused_parameters()",
+        "stacked baddbmm (hand-written)",
     }
     for row in train["rows"]:
-        assert row["max_abs_err"] <= 1e-5 and row["tolerance"] == 1e-5
+        assert row["status"] == "ok" and row["max_abs_err"] <= 1e-5 and row["tolerance"] == 1e-5
     rows = {row["name"]: row for row in train["rows"]}
-    # The stacked optimizer steps one tensor per fused group of parameters.
+    # The stacked optimizer steps one tensor per fused group of parameters, as the
+    # hand-written stacked model does.
     assert rows["streamsched, fused_parameters()"]["info"]["optimizer_tensors"] == 4
+    assert rows["stacked baddbmm (hand-written)"]["info"]["optimizer_tensors"] == 4
+    assert rows["stacked baddbmm (hand-written)"]["samples_ms"]
     assert rows["streamsched"]["info"]["optimizer_tensors"] == rows["eager"]["info"]["optimizer_tensors"] == 32
 
 
@@ -197,6 +201,30 @@ def test_grad_error_finds_a_wrong_and_a_missing_gradient():
     model[2].bias.grad = None
     err, reason = grad_error(model, reference)
     assert math.isinf(err) and reason == "no .grad for 2.bias"
+
+
+@pytest.mark.parametrize("family", ["parallel_fcn", "critic_ensemble"])
+def test_hand_written_stacked_gradients_are_compared_member_by_member(family):
+    spec = next(c for c in suite_cases("cpu", True, [family]) if c.kind == "train")
+    torch.manual_seed(0)
+    model = spec.build().train()
+    hand = hand_written_model(model)
+    (x,) = spec.make_inputs(torch.device("cpu"))
+    torch.testing.assert_close(hand(x), model(x))
+    target = torch.randn(model(x).shape)
+    torch.nn.functional.mse_loss(model(x), target).backward()
+    torch.nn.functional.mse_loss(hand(x), target).backward()
+    reference = {n: p.grad.clone() for n, p in model.named_parameters()}
+    err, reason = grad_error(hand, reference)
+    assert err < 1e-6 and reason is None
+    # every member's gradient is read from the stacks: one wrong element is found
+    name = list(reference)[-4]  # a weight of the last member (fc1, or the critic's middle layer)
+    reference[name][0, 0] += 1e-3
+    err, reason = grad_error(hand, reference)
+    assert err == pytest.approx(1e-3, rel=1e-2) and reason is None
+    next(iter(hand.parameters())).grad = None
+    err, reason = grad_error(hand, reference)
+    assert math.isinf(err) and reason.startswith("no .grad for")
 
 
 def test_percentile_and_stats_follow_linear_interpolation():

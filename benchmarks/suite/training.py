@@ -1,23 +1,29 @@
 """One training case: a full step (forward, MSE loss, backward, SGD step), the plain
 model against streamsched. The SGD step is over the original model's parameters, except
 in the ``fused_parameters()`` variants (:data:`STACKED_CONFIGS`), whose optimizer steps
-each fused group as one stacked tensor (:mod:`streamsched.optim`).
+each fused group as one stacked tensor (:mod:`streamsched.optim`), and in the
+hand-written stacked model (:data:`HAND_WRITTEN`: ``StackedFCN``, ``StackedCritics``,
+built from the same initial weights), which holds each layer's weights of all members as
+one parameter: the bound the ``fused_parameters()`` variant is measured against.
 
 Correctness is checked on gradients: before any step, every variant runs one forward
 and backward on the same weights and input, and every parameter's ``.grad`` must equal
-eager's within :data:`GRAD_ATOL`; a missing gradient is an infinite error.
+eager's within :data:`GRAD_ATOL`; a missing gradient is an infinite error. The
+hand-written model's stacked gradients are cut per member (its ``member_grads()``) and
+compared with the plain model's per-member gradients.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks.zoo import CriticEnsemble, ParallelFCN, StackedCritics, StackedFCN
 from streamsched import StreamScheduledModule
 
 from .cases import CaseSpec
@@ -26,7 +32,15 @@ from .inference import MeasureOptions, free_memory, time_rows
 from .results import CaseResult, Row
 from .variant import SuiteContext, first_line
 
-__all__ = ["GRAD_ATOL", "TRAIN_CONFIGS", "STACKED_CONFIGS", "run_training_case", "grad_error"]
+__all__ = [
+    "GRAD_ATOL",
+    "TRAIN_CONFIGS",
+    "STACKED_CONFIGS",
+    "HAND_WRITTEN",
+    "hand_written_model",
+    "run_training_case",
+    "grad_error",
+]
 
 GRAD_ATOL = 1e-5
 """Largest absolute difference of any gradient element from eager's."""
@@ -44,18 +58,42 @@ STACKED_CONFIGS: list[tuple[str, dict[str, Any]]] = [
 the first call, so the gradient check covers the stacked route too)."""
 
 
+HAND_WRITTEN = "stacked baddbmm (hand-written)"
+"""The row of the hand-written stacked model (the inference peer of the same name, with
+its weights as trained parameters)."""
+
+
+def hand_written_model(model: nn.Module) -> Optional[nn.Module]:
+    """The hand-written stacked rewrite of ``model`` (same weights), or ``None`` for a
+    model without one."""
+    if isinstance(model, ParallelFCN):
+        return StackedFCN(model)
+    if isinstance(model, CriticEnsemble):
+        return StackedCritics(model)
+    return None
+
+
+def _named_grads(model: nn.Module) -> dict[str, Optional[torch.Tensor]]:
+    member_grads = getattr(model, "member_grads", None)
+    if callable(member_grads):
+        return member_grads()
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
 def grad_error(model: nn.Module, reference: dict[str, torch.Tensor]) -> tuple[float, str | None]:
     """Largest ``|grad - reference grad|`` over all parameters, and the first parameter
-    whose gradient is missing (or mis-shaped), if any."""
+    whose gradient is missing (or mis-shaped), if any. A model with ``member_grads()``
+    (a hand-written stacked model) is compared through it: its stacked gradients cut per
+    member, under the plain model's names."""
     worst = 0.0
-    grads = dict(model.named_parameters())
+    grads = _named_grads(model)
     for name, ref in reference.items():
-        p = grads.get(name)
-        if p is None or p.grad is None:
+        g = grads.get(name)
+        if g is None:
             return math.inf, f"no .grad for {name}"
-        if p.grad.shape != ref.shape:
-            return math.inf, f"{name}.grad has shape {tuple(p.grad.shape)}, expected {tuple(ref.shape)}"
-        worst = max(worst, float((p.grad.double() - ref.double()).abs().max()))
+        if g.shape != ref.shape:
+            return math.inf, f"{name}.grad has shape {tuple(g.shape)}, expected {tuple(ref.shape)}"
+        worst = max(worst, float((g.double() - ref.double()).abs().max()))
     return worst, None
 
 
@@ -95,6 +133,13 @@ def run_training_case(spec: CaseSpec, ctx: SuiteContext, opts: MeasureOptions) -
             row.status, row.reason, row.detail = "error", "first call failed", first_line(exc, 400)
             sm = None
         variants.append((name, sm, row))
+    hand = hand_written_model(base)
+    if hand is not None:
+        hand = hand.to(device).train()
+        optimized[HAND_WRITTEN] = list(hand.parameters())
+        row = Row(HAND_WRITTEN, "ok", info={"model": type(hand).__name__})
+        row.info["optimizer_tensors"] = len(optimized[HAND_WRITTEN])
+        variants.append((HAND_WRITTEN, hand, row))
 
     # Reference gradients, then every variant's on the same (unchanged) weights.
     eager_model.zero_grad(set_to_none=True)
@@ -149,7 +194,7 @@ def run_training_case(spec: CaseSpec, ctx: SuiteContext, opts: MeasureOptions) -
         correctness=(
             f"max abs error of every parameter's .grad vs eager after one forward+backward on the same weights "
             f"(tolerance {GRAD_ATOL:.0e}; with fused_parameters() the members' .grad are views of the stacked "
-            "gradients); the output error is in info"
+            "gradients; the hand-written stacked model's gradients are cut per member); the output error is in info"
         ),
         rows=rows,
     )

@@ -5,7 +5,8 @@ Defined here (no torchvision needed) so that every environment runs the same net
 - :class:`ParallelFCN`: N small MLPs, each on its own slice of one input, outputs
   concatenated (the public "1000 MLPs in a loop" report), with hand-written peers
   :class:`GroupedConvFCN` and :class:`StackedFCN`.
-- :class:`CriticEnsemble`: N critics reading the same observation, outputs stacked.
+- :class:`CriticEnsemble`: N critics reading the same observation, outputs stacked, with
+  the hand-written stacked peer :class:`StackedCritics`.
 - :class:`MultiTaskHeads`: a shared trunk and heads of different widths.
 - :class:`Inception3`: the Inception-v3 architecture.
 - :class:`NASNetCells` and :class:`RandWire`: cell-based and random-DAG networks.
@@ -14,7 +15,7 @@ Defined here (no torchvision needed) so that every environment runs the same net
 Face models with random weights, for the real-model tests and benchmark.
 """
 
-from .ensemble import CriticEnsemble, MultiTaskHeads
+from .ensemble import CriticEnsemble, MultiTaskHeads, StackedCritics
 from .inception import Inception3
 from .parallel_fcn import GroupedConvFCN, ParallelFCN, StackedFCN
 from .random_dag import NASNetCells, RandWire
@@ -24,6 +25,7 @@ __all__ = [
     "GroupedConvFCN",
     "StackedFCN",
     "CriticEnsemble",
+    "StackedCritics",
     "MultiTaskHeads",
     "Inception3",
     "NASNetCells",

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -26,6 +29,37 @@ class CriticEnsemble(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.stack([c(x) for c in self.critics])
+
+
+class StackedCritics(nn.Module):
+    """``CriticEnsemble`` rewritten by hand (weights copied from ``src``): each layer's
+    weights of all critics as one stacked parameter ``[n, out, in]`` (bias ``[n, out]``);
+    the first layer as one wide ``linear`` (all critics read the same input), the others
+    as ``baddbmm`` over the stacked weights."""
+
+    def __init__(self, src: CriticEnsemble):
+        super().__init__()
+        layers = [[c.net[i] for c in src.critics] for i in (0, 2, 4)]
+        with torch.no_grad():
+            self.w = nn.ParameterList(torch.stack([m.weight for m in ms]).clone() for ms in layers)
+            self.b = nn.ParameterList(torch.stack([m.bias for m in ms]).clone() for ms in layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, hidden, obs = self.w[0].shape
+        h = torch.relu(F.linear(x, self.w[0].reshape(n * hidden, obs), self.b[0].reshape(-1)))
+        h = h.view(x.shape[0], n, hidden).transpose(0, 1)
+        h = torch.relu(torch.baddbmm(self.b[1].unsqueeze(1), h, self.w[1].transpose(1, 2)))
+        return torch.baddbmm(self.b[2].unsqueeze(1), h, self.w[2].transpose(1, 2))
+
+    def member_grads(self) -> dict[str, Optional[torch.Tensor]]:
+        """The stacked gradients cut per critic, under ``CriticEnsemble``'s parameter names
+        (``critics.{i}.net.{k}.weight``), in its layout; ``None`` where there is no gradient."""
+        out: dict[str, Optional[torch.Tensor]] = {}
+        for w, b, k in zip(self.w, self.b, (0, 2, 4)):
+            for i in range(w.shape[0]):
+                out[f"critics.{i}.net.{k}.weight"] = None if w.grad is None else w.grad[i]
+                out[f"critics.{i}.net.{k}.bias"] = None if b.grad is None else b.grad[i]
+        return out
 
 
 class MultiTaskHeads(nn.Module):

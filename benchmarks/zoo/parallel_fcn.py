@@ -3,11 +3,14 @@
 ``ParallelFCN`` is the model as people write it (a Python loop over an
 ``nn.ModuleList``). ``GroupedConvFCN`` is the well-known hand rewrite into two grouped
 ``Conv1d`` layers, and ``StackedFCN`` a hand rewrite into two ``baddbmm`` calls on
-pre-stacked weights: the peers a scheduler has to match. Both rewrites copy their
+pre-stacked weights: the peers a scheduler has to match (``StackedFCN`` is also the
+hand-written model of the training benchmark). Both rewrites copy their
 weights from a ``ParallelFCN`` so that all three compute the same function.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from torch import nn
@@ -77,3 +80,14 @@ class StackedFCN(nn.Module):
         h = torch.relu(torch.baddbmm(self.b1, xs, self.w1))
         y = torch.baddbmm(self.b2, h, self.w2)
         return y.transpose(0, 1).reshape(b, -1)
+
+    def member_grads(self) -> dict[str, Optional[torch.Tensor]]:
+        """The stacked gradients cut per member, under ``ParallelFCN``'s parameter names
+        (``mlps.{i}.fc1.weight``) and in its layout (``[out, in]``: the stacked weights are
+        held transposed, ``[n, in, out]``); ``None`` where there is no gradient."""
+        out: dict[str, Optional[torch.Tensor]] = {}
+        for layer, w, b in (("fc1", self.w1, self.b1), ("fc2", self.w2, self.b2)):
+            for i in range(self.n):
+                out[f"mlps.{i}.{layer}.weight"] = None if w.grad is None else w.grad[i].t()
+                out[f"mlps.{i}.{layer}.bias"] = None if b.grad is None else b.grad[i, 0]
+        return out
