@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import streamsched as ss
-from benchmarks.zoo import CriticEnsemble
+from benchmarks.zoo import CriticEnsemble, ParallelFCN
 from streamsched.testing import assert_path
 
 from .helpers import assert_close, flatten
@@ -45,6 +45,9 @@ class SequenceEnsemble(nn.Module):
 
 CASES = {
     "critics": (lambda: CriticEnsemble(8, obs=10, hidden=24), (5, 10)),
+    # narrow members over a larger batch (10 and 1 outputs, 32 rows): the CPU forward
+    # runs as W @ xs^T (see StackedLinear)
+    "parallel-fcn": (lambda: ParallelFCN(6), (32, 120)),
     "sequence": (lambda: SequenceEnsemble(), (4, 7, 12)),
     "sequence-no-bias": (lambda: SequenceEnsemble(bias=False), (4, 7, 12)),
 }
@@ -147,3 +150,39 @@ def test_torch_func_grad_through_frozen_fused_weights():
     assert_path(sm, "plan:serial")
     expected = torch.func.grad(lambda t: ref(t).square().sum())(x)
     assert_close(got, expected, atol=1e-5, what="input gradient")
+
+
+@pytest.mark.parametrize(
+    "case, weight_major",
+    # ParallelFCN: both layers narrow (10, 1 outputs over 32 rows); the critics' hidden
+    # layer is wide (24 outputs over 5 rows), their last one narrow (1 output).
+    [("parallel-fcn", [True, True]), ("critics", [False, True])],
+)
+def test_narrow_layers_run_weight_major_on_the_cpu_with_eager_values_and_layout(case, weight_major, monkeypatch):
+    sm, model, ref, shape = wrapped(case)
+    ran = []
+    baddbmm = torch.baddbmm
+
+    def spy(bias, a, b, *args, **kwargs):
+        # weight-major: the stacked weight [N, out, in] is the left operand
+        ran.append(any(a is p or a.data_ptr() == p.data_ptr() and a.shape == p.shape for p in stacked_weights))
+        return baddbmm(bias, a, b, *args, **kwargs)
+
+    stacked_weights = [st.stack for st in stacks(sm) if st.stack is not None and st.stack.dim() == 3]
+    monkeypatch.setattr(torch, "baddbmm", spy)
+    x = torch.randn(shape, requires_grad=True)
+    xr = x.detach().clone().requires_grad_()
+    out = sm(x)
+    monkeypatch.undo()
+    assert_path(sm, "plan:serial")
+    assert ran == weight_major
+    expected = ref(xr)
+    assert out.stride() == expected.stride()
+    assert_close(out, expected, atol=1e-5, what="output")
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert p.grad.stride() == q.grad.stride(), name
+        assert_close(p.grad, q.grad, atol=1e-5, what=name)
+    assert x.grad.stride() == xr.grad.stride()
+    assert_close(x.grad, xr.grad, atol=1e-5, what="input")
