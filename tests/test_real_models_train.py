@@ -142,3 +142,26 @@ def test_training_table_end_to_end():
     }
     text = bench.markdown(report)
     assert "## Training step" in text and "## Inference" not in text and "| mlp_x4 (torch) |" in text
+
+
+def test_the_cpu_clock_leaves_out_time_the_thread_did_not_run():
+    """``--clock cpu``: a sample counts the calling thread's CPU time, not the time it
+    waited (another process holding the core looks like this sleep to the wall clock)."""
+    import time
+
+    cpu = bench.CpuClock().per_call_s(lambda: time.sleep(0.02), 2)
+    wall = bench.Clock(torch.device("cpu")).per_call_s(lambda: time.sleep(0.02), 2)
+    assert wall >= 0.02 > 0.005 > cpu
+    report = {
+        "environment": {
+            "device_name": "cpu",
+            "threads": 1,
+            "torch": torch.__version__,
+            "streamsched": "x",
+            "runtime_info": {},
+            "date": "d",
+        },
+        "options": {"rounds": 3, "sample_ms": 1.0, "clock": "cpu"},
+        "models": [],
+    }
+    assert "of the calling thread's CPU time" in bench.markdown(report)
