@@ -18,8 +18,8 @@ is the device's (``elapsed_time``), read after the last one completed. The hooks
 only on trial calls, are removed when the sample is read (or given up), and change no
 value. Removing them leaves nothing behind: ``Tensor.register_hook`` gives a tensor a
 hook dict that autograd calls into on every later backward, even once it is empty
-(about a microsecond per parameter per backward, for the rest of training), so a dict
-the sample's hooks leave empty is taken off the tensor again.
+(1-4 us per parameter per backward, for the rest of training), so a dict the sample's
+hooks leave empty is taken off the tensor again.
 
 Example (what the wrapper does on a trial call)::
 
