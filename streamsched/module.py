@@ -43,13 +43,13 @@ from .errors import (
     raised_in,
     user_stacklevel,
 )
-from .frontend.binder import ShapeCachedBinder
+from .frontend.binder import CallBinder, ShapeCachedBinder
 from .frontend.effects import EffectRecorder, Effects
 from .frontend.hooks import global_hooks, has_hooks
 from .frontend.leafcalls import counting_dispatch
 from .frontend.meta import run_and_record
 from .frontend.nodes import node_label
-from .frontend.trace import CallBinder, Traced, dtype_probes, dtypes_same, is_compiled_module, trace_model
+from .frontend.trace import Traced, dtype_probes, dtypes_same, is_compiled_module, trace_model
 from .frontend.trace_guard import autocast_state
 from .nesting import NestedPlans
 from .observe.nvtx_ranges import NvtxRanges

@@ -14,7 +14,7 @@ from torch import nn
 import streamsched as ss
 from streamsched import _generation
 from streamsched.frontend.binder import ShapeCachedBinder as _Binder
-from streamsched.frontend.trace import CallBinder
+from streamsched.frontend.binder import CallBinder
 from streamsched.module import StreamScheduledModule
 from streamsched.testing import assert_path
 

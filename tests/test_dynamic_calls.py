@@ -364,7 +364,7 @@ def test_object_arguments_run_as_written_and_are_not_kept_alive():
 
 
 def test_plain_values_still_key_by_value():
-    from streamsched.frontend.trace import is_plain
+    from streamsched.frontend.binder import is_plain
 
     for value in (None, True, 3, 2.5, "x", torch.float16, torch.device("cpu"), torch.Size([2, 3]), (1, "a"), len):
         assert is_plain(value), value

@@ -111,6 +111,23 @@ def test_no_function_level_imports_hide_a_cycle(module):
     assert not hidden, f"{module} imports inside a function: {hidden}"
 
 
+# The runtime runs what tracing produced and binds calls with ``frontend.binder``; it never
+# reaches into the tracer itself.
+RUNTIME_MAY_NOT_IMPORT = {"streamsched.frontend.trace"}
+
+
+def _runtime_imports_of_the_tracer(module: str, path: pathlib.Path) -> list[str]:
+    return [
+        f"line {line}: {target}" for target, line, _, _, _ in _imports(module, path) if target in RUNTIME_MAY_NOT_IMPORT
+    ]
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if layer_of(m) == "runtime"))
+def test_runtime_does_not_import_the_tracer(module):
+    found = _runtime_imports_of_the_tracer(module, MODULES[module])
+    assert not found, f"{module} imports the tracer (frontend/trace.py): {found}"
+
+
 def test_no_import_cycles():
     graph: dict[str, set[str]] = {}
     for module, path in MODULES.items():
@@ -167,3 +184,6 @@ def test_the_checks_catch_what_they_claim(tmp_path):
     imports = list(_imports("streamsched.ir.fake", fake))
     assert ("streamsched.module", 1) == imports[0][:2] and layer_of("streamsched.module") == "api"
     assert imports[1][0] == "streamsched.runtime.program" and imports[1][2] is True
+    runtime_fake = tmp_path / "runtime_fake.py"
+    runtime_fake.write_text("from ...frontend.trace import trace_model\n")
+    assert _runtime_imports_of_the_tracer("streamsched.runtime.dispatch.fake", runtime_fake)

@@ -25,7 +25,6 @@ way out (``@streamsched.branch``, ``leaf_modules=`` or ``strict=False``).
 from __future__ import annotations
 
 import dis
-import enum
 import functools
 import inspect
 import linecache
@@ -34,7 +33,6 @@ import os
 import sys
 import threading
 import traceback
-import types
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Optional, Sequence
@@ -47,6 +45,7 @@ from .. import _generation
 from ..branch import BranchCall, is_branch_module
 from ..errors import TraceError
 from . import opaque_functions
+from .binder import CallBinder, CallSpec, is_plain
 from .fx_fast import FastTracerMixin
 from .hooks import capture_hooks, has_hooks
 from .nodes import AUGMENTED_OPERATORS, has_children, submodule_resolver
@@ -63,166 +62,10 @@ from .trace_guard import (
     copy_fresh_constants,
 )
 
-__all__ = ["CallBinder", "CallSpec", "Traced", "trace_model", "is_compiled_module", "dtype_probes", "dtypes_same"]
+__all__ = ["Traced", "trace_model", "is_compiled_module", "dtype_probes", "dtypes_same"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(__file__)
-
-
-@dataclass(frozen=True)
-class CallSpec:
-    """How one call's arguments split into graph inputs (tensors) and static values."""
-
-    treedef: Any
-    tensor_positions: tuple[int, ...]
-    static_leaves: tuple[tuple[int, Any], ...]
-
-    @functools.cached_property
-    def key(self) -> Hashable:
-        # Plain values key by value; any other object by its type only, so that no cache
-        # keyed by this holds a caller's object alive (such calls are never traced: see
-        # ``has_objects``).
-        static = tuple((i, v if is_plain(v) else ("object", _type_of(v))) for i, v in self.static_leaves)
-        return (str(self.treedef), self.tensor_positions, _hashable(static))
-
-    @functools.cached_property
-    def has_objects(self) -> Optional[str]:
-        """The type name of the first static argument that is not a plain value (None,
-        numbers, strings, enums, dtypes, devices, sizes, classes, functions, and tuples of
-        them), or None. A trace would bake such an object in (a cache it updates, a config
-        it reads), and a later call passes another one: these calls run as written."""
-        for _, v in self.static_leaves:
-            if not is_plain(v):
-                return _type_of(v).__qualname__
-        return None
-
-
-class ObjectOf:
-    """Stands for an object argument in a spec kept after the call: its type, not the
-    object (``frontend.binder`` keeps specs per call shape)."""
-
-    __slots__ = ("type",)
-
-    def __init__(self, kind: type):
-        self.type = kind
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, ObjectOf) and other.type is self.type
-
-    def __hash__(self) -> int:
-        return hash(self.type)
-
-
-def _type_of(value: Any) -> type:
-    return value.type if isinstance(value, ObjectOf) else type(value)
-
-
-_PLAIN_TYPES = (
-    type(None),
-    bool,
-    int,
-    float,
-    complex,
-    str,
-    bytes,
-    enum.Enum,
-    torch.dtype,
-    torch.device,
-    torch.layout,
-    torch.memory_format,
-    torch.Size,
-    type,
-    types.FunctionType,
-    types.BuiltinFunctionType,
-    type(Ellipsis),
-    range,
-)
-
-
-def is_plain(value: Any) -> bool:
-    """Whether ``value`` is a plain value a trace may specialise on (see ``CallSpec``)."""
-    if isinstance(value, _PLAIN_TYPES):
-        return True
-    if type(value) in (tuple, frozenset):
-        return all(is_plain(v) for v in value)
-    if type(value) is slice:
-        return is_plain(value.start) and is_plain(value.stop) and is_plain(value.step)
-    return False
-
-
-def _hashable(value: Any) -> Hashable:
-    try:
-        hash(value)
-        return value
-    except TypeError:
-        # An unhashable static value (a list of ints, say): its repr stands for it.
-        return ("repr", repr(value))
-
-
-class CallBinder:
-    """Binds ``forward(*args, **kwargs)`` calls to a flat list of leaves, fast.
-
-    The common call (positional tensors only, as many as ``forward`` has required
-    positional parameters, no defaults to fill) skips ``inspect`` and pytree entirely.
-    """
-
-    def __init__(self, model: torch.nn.Module):
-        self.signature = inspect.signature(type(model).forward)
-        params = list(self.signature.parameters.values())[1:]  # drop self
-        self.signature = self.signature.replace(parameters=params)
-        self._simple_arity = None
-        if all(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty for p in params):
-            self._simple_arity = len(params)
-        self._simple_specs: dict[int, CallSpec] = {}
-
-    def bind(self, args: tuple, kwargs: dict) -> tuple[list[Any], CallSpec]:
-        """Return (leaves, spec) for one call; raises TypeError like Python on bad arguments."""
-        if (
-            not kwargs
-            and self._simple_arity == len(args)
-            and all(type(a) is torch.Tensor or isinstance(a, torch.Tensor) for a in args)
-        ):
-            spec = self._simple_specs.get(len(args))
-            if spec is None:
-                leaves, spec = self._bind_general(args, kwargs)
-                self._simple_specs[len(args)] = spec
-            return list(args), spec
-        return self._bind_general(args, kwargs)
-
-    def _bind_general(self, args: tuple, kwargs: dict) -> tuple[list[Any], CallSpec]:
-        # Only the arguments the caller gave (no defaults filled in): the forward is later
-        # called with exactly those, so decorators that read or add keyword arguments
-        # (transformers' output capturing adds ``use_cache``) see what eager gives them.
-        bound = self.signature.bind(*args, **kwargs)
-        leaves, treedef = pytree.tree_flatten(dict(bound.arguments))
-        tensor_positions = tuple(i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor))
-        static = tuple((i, v) for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor))
-        return leaves, CallSpec(treedef, tensor_positions, static)
-
-    def rebuild(self, leaves: Sequence[Any], spec: CallSpec) -> tuple[tuple, dict]:
-        """Inverse of :meth:`bind`: positional and keyword arguments for ``forward``.
-
-        Parameters that may be passed by name are passed by name (positionally only where
-        ``*args`` follows them), as a caller naming its arguments would.
-        """
-        given = pytree.tree_unflatten(list(leaves), spec.treedef)
-        params = self.signature.parameters.values()
-        star = any(p.kind is p.VAR_POSITIONAL and given.get(p.name) for p in params)
-        args: list[Any] = []
-        kwargs: dict[str, Any] = {}
-        for p in params:
-            if p.name not in given:
-                continue
-            value = given[p.name]
-            if p.kind is p.POSITIONAL_ONLY or (p.kind is p.POSITIONAL_OR_KEYWORD and star):
-                args.append(value)
-            elif p.kind is p.VAR_POSITIONAL:
-                args.extend(value)
-            elif p.kind is p.VAR_KEYWORD:
-                kwargs.update(value)
-            else:
-                kwargs[p.name] = value
-        return tuple(args), kwargs
 
 
 class _TraceRoot(torch.nn.Module):

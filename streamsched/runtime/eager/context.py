@@ -9,7 +9,7 @@ import torch
 
 from ..._lru import LRU
 from ...config import SchedulerConfig
-from ...frontend.trace import CallBinder
+from ...frontend.binder import CallBinder
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import torch
 
 from ...branch import _eager_launcher
 from ...frontend.leafcalls import counting_dispatch
-from ...frontend.trace import CallSpec
+from ...frontend.binder import CallSpec
 from ..synclog import SyncLog
 from .call import _EagerCall
 from .context import DispatchContext
