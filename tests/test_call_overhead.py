@@ -13,8 +13,8 @@ from torch import nn
 
 import streamsched as ss
 from streamsched import _generation
-from streamsched.frontend.binder import ShapeCachedBinder as _Binder
 from streamsched.frontend.binder import CallBinder
+from streamsched.frontend.binder import ShapeCachedBinder as _Binder
 from streamsched.module import StreamScheduledModule
 from streamsched.testing import assert_path
 

@@ -20,6 +20,7 @@ from torch import fx, nn
 import streamsched as ss
 from benchmarks.zoo import Inception3, MultiTaskHeads, ParallelFCN
 from streamsched.frontend import effects as effects_mod
+from streamsched.frontend import node_meta
 from streamsched.frontend.effects import EffectRecorder, fresh_outputs, op_accesses
 from streamsched.frontend.nodes import node_label, resolving_submodules, submodule
 from streamsched.ir.cost import device_model_for, estimate_node_cost
@@ -302,7 +303,7 @@ def test_a_fused_nodes_cost_is_the_sum_of_its_members_costs(monkeypatch, make, x
         if group.kernel.startswith("wide"):
             assert len(set(costs)) > 1, "a wide group whose members cost the same tests nothing"
         expected = dev.launch_us + sum(max(0.0, c - dev.launch_us) for c in costs)
-        assert fused_nodes[group.node].meta["streamsched_cost_us"] == pytest.approx(expected, rel=1e-12)
+        assert node_meta.fixed_cost_us(fused_nodes[group.node]) == pytest.approx(expected, rel=1e-12)
 
 
 # --- the collector during the recording call -------------------------------------------------

@@ -16,8 +16,8 @@ from torch import fx, nn
 import streamsched as ss
 from benchmarks.zoo import Inception3, MultiTaskHeads, NASNetCells, ParallelFCN, RandWire
 from streamsched.frontend import fx_fast
-from streamsched.frontend.nodes import node_label
 from streamsched.frontend.binder import CallBinder
+from streamsched.frontend.nodes import node_label
 from streamsched.frontend.trace import trace_model
 from streamsched.planning import planner
 from streamsched.testing import assert_path

@@ -18,7 +18,7 @@ the plan. They are counted where they happen, once per plan:
   body, a ``@streamsched.branch``'s), are counted by the recording call, which runs
   every node once: a forward pre-hook sits on every leaf module of the model for the
   length of that call only (:class:`LeafCallCounter`), and each firing is charged to the
-  node that was running (``node.meta["streamsched_leaf_calls"]``);
+  node that was running (``node_meta.leaf_calls``);
 - under eager dispatch, the first call of each call structure is counted the same way,
   each firing charged to a branch body or to the forward around it.
 
@@ -37,6 +37,7 @@ from torch import fx
 from torch.utils.hooks import RemovableHandle
 
 from ..branch import is_branch_module
+from . import node_meta
 from .hooks import COUNTING_HOOK
 from .nodes import children_of, has_children, submodule
 from .opaque_functions import OpaqueFunction
@@ -58,7 +59,7 @@ __all__ = [
 ]
 
 # node.meta key: leaf calls the recording call counted while the node ran.
-LEAF_CALLS_META = "streamsched_leaf_calls"
+LEAF_CALLS_META = node_meta.LEAF_CALLS
 
 
 def leaf_module_types(leaf_types: Iterable[Any]) -> tuple[type, ...]:
@@ -175,7 +176,7 @@ def traced_coverage(traced: Traced) -> tuple[int, int]:
     types = leaf_module_types(traced.leaf_types)
     scheduled = total = traced.inlined_leaf_calls
     for node in traced.graph.nodes:
-        inside = node.meta.get(LEAF_CALLS_META, 0)
+        inside = node_meta.leaf_calls(node)
         if node.op == "call_module":
             module = submodule(traced.root, node.target)
             calls = max(inside, 1)
@@ -201,7 +202,7 @@ def opaque_leaf_calls(traced: Traced) -> dict[str, int]:
     for node in traced.graph.nodes:
         if node.op == "call_module" and str(node.target) in opaque:
             path = str(node.target)
-            out[path] = out.get(path, 0) + node.meta.get(LEAF_CALLS_META, 0)
+            out[path] = out.get(path, 0) + node_meta.leaf_calls(node)
     return out
 
 
@@ -226,7 +227,7 @@ def store_counts(counter: LeafCallCounter, nodes: list[fx.Node]) -> None:
     for name in counter.hits:
         counts[name] = counts.get(name, 0) + 1
     for node in nodes:
-        node.meta[LEAF_CALLS_META] = counts.get(node.name, 0)
+        node_meta.set_leaf_calls(node, counts.get(node.name, 0))
 
 
 # --- eager dispatch --------------------------------------------------------------------

@@ -16,10 +16,11 @@ import torch
 from torch import fx
 
 from .._gc import cyclic_gc_paused
+from . import node_meta
 from .leafcalls import recording_counter, store_counts
 from .nodes import submodule_resolver
 from .opaque_outputs import leaf_label, misleads
-from .rank_checks import RELIED, RankAssumptionError, check_relied
+from .rank_checks import RankAssumptionError, check_relied
 
 __all__ = ["TensorMeta", "ValueMeta", "describe", "run_and_record", "tensor_metas"]
 
@@ -210,7 +211,7 @@ def _run(
             # Values the new graph reads no more after this point: dropped with the rest.
             position = {n: k for k, n in enumerate(nodes)}
             held = [n for n in env if max((position[u] for u in n.users), default=-1) <= i]
-        if RELIED in node.meta:
+        if node_meta.relied(node) is not None:
             try:
                 check_relied(node, value)
             except RankAssumptionError as exc:

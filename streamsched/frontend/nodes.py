@@ -18,6 +18,7 @@ from torch import fx, nn
 
 from .. import _generation
 from ..branch import BranchCall
+from . import node_meta
 
 __all__ = [
     "node_label",
@@ -139,7 +140,7 @@ def node_label(node: fx.Node) -> str:
         return str(node.target)
     if node.op == "call_function" and isinstance(node.target, BranchCall):
         return node.target.task_name
-    fused = node.meta.get("streamsched_label")
+    fused = node_meta.fused_label(node)
     if fused:
         return fused
     scope = scope_of(node)
@@ -175,7 +176,7 @@ def is_glue(node: fx.Node, root: Any = None) -> bool:
     if node.op == "call_function":
         if node.target in VIEW_FUNCTIONS:
             return True
-        return bool(node.meta.get("streamsched_glue"))
+        return node_meta.is_inserted_glue(node)
     return False
 
 

@@ -23,10 +23,12 @@ from typing import Any
 import torch
 from torch import fx
 
+from . import node_meta
+
 __all__ = ["rely_on", "check_relied", "real_of", "RankAssumptionError", "RELIED"]
 
 # node.meta key: {"rank" | "length" | "dtype": what the trace used}
-RELIED = "streamsched_relied_rank"
+RELIED = node_meta.RELIED_RANK
 
 
 class RankAssumptionError(RuntimeError):
@@ -37,7 +39,7 @@ class RankAssumptionError(RuntimeError):
 def rely_on(node: fx.Node, kind: str, number: Any) -> None:
     """Mark that the trace used ``node``'s rank (``kind="rank"``), length (``"length"``)
     or dtype (``"dtype"``)."""
-    node.meta.setdefault(RELIED, {})[kind] = number
+    node_meta.note_relied(node, kind, number)
 
 
 def real_of(kind: str, value: Any) -> Any:
@@ -51,7 +53,7 @@ def real_of(kind: str, value: Any) -> Any:
 
 def check_relied(node: fx.Node, value: Any) -> None:
     """Raise if ``value``, the real value of ``node``, is not what the trace relied on."""
-    for kind, number in node.meta[RELIED].items():
+    for kind, number in (node_meta.relied(node) or {}).items():
         real = real_of(kind, value)
         if real != number:
             raise RankAssumptionError(

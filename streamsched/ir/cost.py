@@ -14,6 +14,7 @@ from typing import Any, Optional
 import torch
 from torch import fx, nn
 
+from ..frontend import node_meta
 from ..frontend.meta import TensorMeta, ValueMeta, tensor_metas
 from ..frontend.nodes import is_glue
 
@@ -114,8 +115,9 @@ def estimate_node_cost(
         return 0.1
     in_metas = [metas[n] for n in node.all_input_nodes if n in metas]
     out_meta = metas.get(node, ())
-    if "streamsched_cost_us" in node.meta:
-        return float(node.meta["streamsched_cost_us"])
+    fixed = node_meta.fixed_cost_us(node)
+    if fixed is not None:
+        return fixed
     flops = node_flops(node, module, in_metas, out_meta)
     nbytes = node_bytes(in_metas, out_meta, module)
     work = max(flops / device.flops_per_us, nbytes / device.bytes_per_us)

@@ -19,6 +19,7 @@ from torch import fx
 
 from .._gc import cyclic_gc_paused
 from ..config import SchedulerConfig
+from ..frontend import node_meta
 from ..frontend.effects import Effects
 from ..frontend.fx_fast import set_arguments
 from ..frontend.leafcalls import opaque_leaf_calls, traced_coverage
@@ -165,9 +166,9 @@ def _make_schedule(
     involved = effects.involved
     for node in graph.nodes:
         if node.name in involved:
-            node.meta["streamsched_effect"] = True
+            node_meta.set_effect(node)
         if node.name in effects.outputs_written:
-            node.meta["streamsched_output_written"] = True
+            node_meta.set_output_written(node)
     device = device_of(inputs, root)
     dev = device_model_for(device)
     groups: list[FusedGroupInfo] = []

@@ -32,6 +32,7 @@ from torch import fx, nn
 
 from ... import _generation
 from ...branch import BranchCall
+from ...frontend import node_meta
 from ...frontend.hooks import has_hooks
 from ...frontend.meta import ConstMeta, TensorMeta, ValueMeta
 from ...frontend.nodes import node_label, submodule, target_name
@@ -441,7 +442,7 @@ class FusionSupport:
         if not st.tensor_args:
             return None
         excluded = None
-        if node.meta.get("streamsched_effect"):
+        if node_meta.has_effect(node):
             # It writes a storage another node reads or writes (or reads one written in
             # place): its place in eager order is kept, so it runs alone.
             excluded = _EFFECT

@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import fx, nn
 
+from ...frontend import node_meta
 from ...frontend.meta import TensorMeta, ValueMeta
 from ...frontend.nodes import AUGMENTED_OPERATORS, is_glue, node_label, submodule
 from ...ir.cost import DeviceModel, estimate_node_cost
@@ -123,7 +124,7 @@ class Rewriter:
         with self.graph.inserting_before(anchor):
             node = self.graph.call_function(target, args)
         if glue:
-            node.meta["streamsched_glue"] = True
+            node_meta.set_inserted_glue(node)
         self.position[node] = self.position[anchor] - 0.5
         self.inserted.append(node)
         return node
@@ -194,14 +195,14 @@ class Rewriter:
         with self.graph.inserting_before(anchor):
             node = self.graph.call_function(kernel, tuple(inputs))
         label = _common_label([node_label(m) for m in members])
-        node.meta["streamsched_label"] = f"{label} [x{len(members)} {kernel.kernel}]"
+        node_meta.set_fused_label(node, f"{label} [x{len(members)} {kernel.kernel}]")
         self.position[node] = self.position[anchor] - 0.25
         member_cost = 0.0
         estimated: dict[Any, float] = {}
         for m in members:
             key = None
             if alike:
-                key = (self.metas.get(m), m.meta.get("streamsched_cost_us"), m.meta.get("streamsched_glue"))
+                key = (self.metas.get(m), node_meta.fixed_cost_us(m), node_meta.is_inserted_glue(m))
             cost = estimated.get(key) if key is not None else None
             if cost is None:
                 mod = submodule(self.root, m.target) if m.op == "call_module" else None
@@ -209,7 +210,7 @@ class Rewriter:
                 if key is not None:
                     estimated[key] = cost
             member_cost += max(0.0, cost - self.device.launch_us)
-        node.meta["streamsched_cost_us"] = member_cost + self.device.launch_us
+        node_meta.set_fixed_cost_us(node, member_cost + self.device.launch_us)
         for i, m in enumerate(members):
             if sizes is not None:
                 self.stacked_of[m] = _Stacked(node, i, kernel.out_layout, len(members), self.shape(m), sizes)
@@ -298,7 +299,7 @@ class Rewriter:
         written = {
             m
             for m in self.members
-            if m.meta.get("streamsched_output_written")
+            if node_meta.output_written(m)
             or any(self._writes_input(u) for u in m.users if u not in self.members)
             or self._returned_with_grad(m)
         }
@@ -313,7 +314,7 @@ class Rewriter:
             # only the same while nothing writes it (in place, or as an ``out=``), and
             # nothing else reads the members (a member's view would share its storage; a
             # written member has such a reader, the op or view that writes it).
-            if "out" in node.kwargs or node.meta.get("streamsched_output_written"):
+            if "out" in node.kwargs or node_meta.output_written(node):
                 continue
             if any(u is not node for i in items if isinstance(i, fx.Node) for u in i.users if u not in self.members):
                 continue

@@ -9,8 +9,8 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from ...branch import _eager_launcher
-from ...frontend.leafcalls import counting_dispatch
 from ...frontend.binder import CallSpec
+from ...frontend.leafcalls import counting_dispatch
 from ..synclog import SyncLog
 from .call import _EagerCall
 from .context import DispatchContext
