@@ -127,7 +127,7 @@ def _regroup(flat: list[torch.Tensor], param_groups: ParamGroups) -> list[dict]:
     holder: dict[int, StackedParameter] = {}
     for t in flat:
         if isinstance(t, StackedParameter):
-            for m in t._ss.members:
+            for m in t._stack.members:
                 holder[id(m)] = t
     groups = list(param_groups)
     if not groups or not isinstance(groups[0], dict):
@@ -147,7 +147,7 @@ def _regroup(flat: list[torch.Tensor], param_groups: ParamGroups) -> list[dict]:
             if s is None:
                 new.append(p)
                 continue
-            name = s._ss.names[s._ss.index[id(p)]]
+            name = s._stack.names[s._stack.index[id(p)]]
             seen.setdefault(id(s), set()).add(id(p))
             first = placed.get(id(s))
             if first is None:
@@ -158,11 +158,11 @@ def _regroup(flat: list[torch.Tensor], param_groups: ParamGroups) -> list[dict]:
         out.append({**options, "params": new})
     for sid, members in seen.items():
         s = next(t for t in flat if id(t) == sid)
-        if len(members) != len(s._ss.members):
-            missing = next(n for m, n in zip(s._ss.members, s._ss.names) if id(m) not in members)
+        if len(members) != len(s._stack.members):
+            missing = next(n for m, n in zip(s._stack.members, s._stack.names) if id(m) not in members)
             raise StackedLayoutError(
                 f"{missing} is in no parameter group, but other members of its fused group are ({len(members)} of "
-                f"{len(s._ss.members)}); a stacked tensor is updated as a whole. Put every member of the group in "
+                f"{len(s._stack.members)}); a stacked tensor is updated as a whole. Put every member of the group in "
                 "the parameter groups, or keep per-member parameters (model.parameters())"
             )
     return out
@@ -192,7 +192,7 @@ def _check_same_options(a: dict, b: dict, name_a: str, name_b: str, s: StackedPa
         return
     raise StackedLayoutError(
         f"{name_a} ({key}={a.get(key, '<default>')!r}) and {name_b} ({key}={b.get(key, '<default>')!r}) are members "
-        f"of one fused group ({len(s._ss.members)} members, held as one stacked tensor); a stacked optimizer step "
+        f"of one fused group ({len(s._stack.members)} members, held as one stacked tensor); a stacked optimizer step "
         f"applies one {key} to all of them and will not average it. Give every member of the group the same "
         "options, or build this optimizer over per-member parameters (model.parameters())"
     )
@@ -214,7 +214,7 @@ def _copy_value(v: Any) -> Any:
 
 
 def _stack_states(s: StackedParameter, states: list[dict]) -> Optional[dict]:
-    link = s._ss
+    link = s._stack
     held = [bool(st) for st in states]
     if not any(held):
         return None
@@ -312,7 +312,7 @@ def stack_state(source: torch.optim.Optimizer, target: torch.optim.Optimizer, hy
     def stacked(t: torch.Tensor) -> Optional[tuple[list[tuple[int, str]], Optional[dict]]]:
         if not isinstance(t, StackedParameter):
             return None
-        link = t._ss
+        link = t._stack
         where = [groups.get(id(m)) for m in link.members]
         if all(g is None for g in where):
             return [], None
@@ -350,7 +350,7 @@ def unstack_state(source: torch.optim.Optimizer, target: torch.optim.Optimizer, 
     for g in source.param_groups:
         for p in g["params"]:
             if isinstance(p, StackedParameter):
-                for i, m in enumerate(p._ss.members):
+                for i, m in enumerate(p._stack.members):
                     owner[id(m)] = (p, i)
 
     def member(p: torch.Tensor) -> Optional[tuple[list[tuple[int, str]], Optional[dict]]]:
@@ -359,7 +359,7 @@ def unstack_state(source: torch.optim.Optimizer, target: torch.optim.Optimizer, 
             return None
         s, i = hit
         st = source.state.get(s)
-        return [(groups[id(s)], s._ss.names[i])], (_unstack_state(s, st, i) if st else None)
+        return [(groups[id(s)], s._stack.names[i])], (_unstack_state(s, st, i) if st else None)
 
     _move_state(source, target, hyperparameters, groups, member)
 
@@ -431,11 +431,11 @@ class _ClipPlan:
                 if id(s) not in rows:
                     rows[id(s)] = (s, [n] * s.shape[0])  # rows of unlisted members: slot n
                 slots = rows[id(s)][1]
-                if s._ss.sizes is None:
+                if s._stack.sizes is None:
                     slots[i] = j
                 else:
-                    start = s._ss.starts[i]
-                    slots[start : start + s._ss.sizes[i]] = [j] * s._ss.sizes[i]
+                    start = s._stack.starts[i]
+                    slots[start : start + s._stack.sizes[i]] = [j] * s._stack.sizes[i]
         self.stacked = list(rows.values())
         self._slots: dict[tuple, torch.Tensor] = {}
 
@@ -493,7 +493,7 @@ def clip_grad_norm_per_member_(
     inf = math.isinf(p)
     grads: list[tuple[int, torch.Tensor]] = []
     for k, (s, _) in enumerate(plan.stacked):
-        if s._ss.active and s._ss.buf is not None:
+        if s._stack.active and s._stack.buf is not None:
             s._sync()
         if s.grad is not None:
             grads.append((k, s.grad))

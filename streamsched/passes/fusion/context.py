@@ -108,7 +108,7 @@ class FusionContext:
                 self._claimed[id(t)] = key
             param = self._params.get(key)
             if param is not None and param.active:
-                if all(a is b for a, b in zip(param._ss.members, stack.tensors)):
+                if all(a is b for a, b in zip(param._stack.members, stack.tensors)):
                     stack.bind(param)  # re-planned (after .to(), invalidate()): same parameter, new storage
                 else:
                     param._deactivate()
@@ -141,7 +141,7 @@ class FusionContext:
             )
         for key, stack in stacks:
             param = self._params.get(key)
-            if param is None or not all(a is b for a, b in zip(param._ss.members, stack.tensors)):
+            if param is None or not all(a is b for a, b in zip(param._stack.members, stack.tensors)):
                 member_names = [_qualified(names, m, n) for m, n in stack.owners]
                 param = StackedParameter.over(stack.stack, stack.tensors, member_names, stack.sizes)
                 self._params[key] = param
@@ -218,7 +218,7 @@ class FusionContext:
                 log.warning(
                     "fusion: the fused group of %s... was re-planned with other members; optimizers built from "
                     "fused_parameters() no longer update it (call fused_parameters() again)",
-                    param._ss.names[0],
+                    param._stack.names[0],
                 )
                 param._deactivate()
 

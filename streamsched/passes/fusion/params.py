@@ -164,7 +164,7 @@ class StackedTensors:
         if self.direct_grads and nat is not None:
             self._handoff = nat.GradHandOff(self.tensors, list(self.sizes or ()))
         if self.param is not None:
-            if all(a is b for a, b in zip(self.param._ss.members, self.tensors)):
+            if all(a is b for a, b in zip(self.param._stack.members, self.tensors)):
                 self.param._rebind(stack)
             else:
                 # A member was replaced by another Parameter object: the optimizer holding
@@ -173,7 +173,7 @@ class StackedTensors:
                 log.warning(
                     "fusion: a member of the stacked parameter %s... was replaced; it is no longer updated by "
                     "optimizers built from fused_parameters() (call fused_parameters() again)",
-                    self.param._ss.names[0],
+                    self.param._stack.names[0],
                 )
                 self.param._deactivate()
                 self.param = None

@@ -82,7 +82,7 @@ def stacked_owner(p: torch.Tensor) -> Optional[tuple[StackedParameter, int]]:
     s = _OWNER.get(id(p))
     if s is None:
         return None
-    link = s._ss
+    link = s._stack
     i = link.index.get(id(p))
     if i is None or link.members[i] is not p:
         return None
@@ -138,7 +138,7 @@ class StackedParameter(nn.Parameter):
     values.
     """
 
-    _ss: _Link
+    _stack: _Link
 
     def __new__(cls, data: Optional[torch.Tensor] = None, requires_grad: bool = True):
         return super().__new__(cls, data, requires_grad)
@@ -163,13 +163,13 @@ class StackedParameter(nn.Parameter):
             )
         with torch.inference_mode(False):
             self = cls(stack, requires_grad=flags.pop())
-        self.__dict__["_ss"] = _Link(members, names, sizes)
+        self.__dict__["_stack"] = _Link(members, names, sizes)
         return self
 
     def _hook(self) -> None:
         """Hooks on this leaf (it must require grad): fold stray members in before its
         gradient accumulates, and take in a replaced ``.grad`` after."""
-        link = self._ss
+        link = self._stack
         if link.hooks or not self.requires_grad:
             return
         link.ref = weakref.ref(self)
@@ -179,24 +179,24 @@ class StackedParameter(nn.Parameter):
 
     @property
     def members(self) -> tuple[nn.Parameter, ...]:
-        return tuple(self._ss.members)
+        return tuple(self._stack.members)
 
     @property
     def member_names(self) -> tuple[str, ...]:
-        return tuple(self._ss.names)
+        return tuple(self._stack.names)
 
     @property
     def concat(self) -> bool:
         """Whether members are concatenated along dim 0 (sizes differ) rather than stacked."""
-        return self._ss.sizes is not None
+        return self._stack.sizes is not None
 
     def member_slice(self, t: torch.Tensor, i: int) -> torch.Tensor:
         """Member ``i``'s part of ``t``, a tensor laid out like this parameter (a view)."""
-        return self._ss.part(t, i)
+        return self._stack.part(t, i)
 
     def member_rows(self) -> list[int]:
         """For each row (dim 0 index) of this parameter, the member it belongs to."""
-        link = self._ss
+        link = self._stack
         if link.sizes is None:
             return list(range(len(link.members)))
         return [i for i, size in enumerate(link.sizes) for _ in range(size)]
@@ -204,10 +204,10 @@ class StackedParameter(nn.Parameter):
     @property
     def active(self) -> bool:
         """Whether the fused kernels read this parameter (gradients land in its ``.grad``)."""
-        return self._ss.active
+        return self._stack.active
 
     def __repr__(self) -> str:
-        link = self._ss if "_ss" in self.__dict__ else None
+        link = self._stack if "_stack" in self.__dict__ else None
         if link is None:
             return super().__repr__()
         first = link.names[0] if link.names else "?"
@@ -233,7 +233,7 @@ class StackedParameter(nn.Parameter):
         # Optimizers, clip_grad_norm_ and GradScaler read .grad here: fold in whatever
         # re-pointed a member's .grad since the last check (a few attribute reads).
         g = _get_grad(self)
-        link = self.__dict__.get("_ss")
+        link = self.__dict__.get("_stack")
         if link is not None and link.active and link.buf is not None:
             members, views = link.members, link.views
             if g is not link.owner or members[0].grad is not views[0] or members[-1].grad is not views[-1]:
@@ -243,7 +243,7 @@ class StackedParameter(nn.Parameter):
 
     @grad.setter
     def grad(self, value: Optional[torch.Tensor]) -> None:
-        link = self.__dict__.get("_ss")
+        link = self.__dict__.get("_stack")
         buf = link.buf if link is not None else None
         if buf is None:
             _set_grad(self, value)
@@ -282,7 +282,7 @@ class StackedParameter(nn.Parameter):
 
     def _point_members(self, owner: torch.Tensor) -> None:
         """Every member's ``.grad`` becomes its view of ``owner`` (one pass over members)."""
-        link = self._ss
+        link = self._stack
         views = [link.part(owner, i) for i in range(len(link.members))]
         for m, v in zip(link.members, views):
             m.grad = v
@@ -291,7 +291,7 @@ class StackedParameter(nn.Parameter):
 
     def _link_grads(self) -> None:
         """Create the gradient buffer, holding the members' current gradients."""
-        link = self._ss
+        link = self._stack
         with torch.no_grad(), torch.inference_mode(False):
             buf = torch.zeros_like(self, memory_format=torch.contiguous_format)
             for i, m in enumerate(link.members):
@@ -305,7 +305,7 @@ class StackedParameter(nn.Parameter):
     def _fold_members(self) -> None:
         """Members whose ``.grad`` is not their view any more: ``None`` counts as zero,
         another tensor's values are copied in; then each is its view again."""
-        link = self._ss
+        link = self._stack
         with torch.no_grad():
             for m, v in zip(link.members, link.views):
                 g = m.grad
@@ -323,7 +323,7 @@ class StackedParameter(nn.Parameter):
 
     def _adopt(self, g: Optional[torch.Tensor]) -> None:
         """``S.grad`` is no longer what the members' views read: take it in."""
-        link = self._ss
+        link = self._stack
         buf = link.buf
         assert buf is not None
         if g is None:
@@ -344,7 +344,7 @@ class StackedParameter(nn.Parameter):
 
     def _sync(self) -> None:
         """The per-forward check (a few attribute reads when nothing changed)."""
-        link = self._ss
+        link = self._stack
         members = link.members
         first, last = members[0], members[-1]
         wanted = first.requires_grad
@@ -360,7 +360,7 @@ class StackedParameter(nn.Parameter):
             self._check_grads()
 
     def _check_grads(self) -> None:
-        link = self._ss
+        link = self._stack
         g = _get_grad(self)
         if g is not link.owner:
             self._adopt(g)
@@ -370,7 +370,7 @@ class StackedParameter(nn.Parameter):
             self._fold_members()
 
     def _sync_requires_grad(self) -> None:
-        link = self._ss
+        link = self._stack
         flags = {bool(m.requires_grad) for m in link.members}
         if len(flags) > 1:
             raise StackedLayoutError(
@@ -383,7 +383,7 @@ class StackedParameter(nn.Parameter):
     # --- activation -------------------------------------------------------------------
 
     def _activate(self) -> None:
-        link = self._ss
+        link = self._stack
         self._sync_requires_grad()
         if self.requires_grad:
             if link.buf is None or link.buf.shape != self.shape or link.buf.device != self.device:
@@ -396,7 +396,7 @@ class StackedParameter(nn.Parameter):
         _moved()
 
     def _deactivate(self) -> None:
-        link = self._ss
+        link = self._stack
         link.active = False
         for m in link.members:
             if _OWNER.get(id(m)) is self:
@@ -406,7 +406,7 @@ class StackedParameter(nn.Parameter):
     def _rebind(self, stack: torch.Tensor) -> None:
         """The members were re-stacked into new storage: point this parameter at it and
         rebuild the gradient buffer from the members' current gradients."""
-        link = self._ss
+        link = self._stack
         with torch.no_grad(), torch.inference_mode(False):
             _set_grad(self, None)
             self.data = stack
@@ -421,7 +421,7 @@ class StackedParameter(nn.Parameter):
 def _after(s: StackedParameter) -> None:
     """After ``s``'s gradient accumulated: autograd may have replaced ``.grad`` (under
     ``create_graph=True``, or where it was ``None``); take it in."""
-    link = s.__dict__["_ss"]
+    link = s.__dict__["_stack"]
     if link.buf is not None and _get_grad(s) is not link.owner:
         s._adopt(_get_grad(s))
 
