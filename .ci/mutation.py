@@ -3,7 +3,7 @@ at a time, and require the ``cuda``-marked tests (on the emulated device) to fai
 
 Mutants cover the Python executor (``runtime/streams.py``), the CUDA stream backend and
 the native runtime's stream operations (``runtime/backends.py``), eager dispatch
-(``runtime/eager/launchers.py``), CUDA graph capture (``runtime/graphs.py``) and the
+(``runtime/dispatch/launchers.py``), CUDA graph capture (``runtime/graphs.py``) and the
 native runtime itself (``csrc/runtime.cpp``): waits, event records, ``record_stream``,
 forks, joins, the caller's stream restored, capture begin and end.
 
@@ -69,7 +69,7 @@ def m(name: str, path: str, old: str, new: str, tests: list[str], native: bool =
 
 STREAMS = "streamsched/runtime/streams.py"
 BACKENDS = "streamsched/runtime/backends.py"
-EAGER_PY = "streamsched/runtime/eager/launchers.py"
+EAGER_PY = "streamsched/runtime/dispatch/launchers.py"
 GRAPHS_PY = "streamsched/runtime/graphs.py"
 RUNTIME_CPP = "csrc/runtime.cpp"
 

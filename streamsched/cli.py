@@ -37,7 +37,7 @@ from ._version import __version__
 from .envinfo import environment_report, format_report
 from .errors import ConfigError, ProfileMismatchError
 from .module import StreamScheduledModule
-from .observe.profiles import measure_profile
+from .observe.schedule_profiles import measure_profile
 from .observe.timeline import timeline
 
 __all__ = ["main", "build_parser", "parse_shape", "parse_options", "load_factory"]

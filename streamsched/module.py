@@ -53,14 +53,14 @@ from .frontend.trace import Traced, dtype_probes, dtypes_same, is_compiled_modul
 from .frontend.trace_guard import autocast_state
 from .nesting import NestedPlans
 from .observe.nvtx_ranges import NvtxRanges
-from .observe.profiles import check_profile, load_profile, profile_costs
+from .observe.schedule_profiles import check_profile, load_profile, profile_costs
 from .optim import fused_parameters
 from .passes.fusion import FusionContext
 from .planning.choice import Trial
 from .planning.plan import Plan
 from .planning.planner import Schedule, device_of, make_schedule, signature_text
 from .planning.signatures import RARE_CALLS, Decision, Structure, sizes_text
-from .runtime import eager as eager_dispatch
+from .runtime import dispatch as eager_dispatch
 from .runtime.chaos import Chaos
 from .runtime.graphs import GraphExecutor
 from .runtime.pool import ExecutorPool
@@ -97,7 +97,7 @@ class _AsWritten:
     __slots__ = ("_plan", "_make", "nests", "every_size")
 
     # Read by the call path like a compiled signature's: it runs the model as written.
-    eager = True
+    as_written = True
     alias_pattern = None
     trial = None
 
@@ -127,7 +127,7 @@ class _Compiled:
         "program",
         "plan",
         "trial",
-        "eager",
+        "as_written",
         "rebuild",
         "alias_pattern",
         "structure",
@@ -136,7 +136,7 @@ class _Compiled:
         "direct",
     )
 
-    # Its calls run as written (``eager``) without nesting the forward's children; the
+    # Its calls run as written (``as_written``) without nesting the forward's children; the
     # shortcut for structures run as written at every size starts from an _AsWritten.
     nests = False
     every_size = False
@@ -150,7 +150,7 @@ class _Compiled:
         # the model's own forward, until decided.
         self.trial: Optional[Trial] = None
         # Decided by the trial: calls with this signature run the model's own forward.
-        self.eager = False
+        self.as_written = False
         # Builds the model's own output (its container types) from the program's leaves.
         self.rebuild = rebuild
         # Where the graph writes in place: how the inputs shared storage on the planning
@@ -721,7 +721,7 @@ class StreamScheduledModule(nn.Module):
         if hot is not None and hot[0] == key:
             # The same signature as the previous call: no LRU bookkeeping.
             schedule = hot[1]
-            if schedule.eager and schedule.alias_pattern is None and st.observer is None:
+            if schedule.as_written and schedule.alias_pattern is None and st.observer is None:
                 # Settled to run the model as written: nothing else to decide.
                 st.calls += 1
                 st.last = schedule
@@ -747,7 +747,7 @@ class StreamScheduledModule(nn.Module):
         st.last = schedule
         st.hot = (key, schedule)
         if st.observer is None:
-            if schedule.eager:
+            if schedule.as_written:
                 # The first calls measured the model's own forward faster: run it as
                 # written (its own output types: no rebuild).
                 if schedule.nests:
@@ -909,8 +909,8 @@ class StreamScheduledModule(nn.Module):
         compiled.trial = None
         plan = compiled.plan
         why = f"size bucket decided at sizes {sizes_text(decision.sizes)}: {decision.why}"
-        if decision.eager:
-            compiled.eager = True
+        if decision.as_written:
+            compiled.as_written = True
             compiled.plan = plan.model_copy(update={"executor": "eager", "reason": why})
             return
         if plan.executor != decision.executor:
@@ -985,7 +985,7 @@ class StreamScheduledModule(nn.Module):
         if self.config.executor == "auto":
             eager = self._may_run_as_written()
             if eager or schedule.plan.executor != "serial":
-                schedule.trial = Trial(schedule.plan.executor, eager=eager)
+                schedule.trial = Trial(schedule.plan.executor, as_written=eager)
                 if self.config.grad_handoff == "direct":
                     # Member gradients are written natively, past the hooks a backward
                     # timer waits for; and eager is no candidate there.
@@ -1233,12 +1233,12 @@ class StreamScheduledModule(nn.Module):
 
     def _run_decided(self, schedule: _Compiled, tensors: list[torch.Tensor], args: tuple, kwargs: dict) -> Any:
         """A call of a signature whose trial has just been decided, run the way decided."""
-        if schedule.eager:
+        if schedule.as_written:
             return self._forward_as_written(args, kwargs)
         return schedule.rebuild(self._run(schedule, tensors))
 
     def _finish_trial(self, schedule: _Compiled, trial: Trial) -> None:
-        schedule.plan, schedule.eager = trial.decide(schedule.plan)
+        schedule.plan, schedule.as_written = trial.decide(schedule.plan)
         schedule.trial = None
         if schedule.structure is not None:
             # Decided once for the sizes' bucket: its other sizes take this verdict.
@@ -1246,11 +1246,13 @@ class StreamScheduledModule(nn.Module):
             measured = schedule.plan.trial.best_us if schedule.plan.trial is not None else {}
             kept = measured.get(schedule.plan.schedule_executor)
             gain_s = None
-            if not schedule.eager and kept is not None and "eager" in measured:
+            if not schedule.as_written and kept is not None and "eager" in measured:
                 gain_s = (measured["eager"] - kept) * 1e-6
             schedule.structure.decide(
                 schedule.structure.bucket_of(schedule.sizes),
-                Decision(schedule.eager, schedule.plan.schedule_executor, schedule.plan.reason, schedule.sizes, gain_s),
+                Decision(
+                    schedule.as_written, schedule.plan.schedule_executor, schedule.plan.reason, schedule.sizes, gain_s
+                ),
             )
 
     def _measured_costs(self, tensors: list[torch.Tensor]) -> Optional[dict[str, float]]:

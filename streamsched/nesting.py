@@ -100,7 +100,7 @@ def _settled_as_written(st: Any) -> bool:
     these arguments would run as written too."""
     last = st.last
     if getattr(last, "program", None) is not None:
-        return bool(last.eager) and last.trial is None
+        return bool(last.as_written) and last.trial is None
     inner = st.nested
     return bool(getattr(last, "nests", False)) and inner is not None and inner.all_inactive()
 

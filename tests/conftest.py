@@ -70,7 +70,7 @@ def _cuda_device(request, monkeypatch):
     if REAL_GPU:
         yield None
         return
-    import streamsched.runtime.eager.streams as eager_streams
+    import streamsched.runtime.dispatch.stream_backends as eager_streams
     from streamsched.emulated_cuda import EmulatedCuda
 
     # Streams do not outlive the emulated device: eager dispatch's process-wide pools start empty.

@@ -18,7 +18,7 @@ import streamsched as ss
 from streamsched import cli, envinfo
 from streamsched.cli import main, parse_options, parse_shape
 from streamsched.envinfo import environment_report, format_report, visible_nvml_devices
-from streamsched.observe.profiles import load_profile
+from streamsched.observe.schedule_profiles import load_profile
 from streamsched.planning.plan import Plan
 
 REPO = Path(__file__).resolve().parents[1]

@@ -357,7 +357,7 @@ def test_a_branch_input_released_before_the_join_is_an_unsafe_reuse(emulated_cud
     """Why eager dispatch issues no ``record_stream`` for branch inputs: the call log
     holds them until after the join. Planted: a log that does not hold them, and the
     input dropped mid-forward is reported (the test above would fail)."""
-    from streamsched.runtime.eager.calllog import _CallLog
+    from streamsched.runtime.dispatch.calllog import _CallLog
 
     def slot_without_holding(self, value):
         entry = self.slots.get(id(value))
@@ -376,7 +376,7 @@ def test_a_branch_input_released_before_the_join_is_an_unsafe_reuse(emulated_cud
 
 
 def test_a_planted_missing_eager_join_is_a_race(emulated_cuda, monkeypatch):
-    from streamsched.runtime.eager.launchers import _StreamLauncher
+    from streamsched.runtime.dispatch.launchers import _StreamLauncher
 
     monkeypatch.setattr(_StreamLauncher, "join", lambda self: None)
     model = UnusedBranch().cuda()

@@ -571,7 +571,7 @@ def test_a_trial_that_keeps_the_schedule_hands_its_gain_to_the_bucket(monkeypatc
         assert_close(sm(x), model(x))
     structure = next(iter(sm._ss.structures.values()))
     decision = structure.decision(signatures.size_bucket(((17, 16),)))
-    assert decision is not None and not decision.eager
+    assert decision is not None and not decision.as_written
     assert decision.gain_s is not None and decision.gain_s > 0.005
     assert structure.record_s is not None and structure.record_s > 0
 
@@ -581,7 +581,7 @@ def test_one_slow_call_of_the_model_as_written_does_not_drop_it_from_a_trial():
     written to one call slowed by something else; a second slow call drops it."""
     from streamsched.planning.choice import Trial
 
-    trial = Trial("serial", eager=True)
+    trial = Trial("serial", as_written=True)
     trial.rare = True
     trial.add("serial", 1e-3)
     trial.add("eager", 10e-3)  # one call ten times slower: another process ran meanwhile
@@ -592,7 +592,7 @@ def test_one_slow_call_of_the_model_as_written_does_not_drop_it_from_a_trial():
     plan = ss.Plan.as_written("M", "planted")
     _decided, eager = trial.decide(plan)
     assert eager is True  # its second call was the faster way
-    trial = Trial("serial", eager=True)
+    trial = Trial("serial", as_written=True)
     for _ in range(2):
         trial.add("serial", 1e-3)
         trial.add("eager", 10e-3)

@@ -21,8 +21,8 @@ from torch import nn
 
 import streamsched as ss
 from streamsched.planning.choice import LaneHistory
-from streamsched.runtime.eager import EagerDispatchError, PendingValue
-from streamsched.runtime.eager.launch import _Launch
+from streamsched.runtime.dispatch import EagerDispatchError, PendingValue
+from streamsched.runtime.dispatch.launch import _Launch
 from streamsched.testing import check_happens_before
 
 from .helpers import Towers, assert_close, check_against_eager, flatten, grads
@@ -849,7 +849,7 @@ def test_missing_fork_or_hand_off_in_the_log_is_reported(executor):
 def call_in_forked_child(sm, x, seconds: float) -> bool:
     """Call ``sm(x)`` in a forked child process; whether it finished within ``seconds``,
     with the result equal to the plain model's and every lane pool inline in the child."""
-    from streamsched.runtime.eager.lanes import _LANES
+    from streamsched.runtime.dispatch.lane_pool import _LANES
     from streamsched.runtime.threads import _POOL
 
     context = multiprocessing.get_context("fork")

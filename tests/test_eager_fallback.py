@@ -229,7 +229,7 @@ def test_a_parallel_plan_competes_with_serial_and_the_models_forward(monkeypatch
         from streamsched.planning.choice import Trial as _Trial
 
         sm._ss.last.plan = sm.plan.model_copy(update={"executor": "threads"})
-        sm._ss.last.trial = _Trial("threads", eager=True)
+        sm._ss.last.trial = _Trial("threads", as_written=True)
     assert sm._ss.last.trial.candidates == ["threads", "serial", "eager"]
     original = ThreadExecutor.run
 
@@ -328,7 +328,7 @@ class UntraceableWithBranches(Untraceable):
 
 
 def test_an_untraceable_forward_without_branches_runs_as_written(monkeypatch):
-    import streamsched.runtime.eager as eager_dispatch
+    import streamsched.runtime.dispatch as eager_dispatch
 
     model = Untraceable()
     sm = ss.StreamScheduledModule(model, strict=False)

@@ -128,6 +128,16 @@ def test_runtime_does_not_import_the_tracer(module):
     assert not found, f"{module} imports the tracer (frontend/trace.py): {found}"
 
 
+def test_no_file_name_appears_twice():
+    """A file name says what the file holds: two modules of one name (``plan.py`` in
+    planning and in eager dispatch) read as one in tracebacks, logs and searches."""
+    seen: dict[str, list[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        seen.setdefault(path.name, []).append(str(path.relative_to(PACKAGE)))
+    twice = {name: paths for name, paths in seen.items() if len(paths) > 1 and name != "__init__.py"}
+    assert not twice, f"file names used more than once: {twice}"
+
+
 def test_no_import_cycles():
     graph: dict[str, set[str]] = {}
     for module, path in MODULES.items():

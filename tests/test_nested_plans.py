@@ -226,7 +226,7 @@ def test_an_opaque_call_of_a_traced_plan_is_nested():
 def test_a_trial_leaves_out_calls_in_which_a_nested_child_planned():
     from streamsched.planning.choice import Trial
 
-    trial = Trial("serial", eager=True)
+    trial = Trial("serial", as_written=True)
     first = trial.next()
     assert trial.skip(first) and trial.next() == first  # the same candidate runs again
     for _ in range(Trial._MAX_SKIPPED - 1):
@@ -434,7 +434,7 @@ def test_a_child_of_an_object_call_that_settles_as_written_is_handed_back_at_onc
         assert_close(sm(batch), model(batch))
         site = _site(sm, "blocks.0")
         last = site.wrapper._ss.last
-        if settled_at is None and getattr(last, "program", None) is not None and last.eager and last.trial is None:
+        if settled_at is None and getattr(last, "program", None) is not None and last.as_written and last.trial is None:
             settled_at = call
         if settled_at is not None:
             assert not site.active, (call, settled_at)

@@ -15,8 +15,8 @@ import torch
 
 import streamsched as ss
 from streamsched import cli
-from streamsched.observe import profiles
-from streamsched.observe.profiles import load_profile, measure_profile, profile_costs
+from streamsched.observe import schedule_profiles as profiles
+from streamsched.observe.schedule_profiles import load_profile, measure_profile, profile_costs
 from streamsched.observe.timeline import ObservedCall, TaskSpan
 
 from .helpers import Towers

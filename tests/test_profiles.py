@@ -7,8 +7,14 @@ import torch
 
 import streamsched as ss
 from streamsched.errors import ConfigError, ProfileMismatchError
-from streamsched.observe import profiles
-from streamsched.observe.profiles import ScheduleProfile, check_profile, load_profile, measure_profile, profile_costs
+from streamsched.observe import schedule_profiles as profiles
+from streamsched.observe.schedule_profiles import (
+    ScheduleProfile,
+    check_profile,
+    load_profile,
+    measure_profile,
+    profile_costs,
+)
 from streamsched.observe.timeline import ObservedCall, TaskSpan
 
 from .helpers import ConvTowers, Towers
@@ -147,3 +153,18 @@ def test_a_profile_for_another_input_is_refused_naming_the_file(measured, tmp_pa
     again = ss.StreamScheduledModule(sm.module, profile=str(path))
     with torch.no_grad():
         assert again(torch.randn(2, 8, 12, 12)).shape[0] == 2  # the matching input still works
+
+
+def test_documented_import_paths_name_the_schedule_profiles_module():
+    """``streamsched.observe.profiles`` (docs/observability.md) and ``streamsched.profiles``
+    keep importing what ``streamsched.observe.schedule_profiles`` holds."""
+    import streamsched.observe.profiles as old_path
+    from streamsched.observe.profiles import load_profile as old_load
+    from streamsched.observe.profiles import measure_profile as old_measure
+
+    from streamsched import profiles as short_path
+    from streamsched.observe import profiles as attribute
+
+    assert old_path is profiles and attribute is profiles
+    assert old_load is load_profile and old_measure is measure_profile
+    assert short_path.measure_profile is measure_profile and short_path.ScheduleProfile is ScheduleProfile

@@ -96,7 +96,7 @@ class Trial:
     and keeps the fastest.
 
     The candidates: the plan's executor, ``serial`` (when the plan chose another one) and
-    ``eager``, the model's own forward run as written (unless ``sync_log``, ``chaos``, CUDA
+    ``eager`` (``as_written=True``), the model's own forward run as written (unless ``sync_log``, ``chaos``, CUDA
     graphs or ``grad_handoff="direct"`` ask for the schedule itself). The estimate decides whether
     streams or lanes should pay and the schedule whether tracing pays at all; this checks
     both on the real machine. Calls take the candidates in turn and each keeps its fastest
@@ -141,14 +141,14 @@ class Trial:
     def __init__(
         self,
         executor: str,
-        eager: bool = False,
+        as_written: bool = False,
         rounds: int = 5,
         margin: float = 0.02,
         max_rounds: int = 15,
         close: float = 0.04,
     ):
         self.executor = executor
-        self.candidates = [executor] + (["serial"] if executor != "serial" else []) + (["eager"] if eager else [])
+        self.candidates = [executor] + (["serial"] if executor != "serial" else []) + (["eager"] if as_written else [])
         self.live = list(self.candidates)
         self.rounds = rounds
         self.margin = margin

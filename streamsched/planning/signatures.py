@@ -108,7 +108,7 @@ def size_bucket(sizes: tuple) -> tuple:
 class Decision:
     """The ``auto`` trial's verdict for one size bucket."""
 
-    eager: bool  # the model as written was faster
+    as_written: bool  # the model as written was faster
     executor: str  # the schedule's executor the trial kept
     why: str  # the trial's figures, as the plan states them
     sizes: tuple  # the sizes the trial ran
@@ -180,7 +180,7 @@ class Structure:
         if not self.uniform:
             return False
         decision = self.decisions.get(ANY_SIZE)
-        return decision is not None and decision.eager
+        return decision is not None and decision.as_written
 
     def decision(self, bucket: tuple) -> Optional[Decision]:
         return self.decisions.get(bucket)
@@ -222,7 +222,7 @@ class Structure:
 
     def admit_decided(self, bucket: tuple) -> Optional[AsWritten]:
         decision = self.decisions.get(bucket)
-        if decision is None or not decision.eager:
+        if decision is None or not decision.as_written:
             return None
         return AsWritten(
             True,

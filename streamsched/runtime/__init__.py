@@ -6,7 +6,7 @@
 - executors: :mod:`.serial` (reference), :mod:`.threads` (CPU lanes), :mod:`.streams`
   (CUDA streams, or their simulation), :mod:`.graphs` (the streams schedule captured in a
   CUDA graph); :mod:`.backends`: the stream operations they and eager dispatch issue;
-- :mod:`.eager`: eager dispatch, for models that cannot be traced;
+- :mod:`.dispatch`: eager dispatch, for models that cannot be traced;
 - :mod:`.synclog`, :mod:`.chaos`: the synchronisation log and its race checker, and
   random delays that shake out missing waits.
 """

@@ -3,7 +3,7 @@
 Both issue work onto a pool of side streams and take the same decisions (fork, wait,
 record, ``record_stream``, join); they differ only in who asks. The
 :class:`~.streams.StreamExecutor` runs a compiled program task by task; eager dispatch
-(:mod:`streamsched.runtime.eager`) launches one ``@streamsched.branch`` call at a time.
+(:mod:`streamsched.runtime.dispatch`) launches one ``@streamsched.branch`` call at a time.
 Each goes through a :class:`StreamBackend`:
 
 - :class:`CudaBackend` drives real CUDA streams and events on one device, from a pool of

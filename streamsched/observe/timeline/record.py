@@ -147,7 +147,7 @@ def record_runs(sm: Observable, *inputs: Any, runs: int = 3, warmup: int = 2, **
     """Warm ``sm`` up, then observe ``runs`` calls of ``sm(*inputs, **kwargs)``.
 
     Used by :func:`timeline` (which keeps the fastest call) and by
-    :func:`streamsched.observe.profiles.measure_profile` (which takes medians). With
+    :func:`streamsched.observe.schedule_profiles.measure_profile` (which takes medians). With
     ``cuda_graph``, observed calls run the plain streams schedule (a replayed graph has
     no per-task points to observe).
     """

@@ -23,14 +23,14 @@ from ..chaos import Chaos
 from ..synclog import SyncLog
 from .body import _BranchRunner
 from .calllog import _CallLog
-from .context import DispatchContext
-from .lanes import _LANES
+from .dispatch_context import DispatchContext
+from .lane_pool import _LANES
 from .launch import _Launch
 from .launchers import _LaneLauncher, _StreamLauncher
 from .pending import PendingValue, resolve
-from .plan import _CallRecord
 from .policy import _bound, _Mode
-from .streams import _SIMULATED, _cuda_streams
+from .reported_plan import _CallRecord
+from .stream_backends import _SIMULATED, _cuda_streams
 from .values import _leaves, _storage_key
 
 _MODULE_PATHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

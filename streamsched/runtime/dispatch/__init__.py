@@ -86,11 +86,11 @@ Example::
     'eager-dispatch'
 """
 
-from .context import DispatchContext
 from .dispatch import DispatchResult, run_eager_dispatch
-from .errors import EagerDispatchError
+from .dispatch_context import DispatchContext
+from .dispatch_errors import EagerDispatchError
 from .pending import PendingValue, resolve
-from .plan import EagerSchedule
+from .reported_plan import EagerSchedule
 
 __all__ = [
     "run_eager_dispatch",

@@ -15,8 +15,8 @@ import torch
 
 from ...config import SchedulerConfig
 from ...planning.choice import LaneHistory
-from .context import DispatchContext
-from .lanes import _LANES
+from .dispatch_context import DispatchContext
+from .lane_pool import _LANES
 
 
 def _bound(config: SchedulerConfig, device_type: str) -> int:

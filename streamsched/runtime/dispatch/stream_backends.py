@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..backends import CudaBackend, SimulatedBackend, StreamBackend
-from .lanes import _LANES
+from .lane_pool import _LANES
 
 _SIMULATED = SimulatedBackend(default_stream=_LANES.current_lane)
 _CUDA_STREAMS: dict[torch.device, CudaBackend] = {}

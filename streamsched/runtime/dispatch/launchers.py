@@ -12,10 +12,10 @@ from ..chaos import Chaos
 from ..threads import _TorchState
 from .body import _annotated_length, _BranchRunner
 from .calllog import _CallLog
-from .lanes import _LANES
+from .lane_pool import _LANES
 from .launch import _Launch
 from .pending import PendingValue
-from .streams import _record_stream
+from .stream_backends import _record_stream
 from .values import _tensors
 
 

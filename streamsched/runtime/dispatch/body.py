@@ -12,7 +12,7 @@ import torch
 
 from ...frontend.leafcalls import branch_scope
 from .calllog import _CallLog
-from .errors import EagerDispatchError
+from .dispatch_errors import EagerDispatchError
 from .launch import _Launch, _TaskInfo
 from .pending import resolve
 from .values import _tensors, _version

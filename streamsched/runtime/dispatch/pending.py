@@ -51,7 +51,7 @@ class PendingValue:
     (``out[0]``, ``out["logits"]``, ``out[:, :4]``) gives another pending value.
 
     What a pending value cannot imitate: ``type(v)``, ``isinstance(v, torch.Tensor)``
-    and identity (``v is None``) see the pending value itself. ``streamsched.runtime.eager.resolve(v)``
+    and identity (``v is None``) see the pending value itself. ``streamsched.runtime.dispatch.resolve(v)``
     gives the result.
     """
 

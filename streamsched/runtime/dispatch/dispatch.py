@@ -13,9 +13,9 @@ from ...frontend.binder import CallSpec
 from ...frontend.leafcalls import counting_dispatch
 from ..synclog import SyncLog
 from .call import _EagerCall
-from .context import DispatchContext
-from .plan import EagerSchedule
+from .dispatch_context import DispatchContext
 from .policy import _choose_mode
+from .reported_plan import EagerSchedule
 from .writes import _WriteGuard
 
 
