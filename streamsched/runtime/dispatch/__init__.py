@@ -54,16 +54,16 @@ The package, one job per module, each importing only the ones listed after it:
 - :mod:`.launchers`: launching onto CPU lanes and onto streams, and joining them;
 - :mod:`.body`: running a branch's body, with the checks every launch makes;
 - :mod:`.calllog`: the call's SyncLog entries and the ids (slots) they name values by;
-- :mod:`.plan`: the :class:`~streamsched.planning.plan.Plan` a call reports (:class:`EagerSchedule`);
+- :mod:`.reported_plan`: the :class:`~streamsched.planning.plan.Plan` a call reports (:class:`EagerSchedule`);
 - :mod:`.policy`: how a call runs its branches (inline, lanes or streams);
-- :mod:`.context`: :class:`DispatchContext`;
+- :mod:`.dispatch_context`: :class:`DispatchContext`;
 - :mod:`.writes`: the forward's in-place writes that could race a running branch;
 - :mod:`.pending`: :class:`PendingValue` and :func:`resolve`;
 - :mod:`.launch`: the book-keeping of one launched branch;
 - :mod:`.values`: the walkers over call arguments, and which memory a tensor is;
-- :mod:`.streams`: the stream backends (:mod:`streamsched.runtime.backends`) branches go to;
-- :mod:`.lanes`: the pool of CPU worker lanes;
-- :mod:`.errors`: :class:`EagerDispatchError`.
+- :mod:`.stream_backends`: the stream backends (:mod:`streamsched.runtime.backends`) branches go to;
+- :mod:`.lane_pool`: the pool of CPU worker lanes;
+- :mod:`.dispatch_errors`: :class:`EagerDispatchError`.
 
 Example::
 
