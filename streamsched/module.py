@@ -568,7 +568,11 @@ class StreamScheduledModule(nn.Module):
             and not _tracing_state()
         ):
             settled = self._ss.settled
-            if settled is not None and settled.generation == _generation._generation and settled.admits(args, kwargs):
+            if (
+                settled is not None
+                and settled.generation == _generation._generation
+                and settled.admits(args, kwargs, settled.sizes)
+            ):
                 return self._settled_call(settled, args, kwargs)
             return self._entry(args, kwargs, False)
         return _module_call(self, *args, **kwargs)
@@ -602,7 +606,7 @@ class StreamScheduledModule(nn.Module):
             inside_model_call
             and settled is not None
             and settled.generation == _generation._generation
-            and settled.admits(args, kwargs)
+            and settled.admits(args, kwargs, settled.sizes)
         ):
             return self._settled_call(settled, args, kwargs)
         with st.lock:
@@ -625,12 +629,29 @@ class StreamScheduledModule(nn.Module):
                 ran(st.last)
             return out
 
-    def _settle_tensor_calls(self, spec: Any, args: tuple, schedule: Any) -> None:
-        """A call of positional tensors whose structure runs as written at every size:
-        later calls of its layout skip binding and keys (settled_calls.py)."""
+    def _settle_as_written(self, args: tuple, kwargs: dict, schedule: Any) -> None:
+        """A call of positional tensors settled to run as written (``schedule``): at every
+        size of its structure, or at its sizes. Later calls of its layout (at those sizes)
+        skip binding and keys (settled_calls.py)."""
         st = self._ss
-        if spec is st.tensors_spec and st.observer is None:
-            st.settled = SettledCalls(st.generation, args, {}, schedule, tensors=True)
+        if kwargs or st.observer is not None or not _all_plain_tensors(args):
+            return
+        settled = st.settled
+        if settled is not None and settled.generation == st.generation and settled.admits(args, kwargs, settled.sizes):
+            return  # settled already (this call came another way: a hook on the wrapper)
+        if schedule.every_size:
+            st.settled = SettledCalls(st.generation, args, kwargs, schedule, tensors=True)
+            return
+        shapes = tuple([a.shape for a in args])
+        if (
+            settled is not None
+            and settled.sizes is not None
+            and settled.generation == st.generation
+            and settled.admits(args, kwargs, None)
+        ):
+            settled.add_size(shapes, schedule)
+        else:
+            st.settled = SettledCalls(st.generation, args, kwargs, None, tensors=True, sizes={shapes: schedule})
 
     def _settled_call(self, settled: SettledCalls, args: tuple, kwargs: dict) -> Any:
         """A call in the layout of one settled to run as written (passing an object, its
@@ -650,7 +671,8 @@ class StreamScheduledModule(nn.Module):
         st.calls += 1
         if settled.nested is not None:
             settled.nested.calls += 1  # counted as NestedPlans.all_quiet counts a call
-        st.last = settled.schedule
+        sizes = settled.sizes
+        st.last = settled.schedule if sizes is None else sizes[tuple([a.shape for a in args])]
         st.last_path = "as-written"
         module = self.module
         try:
@@ -727,8 +749,7 @@ class StreamScheduledModule(nn.Module):
                 st.last = schedule
                 if schedule.nests:
                     return self._forward_nesting(spec, args, kwargs)
-                if schedule.every_size:
-                    self._settle_tensor_calls(spec, args, schedule)
+                self._settle_as_written(args, kwargs, schedule)
                 st.last_path = "as-written"
                 return type(module).forward(module, *args, **kwargs)
         else:
@@ -752,8 +773,7 @@ class StreamScheduledModule(nn.Module):
                 # written (its own output types: no rebuild).
                 if schedule.nests:
                     return self._forward_nesting(spec, args, kwargs)
-                if schedule.every_size:
-                    self._settle_tensor_calls(spec, args, schedule)
+                self._settle_as_written(args, kwargs, schedule)
                 return self._forward_as_written(args, kwargs)
             if schedule.trial is not None and not self.config.sync_log and self.config.chaos is None:
                 return self._run_trial(schedule, schedule.trial, tensors, args, kwargs)
@@ -867,9 +887,8 @@ class StreamScheduledModule(nn.Module):
                 if verdict.settled:
                     # Later calls with this signature run as written without asking again.
                     st.written.put(key, st.last)
-                    if structure.as_written_at_every_size():
-                        st.last.every_size = True
-                        self._settle_tensor_calls(spec, args, st.last)
+                    st.last.every_size = structure.as_written_at_every_size()
+                    self._settle_as_written(args, kwargs, st.last)
                 return self._forward_as_written(args, kwargs)
         start = time.perf_counter()
         out = self._first_call(key, spec, tensors, args, kwargs)

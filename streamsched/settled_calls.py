@@ -41,6 +41,10 @@ _MISSING = object()
 # A settled tensor layout has no retry to count down to.
 _NEVER = 1 << 62
 
+# Sizes a layout settled size by size remembers (the full path's own table of settled
+# signatures holds every one).
+MAX_SETTLED_SIZES = 256
+
 
 def tensor_meta(t: torch.Tensor) -> tuple:
     """What a uniform structure's key holds of a tensor: all but its sizes."""
@@ -52,7 +56,7 @@ class SettledCalls:
     reports, the nested children to count calls for (object calls), and how many calls may
     take the shortcut before their retry."""
 
-    __slots__ = ("generation", "admits", "left", "schedule", "nested")
+    __slots__ = ("generation", "admits", "left", "schedule", "nested", "sizes")
 
     def __init__(
         self,
@@ -63,33 +67,46 @@ class SettledCalls:
         nested: Any = None,
         left: Optional[int] = None,
         tensors: bool = False,
+        sizes: Optional[dict] = None,
     ):
         """``tensors``: a tensor layout (every positional argument a plain tensor, checked
-        with its metadata); otherwise an object layout, checked by types alone."""
+        with its metadata); otherwise an object layout, checked by types alone. ``sizes``:
+        for a tensor layout settled size by size, ``{(each tensor's shape, ...): what sm.plan
+        reports}`` (more are added as they settle); ``None``: every size."""
         self.generation = generation
         if tensors:
             check = _tensor_layout_check(tuple(tensor_meta(a) for a in args), torch.is_grad_enabled(), autocast_state())
         else:
             check = _object_layout_check(tuple(type(a) for a in args), tuple((k, type(v)) for k, v in kwargs.items()))
-        # ``admits(args, kwargs)``: whether a call has the settled call's layout.
-        self.admits: Callable[[tuple, dict], bool] = check
+        # ``admits(args, kwargs, sizes)``: whether a call has the settled call's layout
+        # (and, for a tensor layout with ``sizes``, one of its shapes).
+        self.admits: Callable[[tuple, dict, Optional[dict]], bool] = check
         self.left = _NEVER if left is None else left
         self.schedule = schedule
         self.nested = nested
+        self.sizes = sizes
+
+    def add_size(self, shapes: tuple, schedule: Any) -> None:
+        """Another size of the layout settled to run as written (up to a bound: the table
+        is per layout, and a workload of ever new sizes must not grow it for ever)."""
+        sizes = self.sizes
+        if sizes is not None and len(sizes) < MAX_SETTLED_SIZES:
+            sizes[shapes] = schedule
 
 
-def _compiled_check(tests: list[str], names: dict[str, Any]) -> Callable[[tuple, dict], bool]:
+def _compiled_check(tests: list[str], names: dict[str, Any]) -> Callable[[tuple, dict, Optional[dict]], bool]:
     # One expression, no loop: it runs before anything else on every such call, whose
     # whole budget is a microsecond or two. Made once per layout (the callers cache it).
-    source = "def check(args, kwargs):\n    return " + " and ".join(tests) + "\n"
+    source = "def check(args, kwargs, sizes):\n    return " + " and ".join(tests) + "\n"
     exec(compile(source, "<streamsched settled layout>", "exec"), names)
     return names["check"]
 
 
 @functools.lru_cache(maxsize=256)
-def _object_layout_check(arg_types: tuple, kw_types: tuple) -> Callable[[tuple, dict], bool]:
-    """``check(args, kwargs)``: the same number of positional arguments and keywords, each
-    positional argument of its type, each keyword present with its type."""
+def _object_layout_check(arg_types: tuple, kw_types: tuple) -> Callable[[tuple, dict, Optional[dict]], bool]:
+    """``check(args, kwargs, sizes)``: the same number of positional arguments and keywords,
+    each positional argument of its type, each keyword present with its type (``sizes`` is
+    not read: an object call runs as written at every size)."""
     names: dict[str, Any] = {"_MISSING": _MISSING}
     tests = [f"len(args) == {len(arg_types)}", f"len(kwargs) == {len(kw_types)}"]
     for i, t in enumerate(arg_types):
@@ -102,10 +119,11 @@ def _object_layout_check(arg_types: tuple, kw_types: tuple) -> Callable[[tuple, 
 
 
 @functools.lru_cache(maxsize=256)
-def _tensor_layout_check(metas: tuple, grad: bool, autocast: tuple) -> Callable[[tuple, dict], bool]:
-    """``check(args, kwargs)``: no keywords, as many positional arguments, each a plain
-    tensor with the settled one's dtype, device, grad flag and number of dimensions, and
-    the grad mode and autocast state of the settled call (a structure's key holds both)."""
+def _tensor_layout_check(metas: tuple, grad: bool, autocast: tuple) -> Callable[[tuple, dict, Optional[dict]], bool]:
+    """``check(args, kwargs, sizes)``: no keywords, as many positional arguments, each a
+    plain tensor with the settled one's dtype, device, grad flag and number of dimensions,
+    the grad mode and autocast state of the settled call (a structure's key holds both),
+    and, unless ``sizes`` is ``None``, the tensors' shapes among its keys."""
     names: dict[str, Any] = {
         "_Tensor": torch.Tensor,
         "_grad": torch.is_grad_enabled,
@@ -121,4 +139,6 @@ def _tensor_layout_check(metas: tuple, grad: bool, autocast: tuple) -> Callable[
         )
     tests.append(f"_grad() is {grad}")
     tests.append("_autocast() == _AC")
+    shapes = "(" + "".join(f"args[{i}].shape, " for i in range(len(metas))) + ")"
+    tests.append(f"(sizes is None or {shapes} in sizes)")
     return _compiled_check(tests, names)

@@ -18,7 +18,7 @@ from streamsched import nesting
 from streamsched.testing import assert_path
 
 from .helpers import assert_close
-from .test_dynamic_calls import Cache, Chain, WithCache, _slow_schedules
+from .test_dynamic_calls import Cache, Chain, Towers, WithCache, _slow_schedules
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -217,3 +217,51 @@ def test_grad_flows_through_a_settled_call(monkeypatch):
     model(x).sum().backward()
     for got, want in zip(grads, (p.grad for p in model.parameters())):
         assert_close(got, want)
+
+
+def test_sizes_settled_one_by_one_skip_the_full_path_at_those_sizes(monkeypatch, full_calls):
+    """A size bucket decided for the model as written (towers side by side: not one
+    verdict for every size): the sizes that settled take the shortcut, a size of another
+    bucket takes the full path, and sm.plan reports each call's own signature."""
+    _slow_schedules(monkeypatch)
+    model = Towers()
+    sm = ss.StreamScheduledModule(model)
+    bucket = (17, 20, 24, 29, 32)  # one size bucket: 32
+    for _rep in range(6):
+        for n in bucket:
+            x = torch.randn(n, 16)
+            assert_close(sm(x), model(x))
+    assert sm._ss.settled is not None and sm._ss.settled.sizes is not None
+    full_calls.clear()
+    for n in bucket:
+        x = torch.randn(n, 16)
+        assert_close(sm(x), model(x))
+        assert_path(sm, "as-written")
+        assert sm.plan.executor == "eager"
+        assert sm._ss.last is sm._ss.settled.sizes[(x.shape,)]  # this size's own record
+    assert full_calls == []
+    x = torch.randn(100, 16)  # another bucket: its own trial, through the full path
+    assert_close(sm(x), model(x))
+    assert len(full_calls) == 1
+    x = torch.randn(20, 16)
+    assert_close(sm(x), model(x))
+    assert len(full_calls) == 1
+
+
+def test_a_hook_on_the_wrapper_keeps_firing_and_the_layout_is_not_settled_again(monkeypatch):
+    """A hook on the wrapper sends every call through nn.Module.__call__ and the full path,
+    which finds the layout settled already: no new record per call."""
+    _slow_schedules(monkeypatch)
+    model = Chain()
+    sm = ss.StreamScheduledModule(model)
+    seen = []
+    sm.register_forward_hook(lambda m, i, out: seen.append(1))
+    _settle_every_size(sm, model)
+    record = sm._ss.settled
+    seen.clear()
+    for n in (3, 9, 27):
+        x = torch.randn(n, 16)
+        assert_close(sm(x), model(x))
+        assert_path(sm, "as-written")
+    assert len(seen) == 3
+    assert sm._ss.settled is record
