@@ -66,7 +66,7 @@ from .runtime.graphs import GraphExecutor
 from .runtime.pool import ExecutorPool
 from .runtime.program import Program, ProgramCache, annotate_exception, compile_program, failing_node
 from .runtime.synclog import SyncLog
-from .settled_calls import SettledCalls
+from .settled_calls import SettledCalls, settles, shapes_of
 
 __all__ = ["StreamScheduledModule"]
 
@@ -630,11 +630,11 @@ class StreamScheduledModule(nn.Module):
             return out
 
     def _settle_as_written(self, args: tuple, kwargs: dict, schedule: Any) -> None:
-        """A call of positional tensors settled to run as written (``schedule``): at every
-        size of its structure, or at its sizes. Later calls of its layout (at those sizes)
-        skip binding and keys (settled_calls.py)."""
+        """A call of tensors and plain values settled to run as written (``schedule``): at
+        every size of its structure, or at its sizes. Later calls of its layout (at those
+        sizes) skip binding and keys (settled_calls.py)."""
         st = self._ss
-        if kwargs or st.observer is not None or not _all_plain_tensors(args):
+        if st.observer is not None or not settles(args, kwargs):
             return
         settled = st.settled
         if settled is not None and settled.generation == st.generation and settled.admits(args, kwargs, settled.sizes):
@@ -642,7 +642,7 @@ class StreamScheduledModule(nn.Module):
         if schedule.every_size:
             st.settled = SettledCalls(st.generation, args, kwargs, schedule, tensors=True)
             return
-        shapes = tuple([a.shape for a in args])
+        shapes = shapes_of(args, kwargs)
         if (
             settled is not None
             and settled.sizes is not None
@@ -672,7 +672,7 @@ class StreamScheduledModule(nn.Module):
         if settled.nested is not None:
             settled.nested.calls += 1  # counted as NestedPlans.all_quiet counts a call
         sizes = settled.sizes
-        st.last = settled.schedule if sizes is None else sizes[tuple([a.shape for a in args])]
+        st.last = settled.schedule if sizes is None else sizes[shapes_of(args, kwargs)]
         st.last_path = "as-written"
         module = self.module
         try:

@@ -6,10 +6,12 @@ Two kinds of call run the model as written whatever their sizes, once decided:
   every executor and every tensor signature (``module.py``, ``_new_signature``): the
   object would be baked into a trace. Its nested children (``nesting.py``) must have gone
   quiet first (none of them scheduled);
-- a call of positional tensors whose call structure (the signature without its sizes)
-  has nothing to run side by side or batch, once its trial decided the model as written
-  for every size (``planning.signatures``: a *uniform* structure). Greedy decoding without
-  a cache grows the input every call: every call has a new size.
+- a call of tensors and plain values whose call structure (the signature without its
+  sizes) has nothing to run side by side or batch, once its trial decided the model as
+  written for every size (``planning.signatures``: a *uniform* structure). Greedy decoding
+  without a cache grows the input every call: every call has a new size;
+- a call of tensors and plain values at a size settled to run as written (its size
+  bucket's verdict), through a table of the layout's settled shapes.
 
 All such a call needs is the forward itself. Binding, the plan key (every tensor's
 shape, dtype, device and grad flag, the modules' modes, autocast) and the LRU lookups
@@ -19,8 +21,9 @@ with a KV cache is such a call), and none of them can change the verdict.
 What can change it is checked on every call, by a function made for the settled call's
 layout: the type of each positional argument and each keyword's name and type (a
 ``None`` where the cache was is another structure, planned as usual); for a tensor
-layout also each tensor's dtype, device, grad flag and number of dimensions, grad mode
-and autocast (the structure's key less its sizes); and, by the caller, the global
+layout each tensor's dtype, device, grad flag and number of dimensions, each plain
+value's type and value, grad mode and autocast (the structure's key less its sizes), and
+the shapes where it settled size by size; and, by the caller, the global
 generation (a module re-wired, a mode switched or a hook registered anywhere in the
 model) and, for object calls, the nested children's retry falling due.
 """
@@ -28,13 +31,15 @@ model) and, for object calls, the nested children's retry falling due.
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Any, Callable, Optional
 
 import torch
 
+from .frontend.binder import is_plain
 from .frontend.trace_guard import autocast_state
 
-__all__ = ["SettledCalls", "tensor_meta"]
+__all__ = ["SettledCalls", "settles", "shapes_of", "tensor_meta", "value_entry"]
 
 _MISSING = object()
 
@@ -69,13 +74,19 @@ class SettledCalls:
         tensors: bool = False,
         sizes: Optional[dict] = None,
     ):
-        """``tensors``: a tensor layout (every positional argument a plain tensor, checked
-        with its metadata); otherwise an object layout, checked by types alone. ``sizes``:
+        """``tensors``: a tensor layout (every argument a plain tensor, checked with its
+        metadata, or a plain value, checked by value); otherwise an object layout, checked
+        by types alone. ``sizes``:
         for a tensor layout settled size by size, ``{(each tensor's shape, ...): what sm.plan
         reports}`` (more are added as they settle); ``None``: every size."""
         self.generation = generation
         if tensors:
-            check = _tensor_layout_check(tuple(tensor_meta(a) for a in args), torch.is_grad_enabled(), autocast_state())
+            check = _tensor_layout_check(
+                tuple(value_entry(a) for a in args),
+                tuple((k, value_entry(v)) for k, v in kwargs.items()),
+                torch.is_grad_enabled(),
+                autocast_state(),
+            )
         else:
             check = _object_layout_check(tuple(type(a) for a in args), tuple((k, type(v)) for k, v in kwargs.items()))
         # ``admits(args, kwargs, sizes)``: whether a call has the settled call's layout
@@ -119,26 +130,73 @@ def _object_layout_check(arg_types: tuple, kw_types: tuple) -> Callable[[tuple, 
 
 
 @functools.lru_cache(maxsize=256)
-def _tensor_layout_check(metas: tuple, grad: bool, autocast: tuple) -> Callable[[tuple, dict, Optional[dict]], bool]:
-    """``check(args, kwargs, sizes)``: no keywords, as many positional arguments, each a
-    plain tensor with the settled one's dtype, device, grad flag and number of dimensions,
-    the grad mode and autocast state of the settled call (a structure's key holds both),
-    and, unless ``sizes`` is ``None``, the tensors' shapes among its keys."""
+def value_entry(value: Any) -> tuple:
+    """How a tensor layout checks one argument: a plain tensor by its metadata, a plain
+    value (None, numbers, strings, dtypes, tuples of them: they key a call by value) by its
+    type and value."""
+    if type(value) is torch.Tensor:
+        return ("tensor", tensor_meta(value))
+    return ("value", type(value), value)
+
+
+def settles(args: tuple, kwargs: dict) -> bool:
+    """Whether a call may settle as a tensor layout: every argument a plain tensor or a
+    plain value, at least one tensor among them."""
+    found = False
+    for v in itertools.chain(args, kwargs.values()):
+        if type(v) is torch.Tensor:
+            found = True
+        elif not is_plain(v):
+            return False
+    return found
+
+
+def shapes_of(args: tuple, kwargs: dict) -> tuple:
+    """The key of a tensor layout's table of sizes: each tensor's shape, the positional
+    arguments' first, then the keywords' by name (the order ``admits`` reads them in)."""
+    shapes = [a.shape for a in args if type(a) is torch.Tensor]
+    for name in sorted(kwargs):
+        v = kwargs[name]
+        if type(v) is torch.Tensor:
+            shapes.append(v.shape)
+    return tuple(shapes)
+
+
+@functools.lru_cache(maxsize=256)
+def _tensor_layout_check(
+    arg_entries: tuple, kw_entries: tuple, grad: bool, autocast: tuple
+) -> Callable[[tuple, dict, Optional[dict]], bool]:
+    """``check(args, kwargs, sizes)``: as many positional arguments and the same keywords,
+    each tensor plain with the settled one's dtype, device, grad flag and number of
+    dimensions, each plain value of the settled one's type and equal to it, the grad mode
+    and autocast state of the settled call (a structure's key holds both), and, unless
+    ``sizes`` is ``None``, the tensors' shapes (``shapes_of``) among its keys."""
     names: dict[str, Any] = {
         "_Tensor": torch.Tensor,
         "_grad": torch.is_grad_enabled,
         "_autocast": autocast_state,
         "_AC": autocast,
+        "_MISSING": _MISSING,
     }
-    tests = ["not kwargs", f"len(args) == {len(metas)}"]
-    for i, (dtype, device, requires_grad, ndim) in enumerate(metas):
-        names[f"_D{i}"], names[f"_V{i}"] = dtype, device
-        tests.append(
-            f"type(args[{i}]) is _Tensor and args[{i}].dtype is _D{i} and args[{i}].device == _V{i} "
-            f"and args[{i}].requires_grad is {requires_grad} and args[{i}].dim() == {ndim}"
-        )
-    tests.append(f"_grad() is {grad}")
-    tests.append("_autocast() == _AC")
-    shapes = "(" + "".join(f"args[{i}].shape, " for i in range(len(metas))) + ")"
-    tests.append(f"(sizes is None or {shapes} in sizes)")
-    return _compiled_check(tests, names)
+    lines = [f"if len(args) != {len(arg_entries)} or len(kwargs) != {len(kw_entries)}: return False"]
+    shapes = []
+    entries = [(f"args[{i}]", e) for i, e in enumerate(arg_entries)]
+    entries += [(f"kwargs.get({name!r}, _MISSING)", e) for name, e in sorted(kw_entries, key=lambda x: x[0])]
+    for i, (read, entry) in enumerate(entries):
+        lines.append(f"v{i} = {read}")
+        if entry[0] == "tensor":
+            dtype, device, requires_grad, ndim = entry[1]
+            names[f"_D{i}"], names[f"_V{i}"] = dtype, device
+            lines.append(
+                f"if type(v{i}) is not _Tensor or v{i}.dtype is not _D{i} or v{i}.device != _V{i} "
+                f"or v{i}.requires_grad is not {requires_grad} or v{i}.dim() != {ndim}: return False"
+            )
+            shapes.append(f"v{i}.shape, ")
+        else:
+            names[f"_T{i}"], names[f"_X{i}"] = entry[1], entry[2]
+            lines.append(f"if type(v{i}) is not _T{i} or not (v{i} == _X{i}): return False")
+    lines.append(f"if _grad() is not {grad} or _autocast() != _AC: return False")
+    lines.append(f"return sizes is None or ({''.join(shapes)}) in sizes")
+    source = "def check(args, kwargs, sizes):\n" + "".join(f"    {line}\n" for line in lines)
+    exec(compile(source, "<streamsched settled layout>", "exec"), names)
+    return names["check"]

@@ -265,3 +265,60 @@ def test_a_hook_on_the_wrapper_keeps_firing_and_the_layout_is_not_settled_again(
         assert_path(sm, "as-written")
     assert len(seen) == 3
     assert sm._ss.settled is record
+
+
+class Scaled(nn.Module):
+    """Keywords as transformers' forwards take them: tensors and plain values."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(d, 32), nn.Tanh(), nn.Linear(32, d))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor = None, scale: float = 1.0) -> torch.Tensor:
+        out = self.body(x) * scale
+        return out if mask is None else out * mask
+
+
+def test_keyword_tensors_and_plain_values_settle_and_values_key_by_value(monkeypatch, full_calls):
+    _slow_schedules(monkeypatch)
+    model = Scaled()
+    sm = ss.StreamScheduledModule(model)
+    for _rep in range(6):
+        for n in (3, 6, 12, 24, 48):
+            x, mask = torch.randn(n, 16), torch.rand(n, 1)
+            assert_close(sm(x=x, mask=mask, scale=2.0), model(x=x, mask=mask, scale=2.0))
+    assert "every size of this call structure" in sm.plan.reason
+    full_calls.clear()
+    for n in (5, 7, 9):
+        x, mask = torch.randn(n, 16), torch.rand(n, 1)
+        assert_close(sm(mask=mask, scale=2.0, x=x), model(x=x, mask=mask, scale=2.0))  # any keyword order
+        assert_path(sm, "as-written")
+    assert full_calls == []
+    x, mask = torch.randn(5, 16), torch.rand(5, 1)
+    assert_close(sm(x=x, mask=mask, scale=3.0), model(x=x, mask=mask, scale=3.0))  # another value
+    assert len(full_calls) == 1
+    assert_close(sm(x=x, mask=None, scale=2.0), model(x=x, mask=None, scale=2.0))  # None for a tensor
+    assert len(full_calls) == 2
+
+
+class TowersMasked(Towers):
+    def forward(self, x: torch.Tensor, mask: torch.Tensor = None) -> torch.Tensor:
+        return super().forward(x) * mask
+
+
+def test_sizes_settled_one_by_one_with_keywords_in_any_order(monkeypatch, full_calls):
+    _slow_schedules(monkeypatch)
+    model = TowersMasked()
+    sm = ss.StreamScheduledModule(model)
+    bucket = (17, 20, 24, 29, 32)
+    for _rep in range(6):
+        for n in bucket:
+            x, mask = torch.randn(n, 16), torch.rand(n, 1)
+            assert_close(sm(x=x, mask=mask), model(x=x, mask=mask))
+    assert sm._ss.settled is not None and sm._ss.settled.sizes is not None
+    full_calls.clear()
+    for n in bucket:
+        x, mask = torch.randn(n, 16), torch.rand(n, 1)
+        assert_close(sm(mask=mask, x=x), model(x=x, mask=mask))
+        assert_path(sm, "as-written")
+    assert full_calls == []
