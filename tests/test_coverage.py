@@ -385,3 +385,44 @@ def test_counting_hooks_are_invisible_to_has_hooks():
     assert plan.coverage_calls == (0, 1)
     _run(sm, model, torch.randn(2, 8), "plan:serial")
     assert seen[2] == (0, False)  # the plan's calls carry no hook
+
+
+def test_a_call_whose_only_hook_is_the_counters_counts_as_through_call():
+    # The recording call runs a leaf module whose only hook is the counter's without
+    # nn.Module.__call__'s hook path (LeafCallCounter.call): the count and the value are
+    # those of a call through __call__, and any other hook sends it through __call__.
+    from streamsched.frontend.leafcalls import LeafCallCounter
+
+    torch.manual_seed(0)
+    fc, x = nn.Linear(4, 3), torch.randn(2, 4)
+    counter = LeafCallCounter([fc], lambda m: counter.where)
+    with counter:
+        counter.where = "first"
+        y = counter.call(fc, (x,), {})
+    assert counter.hits == ["first"]
+    assert torch.equal(y, fc(x))
+    fired = []
+    fc.register_forward_hook(lambda m, args, out: fired.append(out))
+    with counter:
+        counter.where = "second"
+        y = counter.call(fc, (x,), {})
+    assert counter.hits == ["first", "second"]
+    assert len(fired) == 1 and fired[0] is y
+
+
+def test_recording_call_counts_each_leaf_node_once():
+    from streamsched.frontend.leafcalls import LEAF_CALLS_META
+
+    torch.manual_seed(0)
+    model = Traced().eval()
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        assert_close(sm(x), model(x))
+    assert_path(sm, "recorded")
+    (traced,) = list(sm._ss.traces.values())
+    counts = sorted((n.target, n.meta[LEAF_CALLS_META]) for n in traced.graph.nodes if n.op == "call_module")
+    # Every block's fc and act, and the head twice, are nodes (Scale is traced through):
+    # each counted its own call.
+    expected = [(f"blocks.{i}.{leaf}", 1) for i in range(3) for leaf in ("act", "fc")] + [("head", 1)] * 2
+    assert counts == sorted(expected)

@@ -480,3 +480,26 @@ def test_data_assigned_to_a_middle_member_is_seen(runtime):
     middle.data = torch.randn_like(middle)
     x = torch.randn(2, 160)
     assert_close(called_on(sm, "plan:serial", x), model(x), atol=1e-5)
+
+
+class _TwoRanks(nn.Module):
+    """Four alike Linears: two on a matrix, two on a batch of matrices."""
+
+    def __init__(self):
+        super().__init__()
+        self.flat = nn.ModuleList(nn.Linear(4, 3) for _ in range(2))
+        self.deep = nn.ModuleList(nn.Linear(4, 3) for _ in range(2))
+
+    def forward(self, x, z):
+        return [m(x * (i + 1)) for i, m in enumerate(self.flat)] + [m(z * (i + 1)) for i, m in enumerate(self.deep)]
+
+
+def test_members_alike_but_for_their_inputs_shapes_are_fused_apart():
+    # A signature holds the description of each argument's value: Linears alike in
+    # everything but the rank of their inputs make two groups, not one.
+    torch.manual_seed(0)
+    sm = check_against_eager(_TwoRanks().eval(), (torch.randn(5, 4), torch.randn(5, 2, 4)), calls=3)
+    assert sorted(sorted(g.members) for g in sm.plan.fused_groups) == [
+        ["deep.0", "deep.1"],
+        ["flat.0", "flat.1"],
+    ]

@@ -289,3 +289,29 @@ def test_a_freed_storages_address_reused_by_another_value_makes_no_edge(monkeypa
         x.add_(1)
         rec.end()
     assert effects_mod.effect_edges(rec.accesses)["write_x"] == {"read_x"}
+
+
+def test_the_recorders_weak_references_hold_storage_ids_apart_until_released():
+    # The recorder names storages by address, with a weak reference to each: while it
+    # holds one, the storage object stays allocated (its data is freed), so no storage
+    # made meanwhile takes its address and ids stay apart; release() (or dropping the
+    # recorder) frees them, and the address is the allocator's again.
+    rec = effects_mod.EffectRecorder()
+    x = torch.empty(256)
+    address = x.untyped_storage()._cdata
+    first = rec.key_of(x)
+    assert rec.key_of(x[1:]) == first
+    del x
+    ys = [torch.empty(256) for _ in range(50)]
+    assert all(y.untyped_storage()._cdata != address for y in ys)
+    assert len({rec.key_of(y) for y in ys} | {first}) == 51
+    del ys
+    rec.release()
+    assert not rec._ids
+    kept = []  # (freed, a new storage would take the address just freed)
+    for _ in range(500):
+        kept.append(torch.empty(256))
+        if kept[-1].untyped_storage()._cdata == address:
+            break
+    else:
+        pytest.fail("the storage object was never freed: a weak reference to it was kept")

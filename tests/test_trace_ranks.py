@@ -427,3 +427,31 @@ def test_functional_embedding_adds_a_dimension():
     inputs = [(torch.randint(0, 16, (b, t), generator=_g(seed)),) for seed, (b, t) in enumerate([(2, 5), (3, 4)])]
     sm = _run(model, inputs)
     assert sm.plan.coverage_calls == (3, 3)
+
+
+def test_a_hooked_torch_module_gives_no_rank_or_dtype():
+    # A hook may hand back another value than the module's own (here one more dimension
+    # and another dtype): neither the rank nor the dtype of torch's rank-keeping modules
+    # (Linear, ReLU) is assumed for a hooked call.
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.act = nn.ReLU()
+
+        def forward(self, x):
+            y = self.act(self.fc(x))
+            out = y.sum(0) if y.dim() == 3 else y * 2
+            return out if out.dtype == torch.float64 else out + 1
+
+    torch.manual_seed(0)
+    model = Net().eval()
+    model.fc.register_forward_hook(lambda m, args, out: out.unsqueeze(0))
+    model.act.register_forward_hook(lambda m, args, out: out.double())
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    for batch in (3, 5):
+        x = torch.randn(batch, 4, generator=_g(batch))
+        with torch.no_grad():
+            y, ref = sm(x), model(x)
+        assert y.shape == ref.shape and y.dtype == ref.dtype
+        assert_close(y, ref)

@@ -150,6 +150,16 @@ def _expired(ref: StorageWeakRef) -> bool:
     return _UNTYPED_EXPIRED(ref.cdata)
 
 
+# What StorageWeakRef wraps: a weak reference to a storage as a plain int, which must be
+# freed once. The recorder holds one per storage it named (thousands on a model of many
+# small ops): made, checked and freed directly, they cost a fraction of the wrapper
+# objects (a Python __init__ and __del__ each).
+_FREE_WEAK_REF = getattr(torch.UntypedStorage, "_free_weak_ref", None)
+_RAW_WEAK_REFS = (
+    _UNTYPED_EXPIRED is not None and _FREE_WEAK_REF is not None and hasattr(torch.UntypedStorage, "_weak_ref")
+)
+
+
 class EffectRecorder(TorchDispatchMode):
     """Records, per node (``begin(name)`` .. ``end()``), the storages its ops touch.
 
@@ -165,8 +175,22 @@ class EffectRecorder(TorchDispatchMode):
         super().__init__()
         self.accesses: dict[str, NodeAccess] = {}
         self._current: Optional[NodeAccess] = None
-        self._ids: dict[int, tuple[int, StorageWeakRef]] = {}  # address -> (id, weak ref)
+        # address -> (id, weak ref): a raw weak reference (an int, freed by this recorder)
+        # where torch offers them, else a StorageWeakRef.
+        self._ids: dict[int, tuple[int, Any]] = {}
         self._next_id = itertools.count()
+        self._raw = _RAW_WEAK_REFS
+
+    def __del__(self) -> None:
+        self.release()
+
+    def release(self) -> None:
+        """Free the weak references to the storages named (done when the recorder goes)."""
+        ids, self._ids = self._ids, {}
+        if self._raw and _FREE_WEAK_REF is not None:
+            free = _FREE_WEAK_REF
+            for _, ref in ids.values():
+                free(ref)
 
     # The recorder only reads tensors' metadata and calls each op as it came: nothing in
     # it for dynamo to compile or skip, so no per-op wrapper to skip it (the wrapper
@@ -184,12 +208,20 @@ class EffectRecorder(TorchDispatchMode):
         except (RuntimeError, NotImplementedError, AttributeError):
             return None
         entry = self._ids.get(address)
-        if entry is None or _expired(entry[1]):
+        if self._raw:
+            if entry is None or _UNTYPED_EXPIRED(entry[1]):
+                if entry is not None:
+                    _FREE_WEAK_REF(entry[1])
+                entry = self._ids[address] = (next(self._next_id), t.untyped_storage()._weak_ref())
+        elif entry is None or _expired(entry[1]):
             entry = self._ids[address] = (next(self._next_id), StorageWeakRef(t.untyped_storage()))
         return entry[0]
 
     def begin(self, name: str) -> None:
-        self._current = self.accesses.setdefault(name, NodeAccess())
+        current = self.accesses.get(name)
+        if current is None:
+            current = self.accesses[name] = NodeAccess()
+        self._current = current
 
     def end(self) -> None:
         self._current = None

@@ -38,7 +38,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..branch import is_branch_module
 from . import node_meta
-from .hooks import COUNTING_HOOK
+from .hooks import COUNTING_HOOK, global_hooks
 from .nodes import children_of, has_children, submodule
 from .opaque_functions import OpaqueFunction
 from .trace import Traced, _extends_torch_leaf, _registered_leaf_types, is_compiled_module
@@ -147,6 +147,28 @@ class LeafCallCounter:
             module._forward_pre_hooks.pop(key, None)
         self._installed = []
 
+    def call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+        """``module(*args, **kwargs)`` while the counter is entered. Where the counting
+        hook is the only hook in play, the hook's work is done here and ``forward`` called
+        as ``nn.Module.__call__`` would call it without hooks (its hook path, taken
+        because of the counting hook alone, cost more than most leaf calls themselves);
+        any other call goes through ``__call__``."""
+        pre = module._forward_pre_hooks
+        if (
+            len(pre) == 1
+            and self._key in pre
+            and _plain_call(type(module))
+            and getattr(module, "_compiled_call_impl", None) is None
+            and not (module._forward_hooks or module._backward_hooks or getattr(module, "_backward_pre_hooks", None))
+            and not global_hooks()
+            and torch._C._get_tracing_state() is None
+        ):
+            tag = self.tag(module)
+            if tag is not None:
+                self.hits.append(tag)
+            return module.forward(*args, **kwargs)
+        return module(*args, **kwargs)
+
     def __enter__(self) -> LeafCallCounter:
         self._install()
         return self
@@ -161,6 +183,23 @@ class LeafCallCounter:
             yield
         finally:
             self._install()
+
+
+_PLAIN_CALLS: dict[type, bool] = {}
+
+
+def _plain_call(kind: type) -> bool:
+    """Whether calling a ``kind`` instance is ``nn.Module``'s own ``__call__`` (no class
+    of the way overrides it or the implementation it calls)."""
+    plain = _PLAIN_CALLS.get(kind)
+    if plain is None:
+        module = torch.nn.Module
+        plain = _PLAIN_CALLS[kind] = (
+            kind.__call__ is module.__call__
+            and getattr(kind, "_wrapped_call_impl", None) is getattr(module, "_wrapped_call_impl", None)
+            and kind._call_impl is module._call_impl
+        )
+    return plain
 
 
 def traced_coverage(traced: Traced) -> tuple[int, int]:

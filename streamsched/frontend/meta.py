@@ -65,17 +65,19 @@ class ConstMeta:
 ValueMeta = Union[TensorMeta, ConstMeta, tuple]
 
 
-def describe(value: Any) -> ValueMeta:
+def describe(value: Any, known: Optional[dict[tuple, TensorMeta]] = None) -> ValueMeta:
+    """The description of a value. ``known``: descriptions made so far, by their fields:
+    tensors described alike share one (frozen) :class:`TensorMeta`, made once."""
     if isinstance(value, torch.Tensor):
-        return TensorMeta(
-            tuple(value.shape),
-            value.dtype,
-            value.device,
-            value.requires_grad,
-            value.is_contiguous(),
-        )
+        fields = (tuple(value.shape), value.dtype, value.device, value.requires_grad, value.is_contiguous())
+        if known is None:
+            return TensorMeta(*fields)
+        meta = known.get(fields)
+        if meta is None:
+            meta = known[fields] = TensorMeta(*fields)
+        return meta
     if isinstance(value, (tuple, list)):
-        return tuple(describe(v) for v in value)
+        return tuple(describe(v, known) for v in value)
     if isinstance(value, (int, float, bool, str, type(None), torch.dtype, torch.device, torch.Size)):
         return ConstMeta(type(value).__name__, value)
     return ConstMeta(type(value).__name__)
@@ -146,6 +148,7 @@ def _run(
     frees, hold_until = _plan_frees(nodes, traced is not None, submodule, 0)
     held: list[fx.Node] = []
     env: dict[fx.Node, Any] = {}
+    described: dict[tuple, TensorMeta] = {}
     it = iter(inputs)
     result: Any = None
     retraces = 0
@@ -166,9 +169,12 @@ def _run(
             elif node.op == "get_attr":
                 value = fetch_attr(root, node.target)
             elif node.op == "call_module":
-                value = submodule(node.target)(*load(node.args), **load(node.kwargs))
+                module = submodule(node.target)
+                args = load(node.args)
+                kwargs = load(node.kwargs) if node.kwargs else {}
+                value = module(*args, **kwargs) if counter is None else counter.call(module, args, kwargs)
             elif node.op == "call_function":
-                value = node.target(*load(node.args), **load(node.kwargs))
+                value = node.target(*load(node.args), **(load(node.kwargs) if node.kwargs else {}))
             elif node.op == "call_method":
                 self_obj, *rest = load(node.args)
                 value = getattr(self_obj, node.target)(*rest, **load(node.kwargs))
@@ -219,7 +225,7 @@ def _run(
                 raise
         env[node] = value
         if record is not None:
-            record[node] = describe(value)
+            record[node] = describe(value, described)
         dead = frees.get(node, ())
         if i < hold_until:
             held.extend(dead)

@@ -372,6 +372,8 @@ def _arithmetic(dtype: Optional[torch.dtype], others: list, division: bool = Fal
 
 
 _SAME_FORWARDS = frozenset(cls.forward for cls in _SAME_MODULES)
+# Arguments that hold no graph value (nothing for _inherit to walk).
+_ATOMS = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device})
 
 _SIZES_METHODS = frozenset({"view", "reshape", "expand", "repeat", "new_zeros", "new_ones", "new_empty"})
 
@@ -452,6 +454,9 @@ class RankTracker:
             self.placeholders += 1
         if self._passed_on(node, kind, target, args):
             return
+        if kind == "call_module" and self._same_module_call(node, target, args, root):
+            self._inherit(node, args, kwargs)
+            return
         try:
             dtype = self._dtype(kind, target, args, kwargs, root, index, node)
             if dtype is not None:
@@ -465,6 +470,35 @@ class RankTracker:
                 pass
         self._inherit(node, args, kwargs)
 
+    def _same_module_call(self, node: fx.Node, target: Any, args: tuple, root: Any) -> bool:
+        """What :meth:`_dtype` and :meth:`_note` conclude for a call of one of torch's
+        modules that keep their input's rank and floating dtype (``Linear``, ``ReLU``,
+        ``Conv2d``...; the most common node), with the module looked up once. ``False``
+        (nothing noted) for any other call: the general rules then decide."""
+        if not args:
+            return False
+        try:
+            module = self._attribute(root, str(target))
+            forward = type(module).forward
+            if (
+                not isinstance(module, _SAME_MODULES)
+                or forward not in _SAME_FORWARDS
+                or isinstance(module, nn.Embedding)
+                or has_hooks(module)
+            ):
+                return False
+        except Exception:  # noqa: BLE001 - the general rules say what such a call gives
+            return False
+        if self.input_dtypes is not None:
+            dtype = _floating(self._d(args[0]))
+            if dtype is not None:
+                self.dtypes[node] = dtype
+        if self.inputs is not None:
+            rank = self._r(args[0])
+            if rank is not None:
+                self.rank[node] = rank
+        return True
+
     def _inherit(self, node: fx.Node, args: tuple, kwargs: dict) -> None:
         """What a new value's known dtype, rank or length rests on: what its arguments'
         rest on (all of it for a dtype; for a rank or length, the rules for opaque calls
@@ -474,8 +508,12 @@ class RankTracker:
         if not has_dtype and node not in self.rank and node not in self.len and node not in self.items:
             return
         sources: set = set()
+        known = self.sources
         for a in (*args, *kwargs.values()):
-            fx.node.map_aggregate(a, lambda v: sources.update(self._sources(v)))
+            if isinstance(a, fx.Proxy):  # the common argument: no walk
+                sources.update(known.get(a.node, ()))
+            elif type(a) not in _ATOMS:
+                fx.node.map_aggregate(a, lambda v: sources.update(self._sources(v)))
         if not has_dtype:
             sources = {s for s in sources if s[0] in _RANK_SOURCES}
         if sources:

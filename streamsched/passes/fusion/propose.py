@@ -235,15 +235,35 @@ def _hashable(v: Any) -> bool:
         return False
 
 
-def _arg_sig(arg: Any, metas: dict[fx.Node, ValueMeta]) -> Any:
+# Argument values that are hashable and compare by value, whatever they hold: their
+# signature is themselves (``_arg_sig`` answers them before its questions).
+_CONST_ATOMS = frozenset({int, float, bool, str, type(None)})
+
+
+def _arg_sig(arg: Any, metas: dict[fx.Node, ValueMeta], nodes: Optional[dict[fx.Node, Any]] = None) -> Any:
+    """The signature of one argument: a node by its value's description, a constant by
+    value. ``nodes``: signatures of nodes already made (one node feeds many calls)."""
+    kind = type(arg)
+    if kind is fx.Node and nodes is not None:
+        sig = nodes.get(arg)
+        if sig is None:
+            sig = nodes[arg] = ("node", _meta_sig(metas.get(arg)))
+        return sig
+    if kind in _CONST_ATOMS:
+        return ("const", kind.__name__, arg)
     if isinstance(arg, fx.Node):
         return ("node", _meta_sig(metas.get(arg)))
     if isinstance(arg, (tuple, list)):
-        return (type(arg).__name__, tuple(_arg_sig(a, metas) for a in arg))
+        return (type(arg).__name__, tuple(_arg_sig(a, metas, nodes) for a in arg))
     if isinstance(arg, dict):
-        return ("dict", tuple((k, _arg_sig(v, metas)) for k, v in arg.items()))
+        return ("dict", tuple((k, _arg_sig(v, metas, nodes)) for k, v in arg.items()))
     if isinstance(arg, slice):
-        return ("slice", _arg_sig(arg.start, metas), _arg_sig(arg.stop, metas), _arg_sig(arg.step, metas))
+        return (
+            "slice",
+            _arg_sig(arg.start, metas, nodes),
+            _arg_sig(arg.stop, metas, nodes),
+            _arg_sig(arg.step, metas, nodes),
+        )
     if _hashable(arg):
         return ("const", type(arg).__name__, arg)
     return ("obj", id(arg))
@@ -279,6 +299,8 @@ def _tensor_args(node: fx.Node) -> bool:
 
 
 def _contains_node(a: Any) -> bool:
+    if type(a) in _CONST_ATOMS:
+        return False
     if isinstance(a, fx.Node):
         return True
     if isinstance(a, (tuple, list)):
@@ -388,6 +410,8 @@ class FusionSupport:
         # Whether the signatures' static halves come from an earlier plan.
         self.reused = statics.valid() and bool(statics.entries)
         self.statics = statics
+        # The argument signature of each node read so far (an input feeds many calls).
+        self._node_sigs: dict[fx.Node, Any] = {}
 
     def structure(self, m: nn.Module) -> tuple:
         """:func:`structure_signature` of ``m``, computed once per pass."""
@@ -460,22 +484,17 @@ class FusionSupport:
             buffers = tuple((n, tuple(b.shape), b.dtype, b.device) for n, b in _named_tensors(m, "_buffers"))
             if st.vmap and not params and not buffers:
                 return None
-            return (
-                "module",
-                st.structure,
-                params,
-                buffers,
-                tuple(_arg_sig(a, metas) for a in node.args),
-                tuple((k, _arg_sig(v, metas)) for k, v in node.kwargs.items()),
-            )
+            return ("module", st.structure, params, buffers, *self._args_sig(node))
         if not st.supported:
             return None
+        return ("function", node.op, node.target, *self._args_sig(node))
+
+    def _args_sig(self, node: fx.Node) -> tuple[tuple, tuple]:
+        metas, nodes = self.metas, self._node_sigs
+        kwargs = node.kwargs
         return (
-            "function",
-            node.op,
-            node.target,
-            tuple(_arg_sig(a, metas) for a in node.args),
-            tuple((k, _arg_sig(v, metas)) for k, v in node.kwargs.items()),
+            tuple(_arg_sig(a, metas, nodes) for a in node.args),
+            tuple((k, _arg_sig(v, metas, nodes)) for k, v in kwargs.items()) if kwargs else (),
         )
 
     def wide_key(self, node: fx.Node) -> Optional[tuple]:
@@ -483,7 +502,7 @@ class FusionSupport:
         input node and everything but the output width); ``None`` for any other node."""
         if node.op != "call_module" or len(node.args) != 1 or node.kwargs:
             return None
-        st = self._static(node)
+        st = self.statics.entries.get(node.name) or self._static(node)  # made by signature()
         if st.wide is None:
             return None
         m = st.module
