@@ -181,12 +181,15 @@ class FusionContext:
                 statics = self._statics[source] = StaticSignatures()
         result = fuse_graph(graph, root, metas, self, device, config.fuse_min_size, statics)
         names: set[str] = set()
+        read: set[int] = set()  # signatures whose names are in (alike members share one)
         for m in result.modules:
             # The proposal read each module's configuration just before its kernel was built.
             known = result.structures.get(id(m))
             signature = known[1] if known is not None and known[0] is m else structure_signature(m)
             self._fused[id(m)] = (m, signature)
-            names |= plain_attribute_names(m, signature)
+            if id(signature) not in read:
+                read.add(id(signature))
+                names |= plain_attribute_names(m, signature)
         # Assigning one of these attributes moves the generation, so the wrapper asks
         # fused_unchanged() before its next call.
         _generation.watch(names)

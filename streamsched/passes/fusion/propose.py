@@ -188,12 +188,13 @@ def _own_attributes(m: nn.Module) -> list[tuple[str, Any]]:
     return [(k, v) for k, v in vars(m).items() if k not in _MODULE_INTERNALS]
 
 
-def plain_attribute_names(m: nn.Module, signature: Optional[tuple] = None) -> set[str]:
+def plain_attribute_names(m: Optional[nn.Module], signature: Optional[tuple] = None) -> set[str]:
     """The names of the plain attributes :func:`structure_signature` reads, over ``m`` and
     its submodules (assigning one of them must re-check a plan that fused ``m``);
     ``signature``: ``m``'s signature, already made (the names are read off it)."""
     if signature is not None:
         return {k for *_, attributes in signature for k, _ in attributes}
+    assert m is not None
     return {k for sub in m.modules() for k, _ in _own_attributes(sub)}
 
 
@@ -412,13 +413,27 @@ class FusionSupport:
         self.statics = statics
         # The argument signature of each node read so far (an input feeds many calls).
         self._node_sigs: dict[fx.Node, Any] = {}
+        # Structure signatures made in this pass, each once (see structure()), and those
+        # whose attribute names the static entries watch (kept: keyed by id).
+        self._interned: dict[tuple, tuple] = {}
+        self._watched: dict[int, tuple] = {}
 
     def structure(self, m: nn.Module) -> tuple:
         """:func:`structure_signature` of ``m``, computed once per pass."""
         entry = self.structures.get(id(m))
         if entry is None:
-            entry = self.structures[id(m)] = (m, structure_signature(m))
+            signature = structure_signature(m)
+            # Equal signatures (alike members) are one tuple: comparing them (grouping)
+            # is then an identity check, and their attribute names are read once.
+            signature = self._interned.setdefault(signature, signature)
+            entry = self.structures[id(m)] = (m, signature)
         return entry[1]
+
+    def _watch_attributes(self, signature: tuple) -> None:
+        """Have the static entries watch the plain attributes ``signature`` reads."""
+        if id(signature) not in self._watched:
+            self._watched[id(signature)] = signature
+            self.statics.unwatched |= plain_attribute_names(None, signature)
 
     def kind(self, node: fx.Node) -> str:
         """The kernel kind of a supported node (``function`` for functions and methods)."""
@@ -440,7 +455,7 @@ class FusionSupport:
             elif module_kind(m) == "batchnorm" and m.momentum is None:
                 excluded = "BatchNorm with momentum=None (a cumulative average per member)"
             structure = self.structure(m)
-            self.statics.unwatched |= plain_attribute_names(m, structure)
+            self._watch_attributes(structure)
             st = _Static(tensor_args, m, excluded, structure, module_kind(m) == "vmap", True, _wide_config(m))
         else:
             if node.op == "call_function":
