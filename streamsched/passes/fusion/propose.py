@@ -215,7 +215,25 @@ def structure_signature(m: nn.Module) -> tuple:
 
 
 def _attributes_signature(m: nn.Module) -> tuple:
-    return tuple(sorted((k, _value_sig(v)) for k, v in _own_attributes(m)))
+    if type(m).__name__ == "OptimizedModule":
+        return tuple(sorted((k, _value_sig(v)) for k, v in _own_attributes(m)))
+    # As the line above, with the names of the attributes that count read once per
+    # layout of the instance's __dict__ (alike modules share one), in sorted order.
+    state = vars(m)
+    layout = tuple(state)
+    names = _OWN_NAMES.get(layout)
+    if names is None:
+        names = tuple(sorted(k for k in layout if k not in _MODULE_INTERNALS))
+        if len(_OWN_NAMES) < 1024:
+            _OWN_NAMES[layout] = names
+    out = []
+    for k in names:
+        v = state[k]
+        out.append((k, (type(v), v) if type(v) in _EXACT_PLAIN_TYPES else _value_sig(v)))
+    return tuple(out)
+
+
+_OWN_NAMES: dict[tuple, tuple] = {}
 
 
 def _meta_sig(meta: Optional[ValueMeta]) -> Any:
@@ -258,6 +276,15 @@ def _arg_sig(arg: Any, metas: dict[fx.Node, ValueMeta], nodes: Optional[dict[fx.
         return (type(arg).__name__, tuple(_arg_sig(a, metas, nodes) for a in arg))
     if isinstance(arg, dict):
         return ("dict", tuple((k, _arg_sig(v, metas, nodes)) for k, v in arg.items()))
+    if kind is slice:
+        start, stop, step = arg.start, arg.stop, arg.step
+        if type(start) in _CONST_ATOMS and type(stop) in _CONST_ATOMS and type(step) in _CONST_ATOMS:
+            return (
+                "slice",
+                ("const", type(start).__name__, start),
+                ("const", type(stop).__name__, stop),
+                ("const", type(step).__name__, step),
+            )
     if isinstance(arg, slice):
         return (
             "slice",
@@ -288,8 +315,12 @@ def _named_tensors(m: nn.Module, table: str) -> Any:
 
 def _tensor_args(node: fx.Node) -> bool:
     """Whether every Node argument is a direct positional argument (no nesting)."""
-    if not node.kwargs and all(isinstance(a, fx.Node) for a in node.args):
-        return True
+    if not node.kwargs:
+        for a in node.args:
+            if type(a) is not fx.Node and not isinstance(a, fx.Node):
+                break
+        else:
+            return True
     for a in list(node.kwargs.values()):
         if isinstance(a, fx.Node) or _contains_node(a):
             return False
@@ -572,7 +603,7 @@ def _levels(graph: fx.Graph) -> dict[fx.Node, int]:
     level: dict[fx.Node, int] = {}
     for node in graph.nodes:
         ins = node.all_input_nodes
-        level[node] = 1 + max((level[i] for i in ins), default=-1)
+        level[node] = 1 + max(map(level.__getitem__, ins)) if ins else 0
     return level
 
 
