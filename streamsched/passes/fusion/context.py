@@ -101,7 +101,7 @@ class FusionContext:
                 else "parameters do not own their storage"
             )
             log.debug("fusion: %d x %s stacked per call (%s)", len(tensors), owners[0][1], reason)
-        stack = StackedTensors(owners, concat=concat, alias=alias, direct_grads=self.direct_grads)
+        stack = StackedTensors(owners, concat=concat, alias=alias, direct_grads=self.direct_grads, tensors=tensors)
         self._stacks[key] = stack
         if alias:
             for t in tensors:

@@ -112,7 +112,9 @@ class StackedTensors:
         concat: bool = False,
         alias: bool = True,
         direct_grads: bool = False,
+        tensors: Optional[Sequence[torch.Tensor]] = None,
     ):
+        """``tensors``: the owners' tensors, where the caller has just read them."""
         self.owners = list(owners)
         self.concat = concat
         self.alias = alias
@@ -121,7 +123,9 @@ class StackedTensors:
         # into a member's place (torch.func.functional_call) stands in for it (see check).
         self.live = alias
         self._set_aside: Optional[torch.Tensor] = None  # the stack, while something stands in
-        self.tensors: list[torch.Tensor] = [getattr(m, n) for m, n in self.owners]
+        self.tensors: list[torch.Tensor] = (
+            list(tensors) if tensors is not None else [getattr(m, n) for m, n in self.owners]
+        )
         self.sizes: Optional[tuple[int, ...]] = tuple(int(t.shape[0]) for t in self.tensors) if concat else None
         self.stack: Optional[torch.Tensor] = None
         self._ptrs: list[int] = []
@@ -135,27 +139,30 @@ class StackedTensors:
         # kept per (op, arguments) with the stack they were taken of: see view_of.
         self._views: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         if self.alias:
-            self._restack()
+            self._restack(self.tensors)
 
     # --- alias maintenance ----------------------------------------------------------
 
-    def _restack(self) -> None:
+    def _restack(self, tensors: Optional[list[torch.Tensor]] = None) -> None:
+        """Stack the members and make each a view of its slice; ``tensors``: the owners'
+        tensors, just read (else read here)."""
         global _restacks
         _restacks += 1
-        self.tensors = [getattr(m, n) for m, n in self.owners]
+        self.tensors = tensors if tensors is not None else [getattr(m, n) for m, n in self.owners]
         # The stack becomes the members' storage for good: made under inference_mode it
         # would turn the model's parameters into inference tensors, unusable for training.
         with torch.inference_mode(False), torch.no_grad():
             detached = [t.detach() for t in self.tensors]
             stack = torch.cat(detached, 0) if self.concat else torch.stack(detached, 0)
-            offset = 0
-            for i, t in enumerate(self.tensors):
-                if self.concat:
-                    view = stack[offset : offset + t.shape[0]]
+            if self.concat:
+                offset = 0
+                for t in self.tensors:
+                    t.data = stack[offset : offset + t.shape[0]]
                     offset += t.shape[0]
-                else:
-                    view = stack[i]
-                t.data = view
+            else:
+                # unbind(0): the views stack[i] are, made in one call.
+                for t, view in zip(self.tensors, stack.unbind(0)):
+                    t.data = view
         self.stack = stack
         self._views.clear()  # views of the old stack would keep its storage alive
         self._ptrs = [t.data_ptr() for t in self.tensors]
