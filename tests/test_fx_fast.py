@@ -304,19 +304,25 @@ def test_children_read_off_the_module_table_as_children_gives_them():
 
 def test_the_effect_recorder_names_a_new_storage_at_a_dead_ones_address_anew():
     # EffectRecorder.key_of asks torch whether the weak reference it keeps per address
-    # expired without StorageWeakRef.expired()'s two Python frames.
+    # expired without StorageWeakRef.expired()'s two Python frames (a raw weak reference,
+    # the int StorageWeakRef wraps, where torch offers them).
     from torch.multiprocessing.reductions import StorageWeakRef
 
     from streamsched.frontend.effects import EffectRecorder
 
     rec = EffectRecorder()
+
+    def weak(storage):
+        return storage._weak_ref() if rec._raw else StorageWeakRef(storage)
+
     gone = torch.empty(4)
-    dead = StorageWeakRef(gone.untyped_storage())
+    dead = weak(gone.untyped_storage())
     del gone
-    assert dead.expired()
+    assert torch.UntypedStorage._expired(dead) if rec._raw else dead.expired()
     b, c = torch.randn(4), torch.randn(4)
     rec._ids[b.untyped_storage()._cdata] = (99, dead)  # an earlier storage at b's address, freed
-    rec._ids[c.untyped_storage()._cdata] = (77, StorageWeakRef(c.untyped_storage()))  # c itself, alive
+    rec._ids[c.untyped_storage()._cdata] = (77, weak(c.untyped_storage()))  # c itself, alive
     assert rec.key_of(c) == 77 and rec.key_of(c[1:]) == 77
     fresh = rec.key_of(b)
     assert fresh not in (77, 99) and rec.key_of(b.view(2, 2)) == fresh
+    rec.release()
