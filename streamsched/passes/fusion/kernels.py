@@ -229,10 +229,10 @@ class StackedLinear(torch.autograd.Function):
 
     On the CPU, a narrow layer over a larger batch (``2 * out <= M``: the members of
     ``ParallelFCN``, 10 and 1 outputs over 64 rows) computes the forward as
-    ``W @ xs^T``, ``[N, out, M]``, and copies it to ``[N, M, out]`` (a view for one
-    output): the same products, output and strides, in the gemm orientation the CPU's
-    batched matmul runs 2-3x faster at these sizes than ``xs @ W^T`` (for wide layers it
-    is the slower one). The backward is the same either way."""
+    ``W @ xs^T``, ``[N, out, M]``, and copies it to ``[N, M, out]`` (for one output,
+    writes it into ``[N, M, 1]``, the same memory): the same products, output and
+    strides, in the gemm orientation the CPU's batched matmul runs 2-3x faster at these
+    sizes than ``xs @ W^T`` (for wide layers it is the slower one). The backward is the same either way."""
 
     @staticmethod
     def forward(ctx: Any, xs: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
@@ -240,9 +240,19 @@ class StackedLinear(torch.autograd.Function):
         ctx.has_bias = b is not None
         if 2 * w.shape[1] <= xs.shape[1] and xs.device.type == "cpu":
             xt = xs.transpose(1, 2)
+            if w.shape[1] == 1:
+                # One output: [N, 1, M] is [N, M, 1]'s memory, so the product is written
+                # straight into the output, which stays a tensor of its own (a view
+                # would refuse the in-place ops eager's output takes).
+                out = xs.new_empty((xs.shape[0], xs.shape[1], 1))
+                into = out.view(xs.shape[0], 1, xs.shape[1])
+                if b is None:
+                    torch.bmm(w, xt, out=into)
+                else:
+                    torch.baddbmm(b.unsqueeze(2), w, xt, out=into)
+                return out
             z = torch.bmm(w, xt) if b is None else torch.baddbmm(b.unsqueeze(2), w, xt)
-            # one output: [N, 1, M] is [N, M, 1] already (a view with eager's strides)
-            return z.view(z.shape[0], z.shape[2], 1) if z.shape[1] == 1 else z.transpose(1, 2).contiguous()
+            return z.transpose(1, 2).contiguous()
         wt = w.transpose(1, 2)
         return torch.bmm(xs, wt) if b is None else torch.baddbmm(b.unsqueeze(1), xs, wt)
 
