@@ -109,3 +109,100 @@ def test_mutated_plan_is_caught_by_chaos_and_the_checker():
             races = check_happens_before(sm.last_sync_log)
             caught += bool(races) or wrong
         assert caught == 10
+
+
+def _hand_log(steps, input_slots=(), expected_writers=None) -> SyncLog:
+    log = SyncLog()
+    log.input_slots = input_slots
+    log.expected_writers = expected_writers or {}
+    for method, *args in steps:
+        getattr(log, method)(*args)
+    return log
+
+
+_FORKED = [("fork", [1])]
+_JOINED = [("join", [1])]
+_HANDED_TO_STREAM_1 = [("launch", 0, 1, (), (3,)), ("record", 0, 1), ("wait", 1, 1), ("launch", 1, 2, (3,), ())]
+
+# One hand-written log per finding: the checker reports exactly that finding, worded so.
+FINDINGS = {
+    "read-before-write": (
+        _hand_log([("launch", 0, 1, (5,), ())], input_slots=(0,)),
+        (5, 0, 1, "conv on stream 0 reads slot 5 that no task wrote"),
+    ),
+    "unordered-read": (
+        _hand_log(_FORKED + [("launch", 1, 1, (), (3,)), ("launch", 0, 2, (3,), ())] + _JOINED),
+        (3, 0, 2, "relu on stream 0 reads slot 3 written by conv on stream 1 without waiting for it"),
+    ),
+    "write-after-read": (
+        _hand_log(_FORKED + _HANDED_TO_STREAM_1 + [("launch", 0, 3, (), (3,))] + _JOINED),
+        (3, 0, 3, "task 3 on stream 0 writes slot 3 while a read of it on stream 1 may not have finished"),
+    ),
+    "unordered-write": (
+        _hand_log(_FORKED + [("launch", 1, 1, (), (3,)), ("launch", 0, 2, (), (3,))] + _JOINED),
+        (3, 0, 2, "relu on stream 0 writes slot 3 also written by conv on stream 1 without waiting for it"),
+    ),
+    "wait-unrecorded": (
+        _hand_log(_FORKED + [("wait", 1, 7)] + _JOINED),
+        (-1, 1, 7, "stream 1 waits on the event of task 7 before it is recorded"),
+    ),
+    "unsafe-free": (
+        _hand_log(_FORKED + _HANDED_TO_STREAM_1 + [("free", 0, 3)] + _JOINED),
+        (
+            3,
+            1,
+            1,
+            "slot 3 (allocated on stream 0) is released while stream 1 may still read it, "
+            "and it was not record_stream'ed on stream 1",
+        ),
+    ),
+    "missing-join": (
+        _hand_log(_FORKED + [("launch", 1, 1, (), (4,))]),
+        (-1, 1, -1, "the caller's stream does not wait for stream 1 before returning"),
+    ),
+    "output-not-recorded": (
+        _hand_log(_FORKED + [("launch", 1, 1, (), (4,))] + _JOINED + [("output", [4])]),
+        (
+            4,
+            1,
+            1,
+            "output slot 4 was allocated on stream 1 and handed to the caller without record_stream "
+            "on the caller's stream",
+        ),
+    ),
+    "out-of-order": (
+        _hand_log(
+            [("launch", 0, 1, (), (3,)), ("launch", 0, 9, (), (3,)), ("launch", 0, 2, (3,), ())],
+            expected_writers={(2, 3): 1},
+        ),
+        (
+            3,
+            0,
+            2,
+            "relu on stream 0 accesses location 3 after the write of task 9, where eager order has it see "
+            "the write of conv",
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(FINDINGS))
+def test_each_finding_of_a_hand_written_log(kind):
+    log, (slot, stream, task, detail) = FINDINGS[kind]
+    races = check_happens_before(log, {1: "conv", 2: "relu"})
+    assert [(r.kind, r.slot, r.stream, r.task, r.detail) for r in races] == [(kind, slot, stream, task, detail)]
+    assert str(races[0]) == f"{kind}: {detail}"
+
+
+@pytest.mark.parametrize(
+    "steps",
+    [
+        _FORKED + [("launch", 1, 1, (), (3,)), ("record", 1, 1), ("wait", 0, 1), ("launch", 0, 2, (3,), ())] + _JOINED,
+        _FORKED + _HANDED_TO_STREAM_1 + [("record", 1, 2), ("wait", 0, 2), ("launch", 0, 3, (), (3,))] + _JOINED,
+        _FORKED + _HANDED_TO_STREAM_1 + [("record_stream", 1, 3), ("free", 0, 3)] + _JOINED,
+        _FORKED + [("launch", 1, 1, (), (4,))] + _JOINED + [("record_stream", 0, 4), ("output", [4])],
+    ],
+    ids=["read-after-wait", "write-after-wait", "free-after-record-stream", "output-recorded"],
+)
+def test_the_same_logs_ordered_are_clean(steps):
+    assert check_happens_before(_hand_log(steps)) == []

@@ -110,167 +110,217 @@ class Race:
         return f"{self.kind}: {self.detail}"
 
 
+class _StreamClocks:
+    """One vector clock per stream: ``knows(s, other, seq)`` is whether stream ``s`` is
+    ordered after the first ``seq`` launches of stream ``other``."""
+
+    def __init__(self, streams: list[int]) -> None:
+        size = max(streams) + 1
+        self._clock = [[0] * size for _ in range(size)]
+        # A side stream that was never forked knows nothing of the caller's stream.
+        for s in streams:
+            if s != 0:
+                self._clock[s][0] = -1
+
+    def tick(self, stream: int) -> int:
+        """Count one launch on ``stream``; returns its sequence number."""
+        self._clock[stream][stream] += 1
+        return self._clock[stream][stream]
+
+    def now(self, stream: int) -> int:
+        return self._clock[stream][stream]
+
+    def knows(self, stream: int, other: int, seq: int) -> bool:
+        return self._clock[stream][other] >= seq
+
+    def snapshot(self, stream: int) -> list[int]:
+        return list(self._clock[stream])
+
+    def merge(self, stream: int, other: list[int]) -> None:
+        """``stream`` now waits for everything ``other`` had seen."""
+        self._clock[stream] = [max(a, b) for a, b in zip(self._clock[stream], other)]
+
+    def join(self, stream: int, other: int) -> None:
+        """``stream`` now waits for everything stream ``other`` has seen."""
+        self.merge(stream, self._clock[other])
+
+
+_BEFORE_THE_CALL = (0, 0, -1)  # a value that exists before the call: written on stream 0
+
+
+class _HappensBeforeChecker:
+    """Replays a :class:`SyncLog`, one ``_handle_<kind>`` method per entry kind (the shape
+    of ``torch.cuda._sanitizer.EventHandler``), over vector clocks and per-slot accesses."""
+
+    def __init__(self, log: SyncLog, task_names: Optional[dict[int, str]]) -> None:
+        self.log = log
+        self.names = task_names or {}
+        self.streams = sorted({e.stream for e in log.entries} | {0})
+        self.clocks = _StreamClocks(self.streams)
+        self.event_clock: dict[int, list[int]] = {}
+        self.writer: dict[int, tuple[int, int, int]] = {}  # slot -> (stream, seq, task)
+        self.readers: dict[int, dict[int, int]] = {}  # slot -> {stream: seq of last read}
+        self.recorded: dict[int, set[int]] = {}  # slot -> streams it was record_stream'ed on
+        self.outputs: set[int] = set()
+        self.races: list[Race] = []
+
+    def name(self, task: int) -> str:
+        return self.names.get(task, f"task {task}")
+
+    def run(self) -> list[Race]:
+        handlers = self._HANDLERS
+        for entry in self.log.entries:
+            handler = handlers.get(entry.kind)
+            if handler is not None:
+                handler(self, entry)
+        self._check_joined()
+        self._check_outputs_recorded()
+        return self.races
+
+    def _race(self, kind: str, slot: int, stream: int, task: int, detail: str) -> None:
+        self.races.append(Race(kind, slot, stream, task, detail))
+
+    # --- one handler per entry kind ---
+
+    def _handle_fork(self, e: SyncEntry) -> None:
+        self.clocks.join(e.stream, 0)
+
+    def _handle_launch(self, e: SyncEntry) -> None:
+        self.clocks.tick(e.stream)
+        for slot in (*e.slots, *e.writes):
+            self._check_eager_order(e, slot)
+        for slot in e.slots:
+            self._check_read(e, slot)
+        for slot in e.writes:
+            self._check_write(e, slot)
+
+    def _handle_record(self, e: SyncEntry) -> None:
+        self.event_clock[e.task] = self.clocks.snapshot(e.stream)
+
+    def _handle_wait(self, e: SyncEntry) -> None:
+        s = e.stream
+        vc = self.event_clock.get(e.task)
+        if vc is None:
+            detail = f"stream {s} waits on the event of {self.name(e.task)} before it is recorded"
+            self._race("wait-unrecorded", -1, s, e.task, detail)
+            return
+        self.clocks.merge(s, vc)
+
+    def _handle_record_stream(self, e: SyncEntry) -> None:
+        self.recorded.setdefault(e.slots[0], set()).add(e.stream)
+
+    def _handle_free(self, e: SyncEntry) -> None:
+        slot = e.slots[0]
+        w = self.writer.get(slot)
+        alloc = w[0] if w is not None else 0
+        for r, seq in self.readers.get(slot, {}).items():
+            if r == alloc or r in self.recorded.get(slot, set()):
+                continue
+            if not self.clocks.knows(alloc, r, seq):
+                detail = (
+                    f"slot {slot} (allocated on stream {alloc}) is released while stream "
+                    f"{r} may still read it, and it was not record_stream'ed on stream {r}"
+                )
+                self._race("unsafe-free", slot, r, w[2] if w else -1, detail)
+
+    def _handle_join(self, e: SyncEntry) -> None:
+        self.clocks.join(0, e.stream)
+
+    def _handle_output(self, e: SyncEntry) -> None:
+        self.outputs.update(e.slots)
+
+    _HANDLERS = {
+        "fork": _handle_fork,
+        "launch": _handle_launch,
+        "record": _handle_record,
+        "wait": _handle_wait,
+        "record_stream": _handle_record_stream,
+        "free": _handle_free,
+        "join": _handle_join,
+        "output": _handle_output,
+    }
+
+    # --- the checks of one launch ---
+
+    def _check_eager_order(self, e: SyncEntry, slot: int) -> None:
+        """A location access must see the write eager order has it see."""
+        expected = self.log.expected_writers.get((e.task, slot))
+        if expected is None:
+            return
+        seen = self.writer.get(slot, _BEFORE_THE_CALL)[2]
+        if seen != expected:
+            detail = (
+                f"{self.name(e.task)} on stream {e.stream} accesses location {slot} after the write of "
+                f"{self.name(seen)}, where eager order has it see the write of {self.name(expected)}"
+            )
+            self._race("out-of-order", slot, e.stream, e.task, detail)
+
+    def _check_read(self, e: SyncEntry, slot: int) -> None:
+        """A read must be ordered after the slot's write; it is then a pending read."""
+        s = e.stream
+        w = self.writer.get(slot)
+        if w is None:
+            if slot in self.log.input_slots or not self.log.input_slots:
+                w = _BEFORE_THE_CALL
+            else:
+                detail = f"{self.name(e.task)} on stream {s} reads slot {slot} that no task wrote"
+                self._race("read-before-write", slot, s, e.task, detail)
+                return
+        ws, wseq, wtask = w
+        if ws != s and not self.clocks.knows(s, ws, wseq):
+            detail = (
+                f"{self.name(e.task)} on stream {s} reads slot {slot} written by "
+                f"{self.name(wtask)} on stream {ws} without waiting for it"
+            )
+            self._race("unordered-read", slot, s, e.task, detail)
+        self.readers.setdefault(slot, {})[s] = self.clocks.now(s)
+
+    def _check_write(self, e: SyncEntry, slot: int) -> None:
+        """A write must be ordered after the slot's earlier write and reads."""
+        s = e.stream
+        prev = self.writer.get(slot)
+        if prev is None and slot in self.log.input_slots:
+            prev = _BEFORE_THE_CALL
+        if prev is not None and prev[0] != s and not self.clocks.knows(s, prev[0], prev[1]):
+            detail = (
+                f"{self.name(e.task)} on stream {s} writes slot {slot} also written by "
+                f"{self.name(prev[2])} on stream {prev[0]} without waiting for it"
+            )
+            self._race("unordered-write", slot, s, e.task, detail)
+        for r, seq in self.readers.get(slot, {}).items():
+            if r != s and not self.clocks.knows(s, r, seq):
+                detail = (
+                    f"{self.name(e.task)} on stream {s} writes slot {slot} while a read of it on "
+                    f"stream {r} may not have finished"
+                )
+                self._race("write-after-read", slot, s, e.task, detail)
+        self.writer[slot] = (s, self.clocks.now(s), e.task)
+
+    # --- the checks at the end of the call ---
+
+    def _check_joined(self) -> None:
+        """The caller's stream must wait for every side stream before returning."""
+        for s in self.streams:
+            if s != 0 and not self.clocks.knows(0, s, self.clocks.now(s)):
+                detail = f"the caller's stream does not wait for stream {s} before returning"
+                self._race("missing-join", -1, s, -1, detail)
+
+    def _check_outputs_recorded(self) -> None:
+        """An output allocated on a side stream must be record_stream'ed on the caller's."""
+        for slot in self.outputs:
+            w = self.writer.get(slot)
+            if w is not None and w[0] != 0 and 0 not in self.recorded.get(slot, set()):
+                detail = (
+                    f"output slot {slot} was allocated on stream {w[0]} and handed to the caller "
+                    "without record_stream on the caller's stream"
+                )
+                self._race("output-not-recorded", slot, w[0], w[2], detail)
+
+
 def check_happens_before(log: SyncLog, task_names: Optional[dict[int, str]] = None) -> list[Race]:
     """Replay ``log`` and return every ordering or lifetime violation (empty when clean).
 
     Values that exist before the call (inputs, parameters) count as written on the
     caller's stream (0) before the fork.
     """
-    names = task_names or {}
-
-    def name(t: int) -> str:
-        return names.get(t, f"task {t}")
-
-    streams = sorted({e.stream for e in log.entries} | {0})
-    size = max(streams) + 1
-    clock = [[0] * size for _ in range(size)]
-    # A side stream that was never forked knows nothing of the caller's stream.
-    for s in streams:
-        if s != 0:
-            clock[s][0] = -1
-    event_clock: dict[int, list[int]] = {}
-    writer: dict[int, tuple[int, int, int]] = {}  # slot -> (stream, seq, task)
-    readers: dict[int, dict[int, int]] = {}  # slot -> {stream: seq of last read}
-    recorded: dict[int, set[int]] = {}
-    races: list[Race] = []
-    outputs: set[int] = set()
-
-    for e in log.entries:
-        s = e.stream
-        if e.kind == "fork":
-            clock[s] = [max(a, b) for a, b in zip(clock[s], clock[0])]
-        elif e.kind == "launch":
-            clock[s][s] += 1
-            for slot in (*e.slots, *e.writes):
-                expected = log.expected_writers.get((e.task, slot))
-                if expected is None:
-                    continue
-                seen = writer.get(slot, (0, 0, -1))[2]
-                if seen != expected:
-                    races.append(
-                        Race(
-                            "out-of-order",
-                            slot,
-                            s,
-                            e.task,
-                            f"{name(e.task)} on stream {s} accesses location {slot} after the write of "
-                            f"{name(seen)}, where eager order has it see the write of {name(expected)}",
-                        )
-                    )
-            for slot in e.slots:
-                w = writer.get(slot)
-                if w is None:
-                    if slot in log.input_slots or not log.input_slots:
-                        w = (0, 0, -1)
-                    else:
-                        races.append(
-                            Race(
-                                "read-before-write",
-                                slot,
-                                s,
-                                e.task,
-                                f"{name(e.task)} on stream {s} reads slot {slot} that no task wrote",
-                            )
-                        )
-                        continue
-                ws, wseq, wtask = w
-                if ws != s and clock[s][ws] < wseq:
-                    races.append(
-                        Race(
-                            "unordered-read",
-                            slot,
-                            s,
-                            e.task,
-                            f"{name(e.task)} on stream {s} reads slot {slot} written by "
-                            f"{name(wtask)} on stream {ws} without waiting for it",
-                        )
-                    )
-                readers.setdefault(slot, {})[s] = clock[s][s]
-            for slot in e.writes:
-                prev = writer.get(slot)
-                if prev is None and slot in log.input_slots:
-                    prev = (0, 0, -1)
-                if prev is not None and prev[0] != s and clock[s][prev[0]] < prev[1]:
-                    races.append(
-                        Race(
-                            "unordered-write",
-                            slot,
-                            s,
-                            e.task,
-                            f"{name(e.task)} on stream {s} writes slot {slot} also written by "
-                            f"{name(prev[2])} on stream {prev[0]} without waiting for it",
-                        )
-                    )
-                for r, seq in readers.get(slot, {}).items():
-                    if r != s and clock[s][r] < seq:
-                        races.append(
-                            Race(
-                                "write-after-read",
-                                slot,
-                                s,
-                                e.task,
-                                f"{name(e.task)} on stream {s} writes slot {slot} while a read of it on "
-                                f"stream {r} may not have finished",
-                            )
-                        )
-                writer[slot] = (s, clock[s][s], e.task)
-        elif e.kind == "record":
-            event_clock[e.task] = list(clock[s])
-        elif e.kind == "wait":
-            vc = event_clock.get(e.task)
-            if vc is None:
-                races.append(
-                    Race(
-                        "wait-unrecorded",
-                        -1,
-                        s,
-                        e.task,
-                        f"stream {s} waits on the event of {name(e.task)} before it is recorded",
-                    )
-                )
-                continue
-            clock[s] = [max(a, b) for a, b in zip(clock[s], vc)]
-        elif e.kind == "record_stream":
-            recorded.setdefault(e.slots[0], set()).add(s)
-        elif e.kind == "free":
-            slot = e.slots[0]
-            w = writer.get(slot)
-            alloc = w[0] if w is not None else 0
-            for r, seq in readers.get(slot, {}).items():
-                if r == alloc or r in recorded.get(slot, set()):
-                    continue
-                if clock[alloc][r] < seq:
-                    races.append(
-                        Race(
-                            "unsafe-free",
-                            slot,
-                            r,
-                            w[2] if w else -1,
-                            f"slot {slot} (allocated on stream {alloc}) is released while stream "
-                            f"{r} may still read it, and it was not record_stream'ed on stream {r}",
-                        )
-                    )
-        elif e.kind == "join":
-            clock[0] = [max(a, b) for a, b in zip(clock[0], clock[s])]
-        elif e.kind == "output":
-            outputs.update(e.slots)
-
-    for s in streams:
-        if s != 0 and clock[0][s] < clock[s][s]:
-            races.append(
-                Race("missing-join", -1, s, -1, f"the caller's stream does not wait for stream {s} before returning")
-            )
-    for slot in outputs:
-        w = writer.get(slot)
-        if w is not None and w[0] != 0 and 0 not in recorded.get(slot, set()):
-            races.append(
-                Race(
-                    "output-not-recorded",
-                    slot,
-                    w[0],
-                    w[2],
-                    f"output slot {slot} was allocated on stream {w[0]} and handed to the caller "
-                    "without record_stream on the caller's stream",
-                )
-            )
-    return races
+    return _HappensBeforeChecker(log, task_names).run()
