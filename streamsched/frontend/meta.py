@@ -143,98 +143,147 @@ def _run(
     traced: Any,
     counter: Any,
 ) -> Any:
-    nodes = list(graph.nodes)
-    submodule = _submodules(root)
-    frees, hold_until = _plan_frees(nodes, traced is not None, submodule, 0)
-    held: list[fx.Node] = []
-    env: dict[fx.Node, Any] = {}
-    described: dict[tuple, TensorMeta] = {}
-    it = iter(inputs)
-    result: Any = None
-    retraces = 0
+    return _RecordingRun(graph, root, inputs, on_error, record, effects, traced, counter).run()
 
-    def load(a: Any) -> Any:
-        return fx.node.map_arg(a, lambda n: env[n])
 
-    i = 0
-    while i < len(nodes):
-        node = nodes[i]
-        if counter is not None:
-            counter.where = node.name
+class _RecordingRun:
+    """One run of :func:`run_and_record`: the graph's nodes in order, the values alive,
+    and which of them die after each node (or are held while the trace may change)."""
+
+    def __init__(
+        self,
+        graph: fx.Graph,
+        root: torch.nn.Module,
+        inputs: list[Any],
+        on_error: Callable[[BaseException, fx.Node], None],
+        record: Optional[dict[fx.Node, ValueMeta]],
+        effects: Any,
+        traced: Any,
+        counter: Any,
+    ) -> None:
+        self.nodes = list(graph.nodes)
+        self.root = root
+        self.submodule = _submodules(root)
+        self.frees, self.hold_until = _plan_frees(self.nodes, traced is not None, self.submodule, 0)
+        self.held: list[fx.Node] = []
+        self.env: dict[fx.Node, Any] = {}
+        self.described: dict[tuple, TensorMeta] = {}
+        self.inputs = iter(inputs)
+        self.on_error = on_error
+        self.record = record
+        self.effects = effects
+        self.traced = traced
+        self.counter = counter
+        self.retraces = 0
+
+    def run(self) -> Any:
+        result: Any = None
+        i = 0
+        while i < len(self.nodes):
+            node = self.nodes[i]
+            if self.counter is not None:
+                self.counter.where = node.name
+            value = self._evaluate(node)
+            if node.op == "output":
+                result = value
+            else:
+                if self.traced is not None and leaf_label(node) is not None and misleads(node, value):
+                    node = self._trace_again(i, node, value)
+                self._check_relied_ranks(node, value)
+                self._keep(i, node, value)
+            i += 1
+        return result
+
+    def _load(self, a: Any) -> Any:
+        return fx.node.map_arg(a, lambda n: self.env[n])
+
+    def _evaluate(self, node: fx.Node) -> Any:
+        """The node's value (the output's: the call's result), its storage accesses
+        charged to it; an error goes to ``on_error`` first."""
+        effects = self.effects
         if effects is not None:
             effects.begin(node.name)
         try:
-            if node.op == "placeholder":
-                value = next(it)
-            elif node.op == "get_attr":
-                value = fetch_attr(root, node.target)
-            elif node.op == "call_module":
-                module = submodule(node.target)
-                args = load(node.args)
-                kwargs = load(node.kwargs) if node.kwargs else {}
-                value = module(*args, **kwargs) if counter is None else counter.call(module, args, kwargs)
-            elif node.op == "call_function":
-                value = node.target(*load(node.args), **(load(node.kwargs) if node.kwargs else {}))
-            elif node.op == "call_method":
-                self_obj, *rest = load(node.args)
-                value = getattr(self_obj, node.target)(*rest, **load(node.kwargs))
-            elif node.op == "output":
-                result = load(node.args[0])
-                i += 1
-                continue
-            else:  # pragma: no cover - fx has no other ops
-                raise RuntimeError(f"unknown fx op {node.op}")
+            return self._compute(node)
         except Exception as exc:
-            on_error(exc, node)
+            self.on_error(exc, node)
             raise
         finally:
             if effects is not None:
                 effects.end()
-        if traced is not None and leaf_label(node) is not None and misleads(node, value):
-            retraces += 1
-            if retraces > _MAX_RETRACES:
-                raise RuntimeError(f"{retraces} re-traces for what leaf calls return; giving up at '{node.target}'")
-            try:
-                # The re-trace must see the modules without the counting hooks (a hooked
-                # module is a leaf to the tracer).
-                with counter.paused():
-                    traced.relearn(node, value)
-            except Exception as exc:
-                on_error(exc, node)
-                raise
-            old = nodes
-            nodes = list(traced.graph.nodes)
-            root = traced.root
-            submodule = _submodules(root)
-            renamed = _same_prefix(old, nodes, i)
-            env = {renamed[n]: v for n, v in env.items()}
-            if record is not None:
-                for n in old[: i + 1]:
-                    if n in record:
-                        record[renamed[n]] = record.pop(n)
-            node = nodes[i]
-            frees, hold_until = _plan_frees(nodes, True, submodule, i + 1)
-            # Values the new graph reads no more after this point: dropped with the rest.
-            position = {n: k for k, n in enumerate(nodes)}
-            held = [n for n in env if max((position[u] for u in n.users), default=-1) <= i]
+
+    def _compute(self, node: fx.Node) -> Any:
+        load = self._load
+        if node.op == "placeholder":
+            return next(self.inputs)
+        if node.op == "get_attr":
+            return fetch_attr(self.root, node.target)
+        if node.op == "call_module":
+            module = self.submodule(node.target)
+            args = load(node.args)
+            kwargs = load(node.kwargs) if node.kwargs else {}
+            return module(*args, **kwargs) if self.counter is None else self.counter.call(module, args, kwargs)
+        if node.op == "call_function":
+            return node.target(*load(node.args), **(load(node.kwargs) if node.kwargs else {}))
+        if node.op == "call_method":
+            self_obj, *rest = load(node.args)
+            return getattr(self_obj, node.target)(*rest, **load(node.kwargs))
+        if node.op == "output":
+            return load(node.args[0])
+        raise RuntimeError(f"unknown fx op {node.op}")  # pragma: no cover - fx has no other ops
+
+    def _trace_again(self, i: int, node: fx.Node, value: Any) -> fx.Node:
+        """A leaf call misled the trace: trace again knowing what it returns, and go on in
+        the new graph from node ``i`` (returned: its counterpart there)."""
+        self.retraces += 1
+        if self.retraces > _MAX_RETRACES:
+            raise RuntimeError(f"{self.retraces} re-traces for what leaf calls return; giving up at '{node.target}'")
+        try:
+            # The re-trace must see the modules without the counting hooks (a hooked
+            # module is a leaf to the tracer).
+            with self.counter.paused():
+                self.traced.relearn(node, value)
+        except Exception as exc:
+            self.on_error(exc, node)
+            raise
+        old = self.nodes
+        self.nodes = nodes = list(self.traced.graph.nodes)
+        self.root = self.traced.root
+        self.submodule = _submodules(self.root)
+        renamed = _same_prefix(old, nodes, i)
+        self.env = {renamed[n]: v for n, v in self.env.items()}
+        if self.record is not None:
+            for n in old[: i + 1]:
+                if n in self.record:
+                    self.record[renamed[n]] = self.record.pop(n)
+        self.frees, self.hold_until = _plan_frees(nodes, True, self.submodule, i + 1)
+        # Values the new graph reads no more after this point: dropped with the rest.
+        position = {n: k for k, n in enumerate(nodes)}
+        self.held = [n for n in self.env if max((position[u] for u in n.users), default=-1) <= i]
+        return nodes[i]
+
+    def _check_relied_ranks(self, node: fx.Node, value: Any) -> None:
+        """A rank the trace relied on must hold for the value the call produced."""
         if node_meta.relied(node) is not None:
             try:
                 check_relied(node, value)
             except RankAssumptionError as exc:
-                on_error(exc, node)
+                self.on_error(exc, node)
                 raise
-        env[node] = value
-        if record is not None:
-            record[node] = describe(value, described)
-        dead = frees.get(node, ())
-        if i < hold_until:
-            held.extend(dead)
+
+    def _keep(self, i: int, node: fx.Node, value: Any) -> None:
+        """Keep and describe the value; drop the values it was the last use of (unless
+        the trace may still change)."""
+        self.env[node] = value
+        if self.record is not None:
+            self.record[node] = describe(value, self.described)
+        dead = self.frees.get(node, ())
+        if i < self.hold_until:
+            self.held.extend(dead)
         else:
-            for d in (*held, *dead):
-                env.pop(d, None)
-            held = []
-        i += 1
-    return result
+            for d in (*self.held, *dead):
+                self.env.pop(d, None)
+            self.held = []
 
 
 _MAX_RETRACES = 256

@@ -594,72 +594,86 @@ class RankTracker:
                 return self.input_dtypes[index]  # type: ignore[index]
             return None
         if kind == "get_attr":
-            found = _owner(root, str(target)) if derived else None
-            if found is None:
-                return None
-            owner, name, value = found
-            self._assume(node, ("param", owner, name, value.dtype))
-            return value.dtype
+            return self._attribute_dtype(root, target, node) if derived else None
         if kind == "call_module":
-            if not derived:
-                return None
-            module = self._attribute(root, str(target))
-            forward = type(module).forward
-            if has_hooks(module):
-                return None  # its hooks may cast its input or hand back another value
-            if isinstance(module, nn.Embedding) and forward is nn.Embedding.forward:
-                weight = module._parameters.get("weight")
-                if weight is None:
-                    return None
-                self._assume(node, ("param", module, "weight", weight.dtype))
-                return weight.dtype
-            if isinstance(module, _SAME_MODULES) and forward in _SAME_FORWARDS and args:
-                return _floating(self._d(args[0]))  # torch's ops give their input's dtype, or raise
-            return None
+            return self._module_dtype(root, target, args, node) if derived else None
         if kind == "call_method":
-            name, x = target, args[0] if args else None
-            named = [a for a in (*args[1:], *kwargs.values()) if isinstance(a, torch.dtype)]
-            if name in ("to", "type"):
-                if named:
-                    return named[0]
-                if name == "to" and len(args) == 2 and isinstance(args[1], torch.Tensor):
-                    return args[1].dtype
-                if name == "to" and len(args) == 2 and not kwargs:
-                    return self._d(args[1]) if self._is_tensor(args[1]) else None
+            return self._method_dtype(target, args, kwargs)
+        if kind == "call_function":
+            return self._function_dtype(target, args, kwargs)
+        return None
+
+    def _attribute_dtype(self, root: Any, target: Any, node: fx.Node) -> Optional[torch.dtype]:
+        """A parameter's or buffer's dtype, which the plan then rests on."""
+        found = _owner(root, str(target))
+        if found is None:
+            return None
+        owner, name, value = found
+        self._assume(node, ("param", owner, name, value.dtype))
+        return value.dtype
+
+    def _module_dtype(self, root: Any, target: Any, args: tuple, node: fx.Node) -> Optional[torch.dtype]:
+        """An embedding's weight dtype, or a dtype-keeping module's input dtype (only for
+        modules without hooks, running their class's own forward)."""
+        module = self._attribute(root, str(target))
+        forward = type(module).forward
+        if has_hooks(module):
+            return None  # its hooks may cast its input or hand back another value
+        if isinstance(module, nn.Embedding) and forward is nn.Embedding.forward:
+            weight = module._parameters.get("weight")
+            if weight is None:
                 return None
-            if name in _CAST_METHODS and len(args) == 1:
-                return _CAST_METHODS[name]
-            if name == "type_as":
-                return self._d(args[1])
-            if name == "view" and len(args) == 2 and isinstance(args[1], torch.dtype):
-                return args[1]
-            if name in _DTYPE_KEEPING_METHODS and "dtype" not in kwargs and not named:
-                return self._d(x)
-            if name in _COMPARISONS and self._is_tensor(x):
-                return torch.bool
-            if name in _ARITHMETIC:
-                others = [self._d(a) if isinstance(a, (fx.Node, fx.Proxy)) else a for a in args[1:]]
-                return _arithmetic(self._d(x), others, division=name == "div") or self._promoted(
-                    args[:2], kwargs, name == "div"
-                )
-            if name in _FLOAT_KEEPING_METHODS and not named:
-                return _floating(self._d(x))
-            if name in ("clamp", "clamp_", "clip"):
-                return _arithmetic(self._d(x), [*args[1:], *kwargs.values()])
-            if name in ("maximum", "minimum"):
-                return self._promoted(args[:2], kwargs)
-            return None
-        if kind != "call_function":
-            return None
+            self._assume(node, ("param", module, "weight", weight.dtype))
+            return weight.dtype
+        if isinstance(module, _SAME_MODULES) and forward in _SAME_FORWARDS and args:
+            return _floating(self._d(args[0]))  # torch's ops give their input's dtype, or raise
+        return None
+
+    def _method_dtype(self, name: Any, args: tuple, kwargs: dict) -> Optional[torch.dtype]:
+        """A tensor method's result dtype: a cast, a dtype-keeping or float-keeping
+        method, a comparison, or arithmetic by torch's promotion."""
+        x = args[0] if args else None
+        named = [a for a in (*args[1:], *kwargs.values()) if isinstance(a, torch.dtype)]
+        if name in ("to", "type"):
+            return self._cast_method_dtype(name, args, kwargs, named)
+        if name in _CAST_METHODS and len(args) == 1:
+            return _CAST_METHODS[name]
+        if name == "type_as":
+            return self._d(args[1])
+        if name == "view" and len(args) == 2 and isinstance(args[1], torch.dtype):
+            return args[1]
+        if name in _DTYPE_KEEPING_METHODS and "dtype" not in kwargs and not named:
+            return self._d(x)
+        if name in _COMPARISONS and self._is_tensor(x):
+            return torch.bool
+        if name in _ARITHMETIC:
+            others = [self._d(a) if isinstance(a, (fx.Node, fx.Proxy)) else a for a in args[1:]]
+            return _arithmetic(self._d(x), others, division=name == "div") or self._promoted(
+                args[:2], kwargs, name == "div"
+            )
+        if name in _FLOAT_KEEPING_METHODS and not named:
+            return _floating(self._d(x))
+        if name in ("clamp", "clamp_", "clip"):
+            return _arithmetic(self._d(x), [*args[1:], *kwargs.values()])
+        if name in ("maximum", "minimum"):
+            return self._promoted(args[:2], kwargs)
+        return None
+
+    def _cast_method_dtype(self, name: str, args: tuple, kwargs: dict, named: list) -> Optional[torch.dtype]:
+        """``x.to(...)`` / ``x.type(...)``: the dtype named, or that of the tensor given."""
+        if named:
+            return named[0]
+        if name == "to" and len(args) == 2 and isinstance(args[1], torch.Tensor):
+            return args[1].dtype
+        if name == "to" and len(args) == 2 and not kwargs:
+            return self._d(args[1]) if self._is_tensor(args[1]) else None
+        return None
+
+    def _function_dtype(self, target: Any, args: tuple, kwargs: dict) -> Optional[torch.dtype]:
+        """A function's result dtype, each family of functions by its own rule (tried in
+        this order: a function in two families follows the first)."""
         if target in _FACTORY_DTYPES:
-            d = kwargs.get("dtype")
-            if isinstance(d, torch.dtype):
-                return d
-            if target is _ARANGE and d is None and args and all(self._is_int(a) for a in args):
-                return torch.int64  # arange of integers
-            if target in _LIKE_FACTORIES and d is None and args:
-                return self._d(args[0])
-            return None
+            return self._factory_dtype(target, args, kwargs)
         if target is operator.getitem:
             return self._d(args[0]) if self._is_tensor(args[0]) else None
         if target in _COMPARISON_FUNCTIONS and any(self._is_tensor(a) for a in args[:2]):
@@ -681,28 +695,49 @@ class RankTracker:
             a, b = self._d(args[1]), self._d(args[2])
             return a if a is not None and a == b else self._promoted(args[1:], kwargs)
         if target in _ARITHMETIC_FUNCTIONS:
-            values = [self._d(a) if isinstance(a, (fx.Node, fx.Proxy)) else a for a in args]
-            division = target in (operator.truediv, torch.div)
-            known = None
-            if isinstance(values[0], torch.dtype):
-                known = _arithmetic(values[0], values[1:], division)
-            elif len(values) == 2 and isinstance(values[1], torch.dtype):
-                known = _arithmetic(values[1], values[:1], division)
-            return known or self._promoted(args, kwargs, division)
+            return self._arithmetic_function_dtype(target, args, kwargs)
         if target in (torch.maximum, torch.minimum):
             return self._promoted(args, kwargs)
         if target in _INPLACE_OPERATORS and len(args) == 2:
-            if self._is_tensor(args[0]):
-                return self._d(args[0])  # written into the left tensor, in its dtype (or raises)
-            if target in (operator.iadd, operator.isub, operator.imul, operator.itruediv):
-                return self._promoted(args, {}, target is operator.itruediv)  # a number: rebound
-            return None
+            return self._inplace_operator_dtype(target, args)
         if target in (torch.clamp, torch.clip) and args:
             return _arithmetic(self._d(args[0]), [*args[1:], *kwargs.values()])
         if target in _FLOAT_KEEPING_FUNCTIONS:
             if any(isinstance(a, torch.dtype) for a in (*args, *kwargs.values())):
                 return None
             return _floating(self._d(args[0] if args else kwargs.get("input")))
+        return None
+
+    def _factory_dtype(self, target: Any, args: tuple, kwargs: dict) -> Optional[torch.dtype]:
+        """A factory's dtype: the one given, int64 for ``arange`` of integers, or the
+        model tensor's for a ``*_like``."""
+        d = kwargs.get("dtype")
+        if isinstance(d, torch.dtype):
+            return d
+        if target is _ARANGE and d is None and args and all(self._is_int(a) for a in args):
+            return torch.int64  # arange of integers
+        if target in _LIKE_FACTORIES and d is None and args:
+            return self._d(args[0])
+        return None
+
+    def _arithmetic_function_dtype(self, target: Any, args: tuple, kwargs: dict) -> Optional[torch.dtype]:
+        """``a + b`` and its kin: by a dtype operand's rule with Python numbers, else by
+        torch's promotion."""
+        values = [self._d(a) if isinstance(a, (fx.Node, fx.Proxy)) else a for a in args]
+        division = target in (operator.truediv, torch.div)
+        known = None
+        if isinstance(values[0], torch.dtype):
+            known = _arithmetic(values[0], values[1:], division)
+        elif len(values) == 2 and isinstance(values[1], torch.dtype):
+            known = _arithmetic(values[1], values[:1], division)
+        return known or self._promoted(args, kwargs, division)
+
+    def _inplace_operator_dtype(self, target: Any, args: tuple) -> Optional[torch.dtype]:
+        """``a += b`` and its kin: the left tensor's dtype, or a number rebound."""
+        if self._is_tensor(args[0]):
+            return self._d(args[0])  # written into the left tensor, in its dtype (or raises)
+        if target in (operator.iadd, operator.isub, operator.imul, operator.itruediv):
+            return self._promoted(args, {}, target is operator.itruediv)  # a number: rebound
         return None
 
     def _promoted(self, operands: Sequence[Any], kwargs: dict, division: bool = False) -> Optional[torch.dtype]:
