@@ -81,17 +81,14 @@ MUTANTS: list[Mutant] = [
         STREAMS,
         [
             (
-                "                run_task(task, env, ranges, task.stream)\n                if log is not None:\n"
-                "                    log.launch(",
+                "                run_task(task, env, ranges, task.stream)\n                log.launch(",
                 "                if task.records:\n                    be.record(stream, events[task.id])\n"
-                "                run_task(task, env, ranges, task.stream)\n                if log is not None:\n"
-                "                    log.launch(",
+                "                run_task(task, env, ranges, task.stream)\n                log.launch(",
             ),
             (
                 "                if task.records:\n                    be.record(stream, events[task.id])\n"
-                "                    if log is not None:\n                        log.record(sid, task.id)\n",
-                "                if task.records:\n                    if log is not None:\n"
-                "                        log.record(sid, task.id)\n",
+                "                    log.record(sid, task.id)\n",
+                "                if task.records:\n                    log.record(sid, task.id)\n",
             ),
         ],
         PROTOCOL_PYTHON,

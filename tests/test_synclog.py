@@ -206,3 +206,19 @@ def test_each_finding_of_a_hand_written_log(kind):
 )
 def test_the_same_logs_ordered_are_clean(steps):
     assert check_happens_before(_hand_log(steps)) == []
+
+
+def test_the_null_log_answers_every_logging_method_of_the_log():
+    """An executor given no log writes to NULL_LOG unconditionally: every method a
+    SyncLog logs with must be there, taking the same arguments and keeping nothing."""
+    import inspect
+
+    from streamsched.runtime.synclog import NULL_LOG, NullSyncLog
+
+    logging = [n for n, f in vars(SyncLog).items() if inspect.isfunction(f) and not n.startswith("_")]
+    logging = [n for n in logging if n not in ("without", "actions")]
+    assert {"fork", "launch", "record", "wait", "record_stream", "free", "join", "output"} <= set(logging)
+    for name in logging:
+        assert inspect.signature(getattr(NullSyncLog, name)) == inspect.signature(getattr(SyncLog, name)), name
+    assert SyncLog.keeps and not NULL_LOG.keeps
+    assert not hasattr(NULL_LOG, "__dict__")  # nothing to keep between calls or threads

@@ -9,7 +9,9 @@ override points, and they are the same for all four:
 
 - :meth:`Executor.run` runs one call: ``run(program, inputs, log, chaos, observer)``
   returns the program's flat outputs. ``log`` (a :class:`~.synclog.SyncLog`) records
-  every synchronisation decision for the race checker; ``chaos`` delays tasks at random
+  every synchronisation decision for the race checker (given none, an executor logs to
+  :data:`~.synclog.NULL_LOG`, whose methods do nothing, rather than testing for a log
+  at each decision); ``chaos`` delays tasks at random
   to shake out missing waits; ``observer.push(task, stream)`` / ``pop`` bracket each
   task (NVTX ranges, timelines). An executor that cannot honour one of them runs the
   call some way that can (the graph executor runs plain streams under a log).

@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 from .chaos import Chaos
 from .program import Program, run_task
-from .synclog import SyncLog
+from .synclog import NULL_LOG, SyncLog
 
 __all__ = ["SerialExecutor"]
 
@@ -32,19 +32,18 @@ class SerialExecutor:
             env = program.new_env(inputs)
             program.run_serial(env)
             return program.output(env)
+        if log is None:
+            log = NULL_LOG
         env = program.new_env(inputs)
         for task in program.tasks:
             if chaos is not None:
                 chaos.delay(0)
             run_task(task, env, observer, 0)
-            if log is not None:
-                log.launch(0, task.id, task.reads, task.writes)
+            log.launch(0, task.id, task.reads, task.writes)
             for slot in task.frees:
                 env[slot] = None
-                if log is not None:
-                    log.free(0, slot)
-        if log is not None:
-            log.output(program.output_slots)
+                log.free(0, slot)
+        log.output(program.output_slots)
         return program.output(env)
 
     def forget(self, program: Optional[Program] = None) -> None:

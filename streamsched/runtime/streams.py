@@ -34,7 +34,7 @@ from .backends import CudaBackend, NativeStreamOps, SimulatedBackend
 from .chaos import Chaos
 from .executor import PerProgram
 from .program import Program, run_task
-from .synclog import SyncEntry, SyncLog
+from .synclog import NULL_LOG, NullSyncLog, SyncLog
 
 __all__ = ["StreamExecutor", "CudaBackend", "SimulatedBackend"]
 
@@ -119,13 +119,13 @@ class StreamExecutor:
         return nat.StreamRuntime(*args, bool(self.backend.is_cuda), device)
 
     def _run_native(
-        self, program: Program, inputs: list[Any], log: Optional[SyncLog], chaos: Optional[Chaos], observer: Any
+        self, program: Program, inputs: list[Any], log: SyncLog | NullSyncLog, chaos: Optional[Chaos], observer: Any
     ) -> Any:
         rt = self._runtime(program)
         env = program.new_env(inputs)
         ranges = observer
         be = self.backend
-        rt.begin(log is not None)
+        rt.begin(log.keeps)
         completed = False
         try:
             for index, task in enumerate(program.tasks):
@@ -143,8 +143,7 @@ class StreamExecutor:
                     rt.end(env, completed)
                 except Exception:  # noqa: BLE001 - the task's own error propagates (see run())
                     pass
-            if log is not None:
-                log.entries.extend(SyncEntry(*entry) for entry in rt.take_log())
+            log.take_native(rt)
         return program.output(env)
 
     def run(
@@ -157,6 +156,8 @@ class StreamExecutor:
     ) -> Any:
         """Run one call; ``observer.push(task, stream)``/``pop`` bracket each task on its
         stream (NVTX ranges, timelines)."""
+        if log is None:
+            log = NULL_LOG
         if self.native is not None:
             return self._run_native(program, inputs, log, chaos, observer)
         be = self.backend
@@ -170,8 +171,7 @@ class StreamExecutor:
         ranges = observer
 
         be.fork(caller, side)
-        if log is not None:
-            log.fork(side_ids)
+        log.fork(side_ids)
         current = 0
         completed = False
         try:
@@ -183,26 +183,21 @@ class StreamExecutor:
                     current = sid
                 for producer in task.waits:
                     be.wait(stream, events[producer])
-                    if log is not None:
-                        log.wait(sid, producer)
+                    log.wait(sid, producer)
                 if chaos is not None:
                     be.chaos(chaos, sid)
                 run_task(task, env, ranges, task.stream)
-                if log is not None:
-                    log.launch(sid, task.id, task.reads, task.writes)
+                log.launch(sid, task.id, task.reads, task.writes)
                 for slot in task.cross_reads:
                     for tensor in _tensors(env[slot]):
                         be.record_stream(tensor, stream)
-                    if log is not None:
-                        log.record_stream(sid, slot)
+                    log.record_stream(sid, slot)
                 if task.records:
                     be.record(stream, events[task.id])
-                    if log is not None:
-                        log.record(sid, task.id)
+                    log.record(sid, task.id)
                 for slot in task.frees:
                     env[slot] = None
-                    if log is not None:
-                        log.free(sid, slot)
+                    log.free(sid, slot)
             completed = True
         finally:
             if current != 0:
@@ -217,15 +212,12 @@ class StreamExecutor:
                     # invalidated a CUDA graph capture these streams belong to) must not
                     # replace it.
                     pass
-            if log is not None:
-                log.join(side_ids)
+            log.join(side_ids)
         for slot in program.side_outputs:
             for tensor in _tensors(env[slot]):
                 be.record_stream(tensor, caller)
-            if log is not None:
-                log.record_stream(0, slot)
-        if log is not None:
-            log.output(program.output_slots)
+            log.record_stream(0, slot)
+        log.output(program.output_slots)
         return program.output(env)
 
     def close(self) -> None:

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Iterable, NamedTuple, Optional
+from typing import Any, Iterable, NamedTuple, Optional
 
-__all__ = ["SyncEntry", "SyncLog", "Race", "check_happens_before"]
+__all__ = ["SyncEntry", "SyncLog", "NullSyncLog", "NULL_LOG", "Race", "check_happens_before"]
 
 
 class SyncEntry(NamedTuple):
@@ -39,6 +39,9 @@ class SyncEntry(NamedTuple):
 
 class SyncLog:
     """An append-only list of :class:`SyncEntry`; safe to append from several threads."""
+
+    # Whether the entries are kept (the native runtime logs only when asked).
+    keeps = True
 
     def __init__(self) -> None:
         self.entries: list[SyncEntry] = []
@@ -77,6 +80,11 @@ class SyncLog:
     def output(self, slots: Iterable[int]) -> None:
         self._add(SyncEntry("output", 0, -1, tuple(slots)))
 
+    def take_native(self, runtime: Any) -> None:
+        """Append what the native stream runtime logged in the call."""
+        with self._lock:
+            self.entries.extend(SyncEntry(*entry) for entry in runtime.take_log())
+
     def without(self, predicate) -> SyncLog:
         """A copy without the entries for which ``predicate(entry)`` is true (for tests)."""
         out = SyncLog()
@@ -94,6 +102,50 @@ class SyncLog:
 
     def __repr__(self) -> str:
         return f"SyncLog({len(self.entries)} entries)"
+
+
+class NullSyncLog:
+    """The log of a call that asked for none: :class:`SyncLog`'s methods, each doing
+    nothing. An executor given no log writes to :data:`NULL_LOG`, so its loop logs every
+    action unconditionally (the recording is an override point, as
+    ``torch.fx.Interpreter`` keeps per-node hooks out of its loop) instead of testing
+    for a log at each one."""
+
+    __slots__ = ()
+    keeps = False
+
+    def fork(self, streams: Iterable[int]) -> None:
+        pass
+
+    def launch(self, stream: int, task: int, reads: tuple[int, ...], writes: tuple[int, ...]) -> None:
+        pass
+
+    def record(self, stream: int, task: int) -> None:
+        pass
+
+    def wait(self, stream: int, task: int) -> None:
+        pass
+
+    def record_stream(self, stream: int, slot: int) -> None:
+        pass
+
+    def free(self, stream: int, slot: int) -> None:
+        pass
+
+    def join(self, streams: Iterable[int]) -> None:
+        pass
+
+    def output(self, slots: Iterable[int]) -> None:
+        pass
+
+    def take_native(self, runtime: Any) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return "NULL_LOG"
+
+
+NULL_LOG = NullSyncLog()
 
 
 @dataclass(frozen=True)

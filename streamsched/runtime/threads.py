@@ -25,7 +25,7 @@ from .executor import PerProgram
 from .lanes import LanePool
 from .program import CompiledTask, Program, run_task
 from .serial import SerialExecutor
-from .synclog import SyncLog
+from .synclog import NULL_LOG, NullSyncLog, SyncLog
 
 __all__ = ["ThreadExecutor"]
 
@@ -133,6 +133,8 @@ class ThreadExecutor:
     def _run(
         self, program: Program, inputs: list[Any], log: Optional[SyncLog], chaos: Optional[Chaos], observer: Any
     ) -> Any:
+        if log is None:
+            log = NULL_LOG
         lanes: dict[int, list[CompiledTask]] = {}
         for task in program.tasks:
             lanes.setdefault(task.stream, []).append(task)
@@ -145,8 +147,7 @@ class ThreadExecutor:
         _POOL.ensure(max(side, default=0))
         done = {lane: threading.Event() for lane in side}
 
-        if log is not None:
-            log.fork(side)
+        log.fork(side)
         for lane in side:
 
             def job(lane: int = lane) -> None:
@@ -162,17 +163,15 @@ class ThreadExecutor:
             # Join every lane before returning or raising, whatever happened.
             for lane in side:
                 done[lane].wait()
-            if log is not None:
-                log.join(side)
+            log.join(side)
         if call.errors:
             call.errors.sort(key=lambda item: item[0])
             raise call.errors[0][1]
-        if log is not None:
-            # A lane's value handed to the caller is the caller's after the join, as a
-            # side stream's output is after record_stream on the caller's stream.
-            for slot in program.side_outputs:
-                log.record_stream(0, slot)
-            log.output(program.output_slots)
+        # A lane's value handed to the caller is the caller's after the join, as a
+        # side stream's output is after record_stream on the caller's stream.
+        for slot in program.side_outputs:
+            log.record_stream(0, slot)
+        log.output(program.output_slots)
         return program.output(env)
 
     @staticmethod
@@ -182,7 +181,7 @@ class ThreadExecutor:
         tasks: list[CompiledTask],
         frees: dict[int, tuple[int, ...]],
         state: Optional[_TorchState],
-        log: Optional[SyncLog],
+        log: SyncLog | NullSyncLog,
         chaos: Optional[Chaos],
         observer: Any = None,
     ) -> None:
@@ -195,23 +194,19 @@ class ThreadExecutor:
                 for task in tasks:
                     for producer in task.waits:
                         call.events[producer].wait()
-                        if log is not None:
-                            log.wait(lane, producer)
+                        log.wait(lane, producer)
                     if call.failed:
                         return
                     if chaos is not None:
                         chaos.delay(lane)
                     run_task(task, env, observer, lane)
-                    if log is not None:
-                        log.launch(lane, task.id, task.reads, task.writes)
+                    log.launch(lane, task.id, task.reads, task.writes)
                     if task.records:
-                        if log is not None:
-                            log.record(lane, task.id)
+                        log.record(lane, task.id)
                         call.events[task.id].set()
                     for slot in frees.get(task.id, ()):
                         env[slot] = None
-                        if log is not None:
-                            log.free(lane, slot)
+                        log.free(lane, slot)
             except BaseException as exc:  # noqa: BLE001 - re-raised by the caller
                 call.fail(task.id if task is not None else -1, exc)
             finally:
