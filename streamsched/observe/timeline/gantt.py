@@ -153,8 +153,6 @@ def draw_gantt(tl: GanttSource, path: Union[str, Path]) -> Path:
     # Lazy: matplotlib is optional (the plot extra) and slow to import, so only drawing loads it.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure  # lazy, as above
-    from matplotlib.font_manager import FontProperties  # lazy, as above
-    from matplotlib.ticker import FuncFormatter  # lazy, as above
 
     lanes = list(tl.streams)
     lane_y = {s: len(lanes) - 1 - i for i, s in enumerate(lanes)}  # stream 0 on top
@@ -166,6 +164,25 @@ def draw_gantt(tl: GanttSource, path: Union[str, Path]) -> Path:
     canvas = FigureCanvasAgg(fig)  # no pyplot: no global state, safe off the main thread
     band, ax = fig.subplots(2, 1, sharex=True, height_ratios=[0.25 * max(band_rows, 2), len(lanes)])
     span_us = max(tl.wall_us, max((e.end_us for e in tl.entries), default=0.0), 1e-3)
+    _draw_task_bars(ax, tl, lane_y, span_us)
+    _draw_parts_band(band, parts, rows)
+    ax.set_xlim(0, span_us * 1.005)
+    ax.set_ylim(-0.6, len(lanes) - 0.4)
+    band.set_ylim(max(band_rows, 2) - 0.4, -0.6)
+    band.set_yticks([(band_rows - 1) / 2])
+    band.set_yticklabels(["model parts"], fontsize=8)
+    band.tick_params(axis="x", bottom=False)
+    for side in ("top", "right", "bottom"):
+        band.spines[side].set_visible(False)
+    _label_what_fits(canvas, ax, band, tl, lane_y, parts, rows, span_us)
+    _describe_axes(ax, band, tl, lanes, lane_y, span_us)
+    out = Path(path)
+    fig.savefig(out)
+    return out
+
+
+def _draw_task_bars(ax: Any, tl: GanttSource, lane_y: dict[int, int], span_us: float) -> None:
+    """One bar per task in its stream's lane and colour, the critical path outlined."""
     critical = set(tl.critical_path)
     for i, entry in enumerate(tl.entries):
         on_path = entry.task in critical
@@ -179,18 +196,27 @@ def draw_gantt(tl: GanttSource, path: Union[str, Path]) -> Path:
             edgecolor="black" if on_path else "white",
             linewidth=1.1 if on_path else 0.4,
         )
+
+
+def _draw_parts_band(band: Any, parts: Sequence[tuple[str, float, float]], rows: Sequence[int]) -> None:
+    """One grey bar per top-level part of the model, on its row of the band."""
     for i, ((_part, lo, hi), row) in enumerate(zip(parts, rows)):
         band.barh(row, hi - lo, left=lo, height=0.9, color="0.55" if i % 2 else "0.75", edgecolor="white")
-    ax.set_xlim(0, span_us * 1.005)
-    ax.set_ylim(-0.6, len(lanes) - 0.4)
-    band.set_ylim(max(band_rows, 2) - 0.4, -0.6)
-    band.set_yticks([(band_rows - 1) / 2])
-    band.set_yticklabels(["model parts"], fontsize=8)
-    band.tick_params(axis="x", bottom=False)
-    for side in ("top", "right", "bottom"):
-        band.spines[side].set_visible(False)
 
-    # Labels where they fit, measured in pixels once the layout is final.
+
+def _label_what_fits(
+    canvas: Any,
+    ax: Any,
+    band: Any,
+    tl: GanttSource,
+    lane_y: dict[int, int],
+    parts: Sequence[tuple[str, float, float]],
+    rows: Sequence[int],
+    span_us: float,
+) -> None:
+    """Labels on the bars where they fit, measured in pixels once the layout is final."""
+    from matplotlib.font_manager import FontProperties  # lazy, as in draw_gantt
+
     font = FontProperties(size=6.5)
     canvas.draw()
     renderer = canvas.get_renderer()
@@ -209,6 +235,14 @@ def draw_gantt(tl: GanttSource, path: Union[str, Path]) -> Path:
         label(ax, entry.start_us, entry.end_us, lane_y[entry.stream], entry.name)
     for (part, lo, hi), row in zip(parts, rows):
         label(band, lo, hi, row, part)
+
+
+def _describe_axes(
+    ax: Any, band: Any, tl: GanttSource, lanes: list[int], lane_y: dict[int, int], span_us: float
+) -> None:
+    """The time axis, each lane's stream and busy time, where the call returned, and the
+    title with the run's figures."""
+    from matplotlib.ticker import FuncFormatter  # lazy, as in draw_gantt
 
     scale, unit = (1e3, "ms") if span_us >= 2000 else (1.0, "us")
     ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v / scale:g}"))
@@ -231,6 +265,3 @@ def draw_gantt(tl: GanttSource, path: Union[str, Path]) -> Path:
         f"fastest of {tl.runs} run(s); dashed line: the call returned",
         fontsize=10,
     )
-    out = Path(path)
-    fig.savefig(out)
-    return out
