@@ -336,67 +336,95 @@ class LinearKernel(FusedKernel):
         """``run`` for this kernel's input layout and shapes: the weight and bias views
         kept between calls while grad mode is off (see :func:`_kept_views`), the layout
         conversion and the op chosen at build time."""
+        if self.in_layout == SHARED:
+            return self._wide_linear()
+        kind, _d = self.in_layout
+        if self.bias is not None and len(self.in_shape) == 2 and len(self.out_shape) == 2 and kind in ("stack", "fold"):
+            return self._stacked_baddbmm() if kind == "stack" else self._folded_baddbmm()
+        return self._general_bmm()
+
+    def _wide_linear(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """A shared input: one ``F.linear`` with every member's weight rows."""
         n, fin, fout = self.n, self.in_features, self.out_features
         weight, bias = self.weight, self.bias
         bsrc: Any = bias if bias is not None else _NO_STACK
         is_grad = torch.is_grad_enabled
-        if self.in_layout == SHARED:
-            kept, views = _kept_views(
-                weight, torch.Tensor.reshape, (n * fout, fin), bias, torch.Tensor.reshape, (n * fout,)
-            )
-            linear = F.linear
+        kept, views = _kept_views(
+            weight, torch.Tensor.reshape, (n * fout, fin), bias, torch.Tensor.reshape, (n * fout,)
+        )
+        linear = F.linear
 
-            def wide_linear(x: torch.Tensor) -> torch.Tensor:
-                grad = is_grad()
-                if grad or weight.stack is not kept[0] or bsrc.stack is not kept[1]:
-                    w, b = views(grad)
-                    return linear(x, w, b)
-                return linear(x, kept[2], kept[3])
+        def wide_linear(x: torch.Tensor) -> torch.Tensor:
+            grad = is_grad()
+            if grad or weight.stack is not kept[0] or bsrc.stack is not kept[1]:
+                w, b = views(grad)
+                return linear(x, w, b)
+            return linear(x, kept[2], kept[3])
 
-            return wide_linear
+        return wide_linear
 
+    def _stacked_baddbmm(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """2-d members' inputs already stacked, with a bias: one ``baddbmm``."""
+        weight, bias = self.weight, self.bias
+        bsrc: Any = bias
+        is_grad = torch.is_grad_enabled
+        kept, views = _kept_views(weight, torch.Tensor.transpose, (1, 2), bias, torch.Tensor.unsqueeze, (1,))
+        baddbmm, for_grad = torch.baddbmm, _stacked_linear
+
+        def stacked_baddbmm(x: torch.Tensor) -> torch.Tensor:
+            if is_grad():
+                return for_grad(x, weight.value(True), bias.value(True))
+            if weight.stack is not kept[0] or bsrc.stack is not kept[1]:
+                wt, b = views(False)
+                return baddbmm(b, x, wt)
+            return baddbmm(kept[3], x, kept[2])
+
+        return stacked_baddbmm
+
+    def _folded_baddbmm(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """2-d members' inputs folded side by side, with a bias: one view to a stack (where
+        the input is the contiguous fold planned), then one ``baddbmm``."""
+        n, in_shape = self.n, self.in_shape
+        weight, bias = self.weight, self.bias
+        bsrc: Any = bias
+        is_grad = torch.is_grad_enabled
+        kept, views = _kept_views(weight, torch.Tensor.transpose, (1, 2), bias, torch.Tensor.unsqueeze, (1,))
+        _kind, d = self.in_layout
+        baddbmm, for_grad = torch.baddbmm, _stacked_linear
+        split = in_shape[:d] + (n, in_shape[d]) + in_shape[d + 1 :]
+        # to_stack of a contiguous fold as one view: its sizes and strides, worked out
+        # once (reshape, then movedim, is two view ops per call). Only for the shape
+        # planned (as_strided would not refuse another one, as reshape does).
+        stacked = torch.empty(split, device="meta").movedim(d, 0)
+        size, stride = tuple(stacked.shape), stacked.stride()
+        folded = torch.Size(in_shape[:d] + (n * in_shape[d],) + in_shape[d + 1 :])
+        as_strided = torch.as_strided
+
+        def folded_baddbmm(x: torch.Tensor) -> torch.Tensor:
+            if is_grad():
+                # Autograd's as_strided backward is a scatter into the whole storage.
+                xs = x.reshape(split).movedim(d, 0)  # to_stack of a fold: a view where memory allows
+                return for_grad(xs, weight.value(True), bias.value(True))
+            if x.is_contiguous() and x.shape == folded:
+                xs = as_strided(x, size, stride, x.storage_offset())
+            else:
+                xs = x.reshape(split).movedim(d, 0)
+            if weight.stack is not kept[0] or bsrc.stack is not kept[1]:
+                wt, b = views(False)
+                return baddbmm(b, xs, wt)
+            return baddbmm(kept[3], xs, kept[2])
+
+        return folded_baddbmm
+
+    def _general_bmm(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Any other layout or shape: to a stack, one batch dim, ``bmm`` or ``baddbmm``."""
+        n, fin = self.n, self.in_features
+        weight, bias = self.weight, self.bias
+        bsrc: Any = bias if bias is not None else _NO_STACK
+        is_grad = torch.is_grad_enabled
         kept, views = _kept_views(weight, torch.Tensor.transpose, (1, 2), bias, torch.Tensor.unsqueeze, (1,))
         layout, in_shape = self.in_layout, self.in_shape
-        kind, d = layout
         baddbmm, bmm, for_grad = torch.baddbmm, torch.bmm, _stacked_linear
-        if bias is not None and len(in_shape) == 2 and len(self.out_shape) == 2 and kind in ("stack", "fold"):
-            if kind == "stack":
-
-                def stacked_baddbmm(x: torch.Tensor) -> torch.Tensor:
-                    if is_grad():
-                        return for_grad(x, weight.value(True), bias.value(True))
-                    if weight.stack is not kept[0] or bsrc.stack is not kept[1]:
-                        wt, b = views(False)
-                        return baddbmm(b, x, wt)
-                    return baddbmm(kept[3], x, kept[2])
-
-                return stacked_baddbmm
-
-            split = in_shape[:d] + (n, in_shape[d]) + in_shape[d + 1 :]
-            # to_stack of a contiguous fold as one view: its sizes and strides, worked out
-            # once (reshape, then movedim, is two view ops per call). Only for the shape
-            # planned (as_strided would not refuse another one, as reshape does).
-            stacked = torch.empty(split, device="meta").movedim(d, 0)
-            size, stride = tuple(stacked.shape), stacked.stride()
-            folded = torch.Size(in_shape[:d] + (n * in_shape[d],) + in_shape[d + 1 :])
-            as_strided = torch.as_strided
-
-            def folded_baddbmm(x: torch.Tensor) -> torch.Tensor:
-                if is_grad():
-                    # Autograd's as_strided backward is a scatter into the whole storage.
-                    xs = x.reshape(split).movedim(d, 0)  # to_stack of a fold: a view where memory allows
-                    return for_grad(xs, weight.value(True), bias.value(True))
-                if x.is_contiguous() and x.shape == folded:
-                    xs = as_strided(x, size, stride, x.storage_offset())
-                else:
-                    xs = x.reshape(split).movedim(d, 0)
-                if weight.stack is not kept[0] or bsrc.stack is not kept[1]:
-                    wt, b = views(False)
-                    return baddbmm(b, xs, wt)
-                return baddbmm(kept[3], xs, kept[2])
-
-            return folded_baddbmm
-
         flat = len(in_shape) != 2  # members' inputs of other than 2 dims: one batch dim for bmm
         out_view = None if len(self.out_shape) == 2 else (n,) + self.out_shape
 

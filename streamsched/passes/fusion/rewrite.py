@@ -289,43 +289,35 @@ class Rewriter:
 
     def rewrite_consumers(self) -> None:
         """Point every reader of a fused member at the member's part of its group's output."""
-        # Members whose value a consumer writes in place: it gets storage of its own, as in
-        # eager (see layout.member_copy), and no cat/stack of the group becomes a view of
-        # the kernel's output (the write would show in it).
+        written = self._members_written()
+        self._fold_cats_and_stacks()
+        self._read_members_from_parts(written)
+
+    def _members_written(self) -> set[fx.Node]:
+        """Members whose value a consumer writes in place: each gets storage of its own,
+        as in eager (see layout.member_copy), and no cat/stack of the group becomes a
+        view of the kernel's output (the write would show in it)."""
         # The recorded effects also see writes through views (``outs[1].view(-1).zero_()``).
         # So does a member the caller gets (or a view of it) with autograd on: the caller
         # may write it in place, which eager allows and a view of an unbind or split
         # refuses ("a function that returns multiple views").
-        written = {
+        return {
             m
             for m in self.members
             if node_meta.output_written(m)
             or any(self._writes_input(u) for u in m.users if u not in self.members)
             or self._returned_with_grad(m)
         }
+
+    def _fold_cats_and_stacks(self) -> None:
+        """A cat or stack of a whole group, in order, becomes the kernel's output (or a
+        view of it)."""
         replaced: set[fx.Node] = set()
         for node in list(self.graph.nodes):
-            if node.op != "call_function" or node.target not in (torch.cat, torch.concat, torch.stack):
+            folded = self._whole_group_of(node)
+            if folded is None:
                 continue
-            items = node.args[0] if node.args else node.kwargs.get("tensors")
-            if not isinstance(items, (list, tuple)) or not items:
-                continue
-            # Eager's cat/stack is a fresh tensor. As a view of the kernel's output it is
-            # only the same while nothing writes it (in place, or as an ``out=``), and
-            # nothing else reads the members (a member's view would share its storage; a
-            # written member has such a reader, the op or view that writes it).
-            if "out" in node.kwargs or node_meta.output_written(node):
-                continue
-            if any(u is not node for i in items if isinstance(i, fx.Node) for u in i.users if u not in self.members):
-                continue
-            dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
-            st = [self.stacked_of.get(i) if isinstance(i, fx.Node) else None for i in items]
-            if any(s is None for s in st) or len({s.kernel_node for s in st}) != 1:
-                continue
-            s0 = st[0]
-            if [s.index for s in st] != list(range(s0.n)) or not isinstance(dim, int):
-                continue
-            is_cat = node.target is not torch.stack
+            s0, dim, is_cat = folded
             if s0.sizes is not None:
                 if not is_cat or dim % len(s0.shape) != s0.layout[1]:
                     continue
@@ -338,7 +330,34 @@ class Rewriter:
         for node in replaced:
             self.graph.erase_node(node)
 
-        # Everything else reads a member's value from one unbind/split of its group.
+    def _whole_group_of(self, node: fx.Node) -> Optional[tuple[_Stacked, int, bool]]:
+        """For a cat/stack of every member of one group in order that may become a view
+        of the kernel's output: (the first member's stacked value, dim, whether a cat)."""
+        if node.op != "call_function" or node.target not in (torch.cat, torch.concat, torch.stack):
+            return None
+        items = node.args[0] if node.args else node.kwargs.get("tensors")
+        if not isinstance(items, (list, tuple)) or not items:
+            return None
+        # Eager's cat/stack is a fresh tensor. As a view of the kernel's output it is
+        # only the same while nothing writes it (in place, or as an ``out=``), and
+        # nothing else reads the members (a member's view would share its storage; a
+        # written member has such a reader, the op or view that writes it).
+        if "out" in node.kwargs or node_meta.output_written(node):
+            return None
+        if any(u is not node for i in items if isinstance(i, fx.Node) for u in i.users if u not in self.members):
+            return None
+        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
+        st = [self.stacked_of.get(i) if isinstance(i, fx.Node) else None for i in items]
+        if any(s is None for s in st) or len({s.kernel_node for s in st}) != 1:
+            return None
+        s0 = st[0]
+        if [s.index for s in st] != list(range(s0.n)) or not isinstance(dim, int):
+            return None
+        return s0, dim, node.target is not torch.stack
+
+    def _read_members_from_parts(self, written: set[fx.Node]) -> None:
+        """Everything else reads a member's value from one unbind/split of its group (a
+        written member: from a copy of its own)."""
         unstacked: dict[fx.Node, fx.Node] = {}
         for m in sorted(self.members, key=lambda n: self.position[n]):
             outside = [u for u in m.users if u not in self.members]
@@ -356,13 +375,7 @@ class Rewriter:
                 continue
             parts = unstacked.get(s.kernel_node)
             if parts is None:
-                anchor = s.kernel_node.next
-                if s.sizes is not None:
-                    parts = self._insert(torch.split, (s.kernel_node, list(s.sizes), s.layout[1]), anchor)
-                else:
-                    parts = self._insert(unstack, (s.kernel_node, s.layout, s.n, s.shape), anchor)
-                self.position[parts] = self.position[s.kernel_node] + 0.1
-                unstacked[s.kernel_node] = parts
+                parts = unstacked[s.kernel_node] = self._unstack(s)
             item = self._insert(operator.getitem, (parts, s.index), m)
             self.position[item] = self.position[s.kernel_node] + 0.2
             if self._needs_eager_strides(m):
@@ -371,6 +384,16 @@ class Rewriter:
                 item = self._insert(eager_strides, (item,), m)
                 self.position[item] = self.position[s.kernel_node] + 0.25
             m.replace_all_uses_with(item, delete_user_cb=lambda u: u not in self.members)
+
+    def _unstack(self, s: _Stacked) -> fx.Node:
+        """The group's parts, split or unbound from the kernel's output just after it."""
+        anchor = s.kernel_node.next
+        if s.sizes is not None:
+            parts = self._insert(torch.split, (s.kernel_node, list(s.sizes), s.layout[1]), anchor)
+        else:
+            parts = self._insert(unstack, (s.kernel_node, s.layout, s.n, s.shape), anchor)
+        self.position[parts] = self.position[s.kernel_node] + 0.1
+        return parts
 
     def erase_members(self) -> None:
         for m in sorted(self.members, key=lambda n: -self.position[n]):
