@@ -28,6 +28,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _nn_module
 from typing_extensions import Unpack
 
 from . import _generation, _native
@@ -558,22 +559,49 @@ class StreamScheduledModule(nn.Module):
         # nn.Module.__call__ with no hook of the wrapper's own, none global, no jit trace
         # and no compiled call only calls forward: the wrapper goes straight to its entry.
         # Anything else takes nn.Module's own __call__, which fires the hooks around it.
+        # (The global hooks are read here, not through frontend.hooks.global_hooks, and the
+        # settled call is _settled_call written out: a settled call's whole budget is the
+        # microsecond nn.Module.__call__ costs eager, and each frame is a tenth of it.)
         if (
             not _is_compiling()
             and self._compiled_call_impl is None
-            and not (self._forward_hooks or self._forward_pre_hooks or self._backward_hooks or self._backward_pre_hooks)
-            and not global_hooks()
+            and not (
+                self._forward_hooks
+                or self._forward_pre_hooks
+                or self._backward_hooks
+                or self._backward_pre_hooks
+                or _nn_module._global_forward_hooks
+                or _nn_module._global_forward_pre_hooks
+                or _nn_module._global_backward_hooks
+                or _nn_module._global_backward_pre_hooks
+            )
             and self._plain_forward
             and "forward" not in self.__dict__
             and not _tracing_state()
         ):
-            settled = self._ss.settled
+            st = self._ss
+            settled = st.settled
             if (
                 settled is not None
                 and settled.generation == _generation._generation
                 and settled.admits(args, kwargs, settled.sizes)
             ):
-                return self._settled_call(settled, args, kwargs)
+                settled.left -= 1
+                if settled.left <= 0:
+                    st.settled = None  # the nested children's retry is due next call
+                st.calls += 1
+                nested = settled.nested
+                if nested is not None:
+                    nested.calls += 1  # counted as NestedPlans.all_quiet counts a call
+                sizes = settled.sizes
+                st.last = settled.schedule if sizes is None else sizes[shapes_of(args, kwargs)]
+                st.last_path = "as-written"
+                module = self.module
+                try:
+                    return type(module).forward(module, *args, **kwargs)
+                except Exception as exc:
+                    self._annotate(exc)
+                    raise
             return self._entry(args, kwargs, False)
         return _module_call(self, *args, **kwargs)
 
@@ -616,11 +644,8 @@ class StreamScheduledModule(nn.Module):
                 out = self._call(args, kwargs, inside_model_call)
             except Exception as exc:
                 # A plan names the node that raised; a call that ran the model's own
-                # forward (as written, eager dispatch) names the submodule here, from
-                # the traceback (not the forward itself: that is the caller's own code).
-                path = raised_in(exc, self.module)
-                if path or (path is not None and self._ss.where[0]):
-                    annotate_exception(exc, self._where(path))
+                # forward (as written, eager dispatch) names the submodule here.
+                self._annotate(exc)
                 raise
             # Observers that ask are told which schedule the call ran (timelines read its
             # program and task graph): the wrapper hands it over, nobody reaches in.
@@ -678,10 +703,15 @@ class StreamScheduledModule(nn.Module):
         try:
             return type(module).forward(module, *args, **kwargs)
         except Exception as exc:
-            path = raised_in(exc, module)
-            if path or (path is not None and st.where[0]):
-                annotate_exception(exc, self._where(path))
+            self._annotate(exc)
             raise
+
+    def _annotate(self, exc: Exception) -> None:
+        """Name the submodule that raised, from the traceback, in ``exc`` (a call that ran
+        the model's own forward; not the forward itself: that is the caller's own code)."""
+        path = raised_in(exc, self.module)
+        if path or (path is not None and self._ss.where[0]):
+            annotate_exception(exc, self._where(path))
 
     def _call(self, args: tuple, kwargs: dict, inside_model_call: bool = False) -> Any:
         """One call, under the lock: bind, find or make the plan, run it.
