@@ -172,8 +172,8 @@ class _Compiled:
         return self.schedule.graph
 
     @property
-    def task_graph(self) -> Any:
-        return self.schedule.task_graph
+    def tasks(self) -> Any:
+        return self.schedule.tasks
 
 
 class _State:
@@ -461,7 +461,7 @@ class StreamScheduledModule(nn.Module):
         every task of the calls made inside the block (on the task's lane or stream), and,
         if the observer has one, ``observer.ran(schedule)`` with what the most recent call
         ran on entering the block and after each call in it (``schedule.plan``; for a
-        traced model also ``.program`` and ``.task_graph``).
+        traced model also ``.program`` and ``.tasks``).
 
         Timelines and profiles use this; the first call with a new input signature runs
         unscheduled (it records shapes), so warm up before observing.

@@ -17,14 +17,28 @@ Example::
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import TYPE_CHECKING, Literal, Optional
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import PlanError
+from ..frontend.leafcalls import opaque_leaf_calls, traced_coverage
 from ..passes.fusion.report import FusedGroupInfo, UnfusedGroup
 
-__all__ = ["Plan", "PlannedTask", "FusedGroupInfo", "OpaqueModule", "UnfusedGroup", "ExecutorTrial"]
+if TYPE_CHECKING:
+    from .pipeline import PlanningContext
+
+__all__ = [
+    "Plan",
+    "PlannedTask",
+    "FusedGroupInfo",
+    "OpaqueModule",
+    "UnfusedGroup",
+    "ExecutorTrial",
+    "assemble_plan",
+    "signature_text",
+]
 
 
 # The summary lists this many groups left unfused and opaque calls; the fields hold all.
@@ -327,6 +341,68 @@ class Plan(BaseModel):
 
     def __str__(self) -> str:
         return self.summary() + "\n" + self.table()
+
+
+def signature_text(tensors: list[torch.Tensor]) -> str:
+    parts = []
+    for t in tensors[:4]:
+        dt = str(t.dtype).replace("torch.", "")
+        parts.append(f"{dt}[{', '.join(map(str, t.shape))}]")
+    if len(tensors) > 4:
+        parts.append(f"... {len(tensors)} inputs")
+    return ", ".join(parts) or "no tensor inputs"
+
+
+def assemble_plan(ctx: PlanningContext) -> Plan:
+    """The plan of a planning context whose passes have run: its tasks, issue order,
+    streams and waits are the scheduled tasks' (``ctx.tasks``)."""
+    traced, a = ctx.traced, ctx.assignment
+    # Counted by the recording call that preceded this planning (frontend.leafcalls).
+    in_tasks, leaf_calls = traced_coverage(traced)
+    group_of_node = {g.node: g.id for g in ctx.fused_groups}
+    tasks = []
+    order = [0] * len(ctx.tasks)
+    for t in ctx.tasks:
+        order[t.position] = t.id
+        names = [n.name for n in t.nodes]
+        tasks.append(
+            PlannedTask(
+                id=t.id,
+                name=t.name,
+                nodes=names,
+                stream=t.stream,
+                waits=list(t.waits),
+                records=t.records,
+                cost_us=round(t.cost_us, 3),
+                fused_group=next((group_of_node[n] for n in names if n in group_of_node), None),
+            )
+        )
+    critical = ctx.critical_path
+    return Plan(
+        model=type(traced.model).__name__,
+        signature=signature_text(ctx.inputs),
+        device=str(ctx.device),
+        executor=ctx.executor,
+        reason=ctx.reason,
+        stream_bound=ctx.stream_bound,
+        num_streams=a.num_streams,
+        order=order,
+        tasks=tasks,
+        fused_groups=ctx.fused_groups,
+        critical_path=critical,
+        critical_path_us=round(sum(ctx.tasks[t].cost_us for t in critical), 3),
+        est_serial_us=round(a.est_serial_us, 3),
+        est_parallel_us=round(a.est_parallel_us, 3),
+        cross_stream_waits=sum(len(t.waits) for t in ctx.tasks),
+        notes=ctx.notes,
+        opaque=[OpaqueModule(path=p, reason=r) for p, r in traced.opaque_paths().items()],
+        opaque_functions=[OpaqueFunctionCall(function=f, reason=r) for f, r in traced.opaque_functions.items()],
+        effect_edges=sum(len(v) for v in ctx.effects.after.values()),
+        unfused=ctx.unfused,
+        leaf_calls=leaf_calls,
+        leaf_calls_in_tasks=in_tasks,
+        nested_leaf_calls=opaque_leaf_calls(traced),
+    )
 
 
 def _us(value: float) -> str:

@@ -25,7 +25,7 @@ from torch import fx
 from ..frontend.nodes import node_label
 from ..passes.fusion.kernels import FusedKernel
 from ..passes.fusion.layout import specialise_gather
-from ..planning.planner import Schedule
+from ..planning.schedule import Schedule, ScheduledTask
 
 __all__ = ["CompiledTask", "Program", "ProgramCache", "compile_program", "program_key", "annotate_exception"]
 
@@ -303,9 +303,9 @@ def _arg_key(a: Any) -> Any:
 
 def program_key(schedule: Schedule) -> tuple:
     """Everything :func:`compile_program` reads of ``schedule``: the graph's nodes (their
-    targets and constants by identity), the tasks, the stream assignment, the logged
-    in-place effects and the stacked parameters. Equal keys compile to the same code."""
-    a = schedule.assignment
+    targets and constants by identity), the scheduled tasks (nodes, stream, issue
+    position, waits, records, storages), the writes the logged in-place accesses must
+    see and the stacked parameters. Equal keys compile to the same code."""
     effects = schedule.effects
     nodes = tuple(
         (
@@ -318,33 +318,32 @@ def program_key(schedule: Schedule) -> tuple:
         )
         for n in schedule.graph.nodes
     )
-    tasks = tuple((t.name, tuple(n.name for n in t.nodes)) for t in schedule.task_graph.tasks)
+    tasks = tuple(
+        (
+            t.name,
+            tuple(n.name for n in t.nodes),
+            t.stream,
+            t.position,
+            t.waits,
+            t.records,
+            t.storage_reads,
+            t.storage_writes,
+        )
+        for t in schedule.tasks
+    )
     located = ()
     if effects:
         located = (
             effects.num_locations,
-            tuple(sorted((k, tuple(v)) for k, v in effects.reads.items())),
-            tuple(sorted((k, tuple(v)) for k, v in effects.writes.items())),
             tuple(sorted((k, tuple(sorted(v.items(), key=repr))) for k, v in effects.sees.items())),
         )
-    return (
-        id(schedule.root),
-        nodes,
-        tasks,
-        tuple(a.stream),
-        tuple(a.order),
-        tuple(tuple(w) for w in a.waits),
-        tuple(a.records),
-        a.num_streams,
-        located,
-        tuple(id(s) for s in schedule.stacks),
-    )
+    return (id(schedule.root), nodes, tasks, schedule.num_streams, located, tuple(id(s) for s in schedule.stacks))
 
 
 def compile_program(schedule: Schedule, cache: Optional[ProgramCache] = None) -> Program:
-    """Compile the planner's :class:`~streamsched.planning.planner.Schedule` into a
-    :class:`Program`: one generated function per task of its task graph, issued in the
-    assignment's order, on its streams, with its waits and records.
+    """Compile the planner's :class:`~streamsched.planning.schedule.Schedule` into a
+    :class:`Program`: one generated function per scheduled task, issued in their order,
+    on their streams, with their waits and records.
 
     ``cache``: the trace's :class:`ProgramCache`. Where ``schedule`` compiles from what
     the cached program did, the result is a new :class:`Program` (executors keep state
@@ -359,136 +358,139 @@ def compile_program(schedule: Schedule, cache: Optional[ProgramCache] = None) ->
             return dataclasses.replace(
                 old, tasks=list(old.tasks), slot_producer=dict(old.slot_producer), lines=dict(old.lines)
             )
-    program = _compile_schedule(schedule)
+    program = _compile(schedule)
     if cache is not None:
         cache.key, cache.program = key, program
     return program
 
 
-def _compile_schedule(schedule: Schedule) -> Program:
-    a = schedule.assignment
-    return _compile(
-        schedule.graph,
-        schedule.root,
-        [t.nodes for t in schedule.task_graph.tasks],
-        [t.name for t in schedule.task_graph.tasks],
-        a.stream,
-        a.order,
-        a.waits,
-        a.records,
-        a.num_streams,
-        effects=schedule.effects,
-        stacks=tuple(schedule.stacks),
-    )
+@dataclass
+class _Layout:
+    """Where the graph's values live in ``env``: one slot per node but the output, then
+    (with in-place effects) one id per logged storage, which holds no value."""
+
+    slot: dict[fx.Node, int]
+    input_slots: list[int]
+    attr_slots: list[tuple[int, str]]
+    output_node: fx.Node
+    output_slots: tuple[int, ...]
 
 
-def _compile(
-    graph: fx.Graph,
-    root: torch.nn.Module,
-    task_nodes: list[list[fx.Node]],
-    task_names: list[str],
-    stream: list[int],
-    order: list[int],
-    waits: list[list[int]],
-    records: list[bool],
-    num_streams: int,
-    effects: Any = None,
-    stacks: tuple[Any, ...] = (),
-) -> Program:
-    """Compile tasks (lists of fx nodes, indexed by task id) into a :class:`Program`.
-
-    ``order`` is the issue order; ``stream``, ``waits`` and ``records`` come from the
-    stream assignment; ``effects`` (:class:`~streamsched.frontend.effects.Effects`) adds the
-    storages each task reads and writes in place to its logged reads and writes.
-    """
+def _slot_layout(graph: fx.Graph) -> _Layout:
     slot: dict[fx.Node, int] = {}
     input_slots = []
     attr_slots = []
+    output_node = None
     for node in graph.nodes:
         if node.op == "output":
+            output_node = output_node or node
             continue
         slot[node] = len(slot)
         if node.op == "placeholder":
             input_slots.append(slot[node])
         elif node.op == "get_attr":
             attr_slots.append((slot[node], str(node.target)))
-    output_node = next(n for n in graph.nodes if n.op == "output")
-    inputs = set(input_slots)
-    n_values = len(slot)
-    loc_reads = effects.reads if effects else {}
-    loc_writes = effects.writes if effects else {}
-    location_slots = tuple(n_values + i for i in range(effects.num_locations if effects else 0))
-    expected_writers: dict[tuple[int, int], int] = {}
-    writer_node = {n.name: n for n in graph.nodes}
-
-    node_task: dict[fx.Node, int] = {}
-    for t, nodes in enumerate(task_nodes):
-        for node in nodes:
-            node_task[node] = t
-
-    emitter = _Emitter(slot)
-    uid = next(_counter)
-    lines: dict[tuple[str, int], str] = {}
-    tasks: list[CompiledTask] = []
-    slot_producer: dict[int, int] = {}
-    seq_counter = [0] * max(num_streams, 1)
-
-    # Last reader of each slot in issue order decides when the serial and streams
-    # executors drop their reference to it (outputs are never dropped).
+    assert output_node is not None, "a traced graph has an output node"
     output_slots = tuple(slot[n] for n in output_node.all_input_nodes)
+    return _Layout(slot, input_slots, attr_slots, output_node, output_slots)
+
+
+def _frees(order: list[ScheduledTask], layout: _Layout) -> dict[int, tuple[int, ...]]:
+    """Task id -> the slots dropped after it: the last reader of each slot in issue order
+    decides when the serial and streams executors drop their reference to it."""
+    slot = layout.slot
     last_reader: dict[int, int] = {}
     for t in order:
-        for node in task_nodes[t]:
+        for node in t.nodes:
             for inp in node.all_input_nodes:
-                last_reader[slot[inp]] = t
-    # Inputs and attributes are never dropped: the caller's arguments and the module
-    # keep them alive for the whole call anyway, so dropping our reference frees nothing.
-    held = set(output_slots) | set(input_slots) | {s for s, _ in attr_slots}
+                last_reader[slot[inp]] = t.id
+    # Outputs are never dropped, nor inputs and attributes: the caller's arguments and the
+    # module keep them alive for the whole call anyway, so dropping our reference frees nothing.
+    held = set(layout.output_slots) | set(layout.input_slots) | {s for s, _ in layout.attr_slots}
     frees_of: dict[int, list[int]] = {}
     for s, t in last_reader.items():
         if s not in held:
             frees_of.setdefault(t, []).append(s)
+    return {t: tuple(sorted(slots)) for t, slots in frees_of.items()}
 
+
+def _task_slots(
+    task: ScheduledTask, slot: dict[fx.Node, int], node_task: dict[fx.Node, int], n_values: int
+) -> tuple[list[int], list[int]]:
+    """The slots ``task`` reads (values made by other tasks, then the storages it reads)
+    and writes (its values, then the storages it writes in place): what the SyncLog logs."""
+    t = task.id
+    reads: list[int] = []
+    writes: list[int] = []
+    for node in task.nodes:
+        writes.append(slot[node])
+        for inp in node.all_input_nodes:
+            if node_task.get(inp) != t and slot[inp] not in reads:
+                reads.append(slot[inp])
+    reads += [n_values + loc for loc in task.storage_reads]
+    writes += [n_values + loc for loc in task.storage_writes]
+    return reads, writes
+
+
+def _expected_writers(
+    order: list[ScheduledTask], graph: fx.Graph, effects: Any, n_values: int, node_task: dict[fx.Node, int]
+) -> dict[tuple[int, int], int]:
+    """``(task, storage id) -> task`` whose write the task's first access must see (eager
+    order; -1: the state before the call), for the race checker."""
+    expected: dict[tuple[int, int], int] = {}
+    if not effects:
+        return expected
+    writer_node = {n.name: n for n in graph.nodes}
+    for task in order:
+        t = task.id
+        written_here: set[int] = set()
+        for node in task.nodes:
+            for loc, writer in effects.sees.get(node.name, {}).items():
+                slot_id = n_values + loc
+                if slot_id in written_here or (t, slot_id) in expected:
+                    continue
+                if writer is None:
+                    expected[(t, slot_id)] = -1
+                elif writer in writer_node:  # a writer fused away wrote only its own storage
+                    expected[(t, slot_id)] = node_task[writer_node[writer]]
+            written_here.update(n_values + loc for loc in effects.writes.get(node.name, ()))
+    return expected
+
+
+def _compile_tasks(
+    schedule: Schedule,
+    order: list[ScheduledTask],
+    layout: _Layout,
+    emitter: _Emitter,
+    frees: dict[int, tuple[int, ...]],
+    node_task: dict[fx.Node, int],
+    uid: int,
+    lines: dict[tuple[str, int], str],
+) -> tuple[list[CompiledTask], list[str], dict[int, int]]:
+    """One generated function per task, in issue order, and the body of ``run_serial``
+    (every task's statements, each followed by its frees); also ``slot -> producing task``.
+    ``lines`` gets the node label of every generated line."""
+    slot, root = layout.slot, schedule.root
+    inputs = set(layout.input_slots)
+    stream_of = [t.stream for t in schedule.tasks]
     serial_body: list[str] = []
     serial_file = f"<streamsched-program-{uid}>"
-    for t in order:
-        nodes = task_nodes[t]
+    slot_producer: dict[int, int] = {}
+    seq_counter = [0] * max(schedule.num_streams, 1)
+    tasks: list[CompiledTask] = []
+    for task in order:
+        t, stream = task.id, task.stream
         body = []
-        reads: list[int] = []
-        writes = []
         filename = f"<streamsched-task-{uid}-{t}>"
-        for i, node in enumerate(nodes):
+        for i, node in enumerate(task.nodes):
             body.append(emitter.statement(node, root))
             lines[(filename, i + 2)] = node_label(node)
             lines[(serial_file, len(serial_body) + 2)] = node_label(node)
             serial_body.append(body[-1])
-            writes.append(slot[node])
             slot_producer[slot[node]] = t
-            for inp in node.all_input_nodes:
-                if node_task.get(inp) != t and slot[inp] not in reads:
-                    reads.append(slot[inp])
-        for node in nodes:
-            for loc in loc_reads.get(node.name, ()):
-                if n_values + loc not in reads:
-                    reads.append(n_values + loc)
-            for loc in loc_writes.get(node.name, ()):
-                if n_values + loc not in writes:
-                    writes.append(n_values + loc)
-        for s in sorted(frees_of.get(t, ())):
-            serial_body.append(f"env[{s}] = None")
+        serial_body += [f"env[{s}] = None" for s in frees.get(t, ())]
         fn = _compile_function(f"task_{t}", body, emitter, filename)
-        if effects:
-            written_here: set[int] = set()
-            for node in nodes:
-                for loc, writer in effects.sees.get(node.name, {}).items():
-                    slot_id = n_values + loc
-                    if slot_id in written_here or (t, slot_id) in expected_writers:
-                        continue
-                    if writer is None:
-                        expected_writers[(t, slot_id)] = -1
-                    elif writer in writer_node:  # a writer fused away wrote only its own storage
-                        expected_writers[(t, slot_id)] = node_task[writer_node[writer]]
-                written_here.update(n_values + loc for loc in loc_writes.get(node.name, ()))
+        reads, writes = _task_slots(task, slot, node_task, len(slot))
         # Values this task reads that were made on another stream: the task's stream is
         # recorded on them (record_stream), so their memory is not reused before its work
         # is done. The module's inputs are made on the caller's stream (stream 0) and no
@@ -497,67 +499,94 @@ def _compile(
         cross = tuple(
             r
             for r in reads
-            if (r in slot_producer and stream[slot_producer[r]] != stream[t]) or (r in inputs and stream[t] != 0)
+            if (r in slot_producer and stream_of[slot_producer[r]] != stream) or (r in inputs and stream != 0)
         )
-        seq_counter[stream[t]] += 1
+        seq_counter[stream] += 1
         tasks.append(
             CompiledTask(
                 id=t,
-                name=task_names[t],
-                stream=stream[t],
+                name=task.name,
+                stream=stream,
                 fn=fn,
-                waits=tuple(waits[t]),
-                records=records[t],
+                waits=task.waits,
+                records=task.records,
                 reads=tuple(reads),
                 writes=tuple(writes),
                 cross_reads=cross,
-                frees=tuple(sorted(frees_of.get(t, ()))),
-                node_names=tuple(n.name for n in nodes),
-                seq=seq_counter[stream[t]],
+                frees=frees.get(t, ()),
+                node_names=tuple(n.name for n in task.nodes),
+                seq=seq_counter[stream],
             )
         )
-    run_serial = _compile_function("run_serial", serial_body, emitter, serial_file)
-    load_file = f"<streamsched-load-{uid}>"
-    load = _compile_loader(len(slot), input_slots, attr_slots, root, emitter, load_file)
-    out_expr = emitter.render(output_node.args[0])
-    out_file = f"<streamsched-output-{uid}>"
-    output = _compile_function("output", [f"return {out_expr}"], emitter, out_file)
+    return tasks, serial_body, slot_producer
 
-    # The whole call in one function over locals: the serial executor's path when no
-    # log, chaos or observer looks at the tasks (one frame instead of four, no env list).
-    call_file = f"<streamsched-call-{uid}>"
+
+def _compile_call(
+    order: list[ScheduledTask],
+    layout: _Layout,
+    root: torch.nn.Module,
+    emitter: _Emitter,
+    frees: dict[int, tuple[int, ...]],
+    call_file: str,
+    lines: dict[tuple[str, int], str],
+) -> Callable[[list], Any]:
+    """The whole call in one function over locals: the serial executor's path when no
+    log, chaos or observer looks at the tasks (one frame instead of four, no env list)."""
     emitter.local = True
-    call_body = _load_lines(input_slots, attr_slots, root, emitter)
-    for t in order:
-        for node in task_nodes[t]:
-            lines[(call_file, len(call_body) + 2)] = node_label(node)
-            call_body.append(emitter.statement(node, root))
-        call_body += [f"v{s} = None" for s in sorted(frees_of.get(t, ()))]
-    call_body.append(f"return {emitter.render(output_node.args[0])}")
+    body = _load_lines(layout.input_slots, layout.attr_slots, root, emitter)
+    for task in order:
+        for node in task.nodes:
+            lines[(call_file, len(body) + 2)] = node_label(node)
+            body.append(emitter.statement(node, root))
+        body += [f"v{s} = None" for s in frees.get(task.id, ())]
+    body.append(f"return {emitter.render(layout.output_node.args[0])}")
     emitter.local = False
-    call = _compile_function("call", call_body, emitter, call_file, arg="inputs")
+    return _compile_function("call", body, emitter, call_file, arg="inputs")
+
+
+def _compile(schedule: Schedule) -> Program:
+    """Compile the scheduled tasks into a :class:`Program`: slots for the graph's values,
+    a generated function per task, the serial runner, the loader, the output and the
+    whole call; the in-place effects add the storages each task reads and writes to its
+    logged reads and writes."""
+    layout = _slot_layout(schedule.graph)
+    n_values = len(layout.slot)
+    order = [schedule.tasks[t] for t in schedule.issue_order()]
+    node_task = {node: task.id for task in schedule.tasks for node in task.nodes}
+    frees = _frees(order, layout)
+    emitter = _Emitter(layout.slot)
+    uid = next(_counter)
+    lines: dict[tuple[str, int], str] = {}
+    tasks, serial_body, slot_producer = _compile_tasks(schedule, order, layout, emitter, frees, node_task, uid, lines)
+    files = {k: f"<streamsched-{k}-{uid}>" for k in ("program", "load", "output", "call")}
+    run_serial = _compile_function("run_serial", serial_body, emitter, files["program"])
+    load = _compile_loader(n_values, layout.input_slots, layout.attr_slots, schedule.root, emitter, files["load"])
+    out_expr = emitter.render(layout.output_node.args[0])
+    output = _compile_function("output", [f"return {out_expr}"], emitter, files["output"])
+    call = _compile_call(order, layout, schedule.root, emitter, frees, files["call"], lines)
+    effects = schedule.effects
     program = Program(
-        n_slots=len(slot),
-        input_slots=tuple(input_slots),
-        attr_slots=tuple(attr_slots),
+        n_slots=n_values,
+        input_slots=tuple(layout.input_slots),
+        attr_slots=tuple(layout.attr_slots),
         tasks=tasks,
         output=output,
-        output_slots=output_slots,
-        num_streams=num_streams,
+        output_slots=layout.output_slots,
+        num_streams=schedule.num_streams,
         run_serial=run_serial,
-        root=root,
+        root=schedule.root,
         load=load,
         call=call,
         slot_producer=slot_producer,
         lines=lines,
-        location_slots=location_slots,
-        expected_writers=expected_writers,
-        stacks=stacks,
+        location_slots=tuple(n_values + i for i in range(effects.num_locations if effects else 0)),
+        expected_writers=_expected_writers(order, schedule.graph, effects, n_values, node_task),
+        stacks=tuple(schedule.stacks),
     )
     # The generated source stays readable in tracebacks for as long as the program
     # lives, and no longer: plans come and go (LRU), linecache must not grow with them.
-    filenames = {f for f, _ in lines} | {serial_file, out_file, load_file, call_file}
-    filenames |= {f"<streamsched-task-{uid}-{t}>" for t in order}
+    filenames = {f for f, _ in lines} | set(files.values())
+    filenames |= {f"<streamsched-task-{uid}-{t.id}>" for t in order}
     weakref.finalize(program, _forget_sources, tuple(filenames))
     return program
 

@@ -95,8 +95,8 @@ def build_timeline(call: ObservedCall, runs: int) -> Timeline:
         by_stream[entry.stream].append(entry)
     busy = {s: _busy(spans) for s, spans in by_stream.items()}
     wall = call.wall_us
-    task_graph = getattr(call.schedule, "task_graph", None)  # none under eager dispatch: waits only
-    preds = task_graph.preds if task_graph is not None else []
+    tasks = getattr(call.schedule, "tasks", None)  # none under eager dispatch: waits only
+    preds = [set(t.deps) for t in tasks] if tasks is not None else []
     path, path_us = measured_critical_path(plan, preds, {e.task: e.duration_us for e in entries})
     return Timeline(
         model=plan.model,
