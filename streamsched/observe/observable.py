@@ -20,7 +20,7 @@ __all__ = ["Observable", "ObservedSchedule", "is_observable"]
 
 class ObservedSchedule(Protocol):
     """The schedule a call ran. Beside its plan, a traced model's schedule has ``program``
-    (the compiled tasks) and ``task_graph`` (their data dependencies); eager dispatch has
+    (the compiled tasks) and ``tasks`` (the scheduled tasks, with their dependencies); eager dispatch has
     neither, and observing does without them."""
 
     @property

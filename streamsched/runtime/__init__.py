@@ -1,4 +1,4 @@
-"""The runtime: compile a planned :class:`~streamsched.planning.planner.Schedule` and run it.
+"""The runtime: compile a planned :class:`~streamsched.planning.schedule.Schedule` and run it.
 
 - :mod:`.program`: the schedule compiled to Python (one generated function per task);
 - :mod:`.executor`: the protocol every executor follows; :mod:`.pool`: the executors of

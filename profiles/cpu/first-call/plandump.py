@@ -1,4 +1,4 @@
-# Plan text, plan fields, task graph, rewritten graph and assignment of eight zoo cases,
+# Plan text, plan fields, scheduled tasks, rewritten graph and assignment of eight zoo cases,
 # and their outputs: python plandump.py TREE OUT (writes OUT and OUT.<case>.pt). Compare
 # two trees' OUT files byte for byte and their .pt files with torch.equal.
 import copy
@@ -23,6 +23,24 @@ def flat(v):
     return [t for k in keys for t in flat(v[k])]
 
 
+def scheduled(compiled):
+    """Each task's (name, nodes, cost) and (issue order, streams, waits, records), from the
+    flat task list of a Schedule (or, in trees from before it, the task graph and the
+    assignment), in one form for both."""
+    s = compiled.schedule
+    if hasattr(s, "issue_order"):
+        tasks = [(t.name, [n.name for n in t.nodes], t.cost_us) for t in s.tasks]
+        return tasks, (
+            s.issue_order(),
+            [t.stream for t in s.tasks],
+            [list(t.waits) for t in s.tasks],
+            [t.records for t in s.tasks],
+        )
+    a = s.assignment
+    tasks = [(t.name, [n.name for n in t.nodes], t.cost) for t in s.task_graph.tasks]
+    return tasks, (list(a.order), list(a.stream), [list(w) for w in a.waits], list(a.records))
+
+
 def case(name, make, x, grad=False, **config):
     torch.manual_seed(0)
     model = make()
@@ -34,9 +52,10 @@ def case(name, make, x, grad=False, **config):
     out.append(f"=== {name}")
     out.append(str(sm.plan))
     out.append(repr(sm.plan.model_dump()))
-    out.append(repr([(t.name, [n.name for n in t.nodes], round(t.cost, 6)) for t in compiled.task_graph.tasks]))
+    tasks, assignment = scheduled(compiled) if hasattr(compiled, "schedule") else ([], None)
+    out.append(repr([(name, nodes, round(cost, 6)) for name, nodes, cost in tasks]))
     out.append(str(compiled.graph))
-    out.append(repr(getattr(compiled, "schedule", None) and compiled.schedule.assignment))
+    out.append(repr(assignment))
     for a, b, r in zip(flat(y), flat(y2), flat(ref)):
         out.append(f"max err vs eager: {float((a - r).abs().max()):.3e} {float((b - r).abs().max()):.3e}")
     torch.save([t.detach() for t in flat(y)], f"{sys.argv[2]}.{name}.pt")

@@ -23,7 +23,7 @@ __all__ = ["ObservedCall", "record_runs"]
 @dataclass
 class ObservedCall:
     """One observed call: the schedule it ran (``.plan``, and for traced models
-    ``.program`` and ``.task_graph``; handed over by the module's ``observer.ran``) and
+    ``.program`` and ``.tasks``; handed over by the module's ``observer.ran``) and
     what was measured."""
 
     schedule: Any
