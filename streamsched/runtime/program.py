@@ -457,6 +457,21 @@ def _expected_writers(
     return expected
 
 
+def _cross_reads(
+    reads: list[int], stream: int, slot_producer: dict[int, int], stream_of: list[int], inputs: set[int]
+) -> tuple[int, ...]:
+    """Values a task on ``stream`` reads that were made on another stream: the task's
+    stream is recorded on them (record_stream), so their memory is not reused before its
+    work is done. The module's inputs are made on the caller's stream (stream 0) and no
+    task's output, and a side stream's backward reads one it saved after the call
+    returns, when the caller may have dropped it."""
+    return tuple(
+        r
+        for r in reads
+        if (r in slot_producer and stream_of[slot_producer[r]] != stream) or (r in inputs and stream != 0)
+    )
+
+
 def _compile_tasks(
     schedule: Schedule,
     order: list[ScheduledTask],
@@ -491,16 +506,7 @@ def _compile_tasks(
         serial_body += [f"env[{s}] = None" for s in frees.get(t, ())]
         fn = _compile_function(f"task_{t}", body, emitter, filename)
         reads, writes = _task_slots(task, slot, node_task, len(slot))
-        # Values this task reads that were made on another stream: the task's stream is
-        # recorded on them (record_stream), so their memory is not reused before its work
-        # is done. The module's inputs are made on the caller's stream (stream 0) and no
-        # task's output, and a side stream's backward reads one it saved after the call
-        # returns, when the caller may have dropped it.
-        cross = tuple(
-            r
-            for r in reads
-            if (r in slot_producer and stream_of[slot_producer[r]] != stream) or (r in inputs and stream != 0)
-        )
+        cross = _cross_reads(reads, stream, slot_producer, stream_of, inputs)
         seq_counter[stream] += 1
         tasks.append(
             CompiledTask(
