@@ -57,7 +57,6 @@ class PlanningContext:
     notes: list[str] = field(default_factory=list)
     stacks: list[Any] = field(default_factory=list)
     fusion_reuse: Any = None
-    kernels: list[Any] = field(default_factory=list)
     task_graph: Any = None
     """The :class:`~streamsched.ir.graph.TaskGraph` over :attr:`graph`."""
     stream_bound: int = 1

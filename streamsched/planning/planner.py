@@ -121,7 +121,6 @@ def _fuse(ctx: PlanningContext) -> None:
     ctx.fusion_reuse = result.reuse
     ctx.fused_groups = result.groups
     ctx.unfused = result.unfused
-    ctx.kernels = result.kernels
     ctx.notes.extend(result.notes)
     seen: set[int] = set()
     for kernel in result.kernels:
