@@ -200,3 +200,28 @@ def test_a_new_size_reuses_the_program_another_stream_does_not():
     assert program_key(dataclasses.replace(again, tasks=tasks)) != program_key(again)
     waits = [dataclasses.replace(t, waits=()) if t.waits else t for t in again.tasks]
     assert program_key(dataclasses.replace(again, tasks=waits)) != program_key(again)
+
+
+def test_the_timeline_follows_the_scheduled_tasks_dependencies(monkeypatch):
+    from streamsched.observe.timeline import analysis
+    from streamsched.observe.timeline.record import ObservedCall
+    from streamsched.observe.timeline.spans import TaskSpan
+
+    torch.manual_seed(0)
+    sm = _planned(Heads().eval(), torch.randn(8, 64), executor="threads", num_streams=4, fuse=False)
+    compiled = sm._ss.last
+    seen = []
+    follow = analysis.measured_critical_path
+    monkeypatch.setattr(
+        analysis,
+        "measured_critical_path",
+        lambda plan, preds, durations: seen.append(preds) or follow(plan, preds, durations),
+    )
+    clock, spans = 0.0, []
+    for tid in sm.plan.order:
+        t = compiled.tasks[tid]
+        spans.append(TaskSpan(task=tid, name=t.name, stream=t.stream, start_us=clock, end_us=clock + t.cost_us))
+        clock += t.cost_us
+    tl = analysis.build_timeline(ObservedCall(compiled, clock, spans), runs=1)
+    assert seen == [[set(t.deps) for t in compiled.tasks]] and any(t.deps for t in compiled.tasks)
+    assert tl.critical_path_us == pytest.approx(sum(compiled.tasks[t].cost_us for t in tl.critical_path))
