@@ -15,7 +15,7 @@ import streamsched as ss
 from streamsched import _generation
 from streamsched.frontend.binder import CallBinder
 from streamsched.frontend.binder import ShapeCachedBinder as _Binder
-from streamsched.module import StreamScheduledModule
+from streamsched.runner import Runner
 from streamsched.testing import assert_path
 
 from .helpers import assert_close
@@ -124,8 +124,8 @@ def test_containers_built_by_a_forward_do_not_move_the_generation(monkeypatch):
     x = torch.randn(2, 4)
     sm(x)
     checks = []
-    original = StreamScheduledModule._revalidate
-    monkeypatch.setattr(StreamScheduledModule, "_revalidate", lambda self: (checks.append(1), original(self))[1])
+    original = Runner.revalidate
+    monkeypatch.setattr(Runner, "revalidate", lambda self: (checks.append(1), original(self))[1])
     before = _generation.current()
     for _ in range(5):
         assert_close(sm(x), model(x))  # the model's own forward builds its slice too

@@ -555,15 +555,15 @@ def test_a_bucket_decided_for_a_schedule_that_would_not_repay_a_plan_runs_new_si
 
 def test_a_trial_that_keeps_the_schedule_hands_its_gain_to_the_bucket(monkeypatch):
     """The gain per call the plan of a new size must win back is the trial's own figure."""
-    from streamsched.module import StreamScheduledModule
+    from streamsched.runner import Runner
 
-    slow = StreamScheduledModule._forward_as_written
+    slow = Runner.as_written
 
     def slower(self, args, kwargs):
         time.sleep(0.01)
         return slow(self, args, kwargs)
 
-    monkeypatch.setattr(StreamScheduledModule, "_forward_as_written", slower)
+    monkeypatch.setattr(Runner, "as_written", slower)
     model = Towers()
     sm = ss.StreamScheduledModule(model)
     for _ in range(8):

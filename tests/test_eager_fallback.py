@@ -14,7 +14,7 @@ from torch.utils import _pytree as pytree
 
 import streamsched as ss
 from benchmarks.zoo import ParallelFCN
-from streamsched.module import StreamScheduledModule
+from streamsched.runner import Runner
 from streamsched.runtime.serial import SerialExecutor
 from streamsched.runtime.threads import ThreadExecutor
 from streamsched.testing import assert_path
@@ -56,22 +56,22 @@ def _slow_serial(monkeypatch, seconds=0.02, when=lambda inputs: True):
 
     monkeypatch.setattr(SerialExecutor, "run", slow)
     # A plan decided for the serial executor calls its program's function directly
-    # (StreamScheduledModule._direct): slow that function too.
-    original_direct = StreamScheduledModule._direct
+    # (streamsched.runner.Runner.direct): slow that function too.
+    original_direct = Runner.direct
 
     def slow_direct(self, schedule, executor):
         found = original_direct(self, schedule, executor)
         if found is None:
             return None
-        plan, call, wanted = found
+        verdict, call, wanted = found
 
         def slow_call(inputs):
             delay(inputs)
             return call(inputs)
 
-        return plan, slow_call, wanted
+        return verdict, slow_call, wanted
 
-    monkeypatch.setattr(StreamScheduledModule, "_direct", slow_direct)
+    monkeypatch.setattr(Runner, "direct", slow_direct)
     return runs
 
 

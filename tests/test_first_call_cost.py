@@ -78,7 +78,7 @@ def test_planning_resolves_each_module_path_once(monkeypatch):
         planned.append(traced)
         return schedule
 
-    monkeypatch.setattr("streamsched.module.make_schedule", watched)
+    monkeypatch.setattr("streamsched.new_signatures.make_schedule", watched)
     x = torch.randn(4, 64 * 20)
     with torch.no_grad():
         out = sm(x)
@@ -278,7 +278,7 @@ def test_a_fused_nodes_cost_is_the_sum_of_its_members_costs(monkeypatch, make, x
         captured.update(graph=traced.graph, metas=dict(metas), root=traced.root)
         return make_schedule(traced, metas, *args, **kwargs)
 
-    monkeypatch.setattr("streamsched.module.make_schedule", watched)
+    monkeypatch.setattr("streamsched.new_signatures.make_schedule", watched)
     torch.manual_seed(0)
     model = make()
     sm = ss.StreamScheduledModule(copy.deepcopy(model))

@@ -2,7 +2,7 @@
 call passing an object once its nested children went quiet, and a call of a structure
 run as written at every size. They skip binding and keys; everything that could change
 the verdict sends the call back to the full path. Each test counts the full path's calls
-(``StreamScheduledModule._call``) to tell which way a call went, and compares with eager."""
+(``streamsched.runner.Runner.call``) to tell which way a call went, and compares with eager."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from torch import nn
 
 import streamsched as ss
 from streamsched import nesting
+from streamsched.runner import Runner
 from streamsched.testing import assert_path
 
 from .helpers import assert_close
@@ -27,13 +28,13 @@ pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 def full_calls(monkeypatch) -> list:
     """Appends one entry per call that took the full path."""
     calls: list = []
-    full = ss.StreamScheduledModule._call
+    full = Runner.call
 
     def counted(self, *args, **kwargs):
         calls.append(1)
         return full(self, *args, **kwargs)
 
-    monkeypatch.setattr(ss.StreamScheduledModule, "_call", counted)
+    monkeypatch.setattr(Runner, "call", counted)
     return calls
 
 

@@ -1,0 +1,293 @@
+"""What a wrapper does with a call whose signature it has no plan for: the size policy
+(``planning.signatures``: plan it, or run the model as written where a plan would not
+pay), and the pipeline that plans it: trace (cached per call structure) -> record the
+call's shapes and in-place effects (the recording run is the call's result) -> task
+costs of a profile -> ``make_schedule`` -> ``compile_program`` -> the ``auto`` trial's
+setup. :func:`compile_signature` is the pipeline's one entry; it returns the compiled
+signature. Also here: whether the caches still hold after the model changed
+(:func:`revalidate`)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from . import _generation
+from .errors import ProfileMismatchError, TraceError
+from .frontend.effects import EffectRecorder, Effects
+from .frontend.meta import run_and_record
+from .frontend.nodes import node_label
+from .frontend.trace import Traced, dtype_probes, trace_model
+from .frontend.trace_guard import autocast_state
+from .observe.schedule_profiles import check_profile, load_profile, profile_costs
+from .planning.choice import Trial
+from .planning.plan import Plan
+from .planning.planner import device_of, make_schedule, signature_text
+from .planning.signatures import Structure
+from .runtime.program import ProgramCache, annotate_exception, compile_program
+from .state import UNIFORM_SCHEDULE_MARGIN, AsWritten, Compiled, alias_pattern, count_unsettled, placement_probe
+
+if TYPE_CHECKING:
+    from .runner import Runner
+
+__all__ = ["compile_signature", "new_signature", "revalidate"]
+
+log = logging.getLogger(__name__)
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+def new_signature(runner: Runner, key: Any, spec: Any, tensors: list[torch.Tensor], args: tuple, kwargs: dict) -> Any:
+    """A call with no plan for its signature: plan it, or run the model as written where
+    a plan would not pay (``planning.signatures``). Returns the call's output."""
+    st = runner.st
+    if spec.has_objects is not None:
+        return _object_call(runner, key, spec, args, kwargs)
+    sizes = key[1]
+    structure_key = (spec.key, tuple(m[1:] + (len(m[0]),) for m in sizes), *key[2:])
+    structure = st.structures.get_fresh(structure_key)
+    shapes = tuple(tuple(m[0]) for m in sizes)
+    if structure is not None and runner.automatic():
+        verdict = structure.admit(shapes, structure.bucket_of(shapes))
+        if verdict is not None:
+            like, why = structure.plan, verdict.why
+            st.last = AsWritten(make=lambda: _as_written_plan(runner, why(), like))
+            if verdict.settled:
+                # Later calls with this signature run as written without asking again.
+                st.written.put(key, st.last)
+                st.last.every_size = structure.as_written_at_every_size()
+                runner.settle_as_written(args, kwargs, st.last)
+            return runner.as_written(args, kwargs)
+    start = time.perf_counter()
+    count_unsettled()
+    # A trace bakes in the training flags of the modules it traced through, and is
+    # made under one autocast state: a forward's own autocast block shows as a change
+    # of that state only against the state the trace started in (frontend.trace).
+    # The inputs' ranks too: a traced shape's length is its value's rank (frontend.ranks).
+    # And their dtypes: the dtypes of its values follow from them (and the parameters').
+    ranks = tuple(t.dim() for t in tensors)
+    dtypes = tuple(t.dtype for t in tensors)
+    trace_key = (spec.key, st.mode_id, autocast_state(), ranks, dtypes)
+    traced = _trace(runner, trace_key, spec, ranks, dtypes)
+    if isinstance(traced, TraceError):
+        return runner.eager_dispatch(spec, tensors, traced, trace_key, args, kwargs)
+    compiled, out = compile_signature(runner, traced, key, tensors)
+    _join_structure(runner, compiled, structure_key, structure, shapes, time.perf_counter() - start)
+    return out
+
+
+def _object_call(runner: Runner, key: Any, spec: Any, args: tuple, kwargs: dict) -> Any:
+    """An object argument (a KV cache, a config, a dataclass batch) would be baked into a
+    trace, the tensors it holds as constants, that a later call passing another object
+    must not reuse: as written under every executor; keyed by type, never kept. Its
+    children, which are passed tensors (or objects in turn), are nested as an
+    untraceable forward's are (nesting.py)."""
+    st = runner.st
+    kind = spec.has_objects
+    why = (
+        f"an argument is a {kind} object, which a trace would bake in (a later call passes "
+        "another one): calls passing one run the model as written"
+    )
+    counted = st.dispatch.leaf_calls
+    structure = spec.key
+    st.last = AsWritten(make=lambda: _as_written_plan(runner, why, leaf_calls=counted.get(structure)), nests=True)
+    # Later calls with this key (objects key by type) run as written at once.
+    st.written.put(key, st.last)
+    st.hot = (key, st.last)
+    return runner.forward_nesting(spec, args, kwargs)
+
+
+def _trace(runner: Runner, trace_key: Any, spec: Any, ranks: tuple, dtypes: tuple) -> Any:
+    """The call structure's trace (cached), or, without ``strict``, the ``TraceError`` it
+    failed with (cached too: later calls go straight to eager dispatch instead of failing
+    to trace again)."""
+    st, config = runner.st, runner.config
+    traced = st.traces.get_fresh(trace_key)
+    if isinstance(traced, TraceError) and not config.strict:
+        return traced
+    if traced is None:
+        try:
+            traced = trace_model(runner.module, st.binder, spec, tuple(config.leaf_modules), ranks, dtypes)
+        except TraceError as exc:
+            if config.strict:
+                raise
+            st.traces.put(trace_key, exc)
+            return exc
+        st.traces.put(trace_key, traced)
+    return traced
+
+
+def compile_signature(runner: Runner, traced: Traced, key: Any, tensors: list[torch.Tensor]) -> tuple[Compiled, Any]:
+    """The pipeline, for one input signature of a traced call structure: run the trace
+    node by node recording shapes and in-place effects (that run is the call's output),
+    plan, compile, and set up the ``auto`` trial. The compiled signature is cached
+    (``st.plans``) and is what ``sm.plan`` reports; returns it and the call's output."""
+    st, config = runner.st, runner.config
+    metas: dict = {}
+
+    def on_error(exc: BaseException, node: Any) -> None:
+        annotate_exception(exc, st.where_text(node_label(node)))
+
+    recorder = EffectRecorder()
+    with recorder:
+        result = run_and_record(traced.graph, traced.root, tensors, on_error, metas, recorder)
+    _guard_dtypes(runner, traced)
+    input_keys = frozenset(recorder.key_of(t) for t in tensors)
+    effects = Effects.from_accesses(recorder.accesses, input_keys, traced.graph)
+    del recorder
+    rebuild = traced.output_tree.rebuilder() if traced.output_tree is not None else _identity
+    measured = _measured_costs(runner, tensors)
+    planned = make_schedule(traced, metas, config, tensors, fusion=st.fusion, measured=measured, effects=effects)
+    programs = st.programs.get(traced.graph)
+    if programs is None:
+        programs = st.programs[traced.graph] = ProgramCache()
+    program = compile_program(planned, programs)
+    if measured:
+        notes = [*planned.plan.notes, f"task costs measured: profile {config.profile}"]
+        planned.plan = planned.plan.model_copy(update={"notes": notes})
+    compiled = Compiled(planned, program, rebuild, runner.cuda_graph and planned.plan.device.startswith("cuda"))
+    compiled.nested_sites = runner.opaque_sites(planned.plan)
+    if effects.writes_inputs:
+        compiled.alias_pattern = alias_pattern(tensors)
+    if runner.auto:
+        eager = runner.may_run_as_written
+        if eager or planned.plan.executor != "serial":
+            compiled.trial = Trial(planned.plan.executor, as_written=eager)
+            if config.grad_handoff == "direct":
+                # Member gradients are written natively, past the hooks a backward
+                # timer waits for; and eager is no candidate there.
+                compiled.trial.backward = False
+    st.plans.put(key, compiled)
+    st.last = compiled
+    st.last_path = "recorded"
+    return compiled, rebuild(result)
+
+
+def _join_structure(
+    runner: Runner,
+    compiled: Compiled,
+    structure_key: Any,
+    structure: Optional[Structure],
+    shapes: tuple,
+    record_s: float,
+) -> None:
+    """Keep the compiled signature with its call structure (the signature without its
+    sizes), which decides its sizes' buckets once: take a bucket's verdict, or try it."""
+    st = runner.st
+    if structure is None:
+        structure = Structure(runner.config.plan_cache_size)
+        structure.planned.put(shapes, True)
+        # Nothing side by side, nothing batched: the trial's verdict holds for
+        # every size (planning.signatures).
+        plan = compiled.plan
+        structure.uniform = plan.num_streams <= 1 and not plan.fused_groups
+        st.structures.put(structure_key, structure)
+    compiled.structure, compiled.sizes = structure, shapes
+    structure.plan = compiled.plan
+    # What a plan of a new size costs, against what a decided schedule saves.
+    structure.recorded(record_s)
+    bucket = structure.bucket_of(shapes)
+    decision = structure.decision(bucket)
+    if decision is not None and compiled.trial is not None:
+        compiled.apply(decision)
+    elif compiled.trial is not None:
+        structure.try_at(bucket, shapes)
+        compiled.trial.began = st.calls
+        if structure.uniform:
+            # Its verdict holds for every size: a schedule that wins only the
+            # forward's Python must win clearly, or each new size pays a plan
+            # for nothing.
+            compiled.trial.schedule_margin = UNIFORM_SCHEDULE_MARGIN
+
+
+def _as_written_plan(runner: Runner, why: str, like: Optional[Plan] = None, leaf_calls: Optional[tuple] = None) -> Plan:
+    """What ``sm.plan`` reports for a call that ran the model as written (``leaf_calls``:
+    its forward's, counted with the nested children's share, ``Runner.forward_nesting``)."""
+    if like is None:
+        plan = Plan.as_written(type(runner.module).__name__, why)
+        if leaf_calls is not None:
+            plan = plan.model_copy(update={"leaf_calls": leaf_calls[1], "nested_leaf_calls": dict(leaf_calls[2])})
+        return plan
+    return like.model_copy(update={"executor": "eager", "reason": why, "trial": None})
+
+
+def _guard_dtypes(runner: Runner, traced: Traced) -> None:
+    """After a recording call (which may have traced again): compare the dtypes of the
+    parameters ``traced`` relied on every call from now on."""
+    st = runner.st
+    if traced.dtype_guards and not any(t is traced for t in st.dtype_guarded):
+        live = {id(t) for t in st.traces.values()}  # those the LRU dropped: not checked
+        st.dtype_guarded = [t for t in st.dtype_guarded if id(t) in live] + [traced]
+    st.dtype_probes = dtype_probes(st.dtype_guarded)
+
+
+def _measured_costs(runner: Runner, tensors: list[torch.Tensor]) -> Optional[dict[str, float]]:
+    """Task costs from ``config.profile`` (checked against this model, input and device)."""
+    profile = runner.config.profile
+    if profile is None:
+        return None
+    st = runner.st
+    if st.profile is None:
+        st.profile = load_profile(profile)
+    device = device_of(tensors, runner.module)
+    try:
+        check_profile(st.profile, type(runner.module).__name__, signature_text(tensors), str(device))
+    except ProfileMismatchError as exc:
+        raise ProfileMismatchError(f"{exc} (profile {profile})") from None
+    return profile_costs(st.profile)
+
+
+def revalidate(runner: Runner) -> bool:
+    """Some module somewhere was re-wired, switched mode or had a flag set: re-key the
+    mode, and say whether the caches must go (a trace whose modules moved or whose
+    baked-in flags changed the program, a reconfigured fused module)."""
+    st, module = runner.st, runner.module
+    st.mode_id = st.mode_of(module)
+    st.hot = None
+    if st.nested is not None:
+        st.nested.refresh()  # a child swapped: nest the new one
+    # A module hook registered since: a hooked module runs as a call of its own.
+    stale = st.hook_registrations != _generation.hook_registrations()
+    st.hook_registrations = _generation.hook_registrations()
+    # The first parameter may be another one now (re-wired); a cast or move of the
+    # model at the same time must still count.
+    probe, probed = placement_probe(module)
+    stale = stale or probed != st.probed or not all(t.dtypes_hold() for t in st.dtype_guarded)
+    st.dtype_probes = dtype_probes(st.dtype_guarded)  # a parameter may be another one now
+    st.probe, st.probed = probe, probed
+    for traced in list(st.traces.values()):
+        if not isinstance(traced, Traced):
+            continue
+        if not traced.modules_unchanged() or not (traced.flags_unchanged() or _retraces_same(runner, traced)):
+            stale = True
+            break
+    if stale:
+        log.info("streamsched: %s changed after wrapping; re-tracing", type(module).__name__)
+    elif st.fusion is not None and not st.fusion.fused_unchanged():
+        log.info("streamsched: a fused module of %s was reconfigured; re-planning", type(module).__name__)
+        stale = True
+    elif st.fusion is not None:
+        # A parameter may have been re-assigned: re-stack whatever no longer aliases.
+        st.fusion.check_all(full=True)
+    st.generation = _generation.current()
+    return stale
+
+
+def _retraces_same(runner: Runner, traced: Traced) -> bool:
+    """A flag of a traced-through module changed: trace again, and keep the plans when
+    the program is the same (the flag was never read by traced code)."""
+    try:
+        fresh = trace_model(
+            runner.module, runner.st.binder, traced.spec, tuple(runner.config.leaf_modules), traced.ranks, traced.dtypes
+        )
+    except TraceError:
+        return False
+    if not traced.same_program(fresh):
+        return False
+    traced.flags = fresh.flags
+    return True

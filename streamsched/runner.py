@@ -1,0 +1,585 @@
+"""How the calls of a ``StreamScheduledModule`` run, once the wrapper knows what to run:
+the model as written (with its children nested where they have plans of their own),
+under eager dispatch, a compiled plan on its executor or as a CUDA graph, and the
+``auto`` trial's timed calls; with the sync log and chaos set up, and the module an
+exception was raised in named, in one place each.
+
+The configuration is frozen, so what it decides for every call (which executor, CUDA
+graphs, whether the model's own forward may compete) is read once, here."""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from . import _generation
+from .backward_timing import BackwardSample
+from .config import SchedulerConfig
+from .errors import HooksWarning, TraceError, UntraceableWarning, raised_in, user_stacklevel
+from .frontend.hooks import global_hooks, has_hooks
+from .frontend.leafcalls import counting_dispatch
+from .frontend.trace import dtypes_same
+from .frontend.trace_guard import autocast_state
+from .nesting import NestedPlans
+from .new_signatures import new_signature, revalidate
+from .observe.nvtx_ranges import NvtxRanges
+from .planning.choice import Trial
+from .planning.signatures import RARE_CALLS
+from .runtime import dispatch as eager_dispatch
+from .runtime.chaos import Chaos
+from .runtime.graphs import GraphExecutor
+from .runtime.program import Program, annotate_exception, failing_node
+from .runtime.synclog import SyncLog
+from .settled_calls import SettledCalls, settles, shapes_of
+from .state import (
+    UNIFORM_SCHEDULE_MARGIN,
+    AsWritten,
+    Compiled,
+    WrapperState,
+    alias_pattern,
+    all_plain_tensors,
+    count_unsettled,
+    unsettled_calls,
+)
+
+__all__ = ["Runner"]
+
+# Eager-dispatch calls in a row that launch no branch before a call structure runs as written.
+_QUIET_CALLS = 3
+
+log = logging.getLogger(__name__)
+
+
+class Runner:
+    """Runs the calls of one wrapper (``module``, ``config``, its ``WrapperState``)."""
+
+    def __init__(self, module: nn.Module, config: SchedulerConfig, st: WrapperState, wrapper_class: type):
+        self.module = module
+        self.config = config
+        self.st = st
+        # What nested children are called through (nesting.py): the wrapper's class.
+        self.wrapper_class = wrapper_class
+        self.auto = config.executor == "auto"
+        self.cuda_graph = config.cuda_graph is not False
+        # Whether ``executor="auto"`` may pick the model's own forward: not where the
+        # schedule itself is what was asked for (``sync_log`` and ``chaos`` exist to
+        # exercise it, a CUDA graph replays it, ``grad_handoff="direct"`` is a backward
+        # the trial's forward timings do not see).
+        self.may_run_as_written = (
+            not config.sync_log and config.chaos is None and not self.cuda_graph and config.grad_handoff != "direct"
+        )
+        # Whether an ``auto`` trial may time the calls (sync_log and chaos run the schedule).
+        self.trials = not config.sync_log and config.chaos is None
+
+    def automatic(self) -> bool:
+        """Whether this call may run the model as written instead of a schedule (``auto``,
+        no observer, nothing asking for the schedule itself)."""
+        return self.auto and self.st.observer is None and self.may_run_as_written
+
+    def annotate(self, exc: BaseException, program: Optional[Program] = None) -> None:
+        """Name where ``exc`` was raised: the node of ``program`` that raised it, or, for a
+        call that ran the model's own forward (as written, eager dispatch), the submodule,
+        from the traceback (not the forward itself: that is the caller's own code)."""
+        st = self.st
+        if program is not None:
+            where = failing_node(program, exc)
+            if where is not None:
+                annotate_exception(exc, st.where_text(where))
+            return
+        path = raised_in(exc, self.module)
+        if path or (path is not None and st.where[0]):
+            annotate_exception(exc, st.where_text(path))
+
+    # --- the call path ------------------------------------------------------------------
+
+    def call(self, args: tuple, kwargs: dict, inside_model_call: bool = False) -> Any:
+        """One call, under the lock: bind, find or make the plan, run it. Every call pays
+        this path, so its common cases are written out (docs/design.md, "The wrapper's own
+        work on each call"). ``inside_model_call``: made by the model's own ``__call__``
+        (``sm.attach()``), whose hooks fired already."""
+        st = self.st
+        if st.generation != _generation.current():
+            self.revalidate()
+        probe = st.probe
+        if probe is not None and (probe.dtype, probe.device) != st.probed:
+            log.info("streamsched: %s was moved or cast; re-tracing", type(self.module).__name__)
+            st.clear(self.module)
+        elif st.dtype_probes and not dtypes_same(st.dtype_probes):
+            log.info("streamsched: a parameter of %s was cast; re-tracing", type(self.module).__name__)
+            st.clear(self.module)
+        module = self.module
+        if inside_model_call:
+            if global_hooks():  # they fire on every submodule call: the forward as written
+                return self.as_written(args, kwargs)
+        elif (
+            module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
+        ) and has_hooks(module):
+            return self.with_hooks(args, kwargs)
+        elif global_hooks():
+            return self.with_hooks(args, kwargs)
+        spec = st.tensors_spec
+        if spec is not None and not kwargs and len(args) == st.tensors_arity and all_plain_tensors(args):
+            tensors = list(args)  # what the binder would return: the same spec, these leaves
+        else:
+            try:
+                leaves, spec = st.bind(args, kwargs)
+            except TypeError as exc:
+                raise TypeError(f"{type(self.module).__name__}.forward(): {exc}") from None
+            tensors = [leaves[i] for i in spec.tensor_positions]
+            if (
+                spec is not st.tensors_spec
+                and not kwargs
+                and len(args) == st.tensors_arity
+                and len(tensors) == len(args)
+                and all_plain_tensors(args)
+            ):
+                st.tensors_spec = spec
+        key = (
+            spec.key,
+            tuple([(t.shape, t.dtype, t.device, t.requires_grad) for t in tensors]),
+            st.mode_id,
+            torch.is_grad_enabled(),
+            autocast_state(),
+        )
+        hot = st.hot
+        if hot is not None and hot[0] == key:
+            schedule = hot[1]  # the previous call's signature: no LRU bookkeeping
+            if schedule.as_written and schedule.alias_pattern is None and st.observer is None:
+                st.calls += 1  # settled to run as written: nothing else to decide
+                st.last = schedule
+                if schedule.nests:
+                    return self.forward_nesting(spec, args, kwargs)
+                self.settle_as_written(args, kwargs, schedule)
+                st.last_path = "as-written"
+                return type(module).forward(module, *args, **kwargs)
+        else:
+            schedule = st.plans.get_fresh(key)
+            if schedule is None and st.observer is None:
+                schedule = st.written.get(key)  # settled to run as written (planning.signatures)
+        if schedule is not None and schedule.alias_pattern is not None:
+            # The plan orders in-place effects for the way its inputs alias each
+            # other on the call that made it; other aliasing needs another plan.
+            if alias_pattern(tensors) != schedule.alias_pattern:
+                schedule = None
+        st.calls += 1
+        if schedule is None:
+            return new_signature(self, key, spec, tensors, args, kwargs)
+        st.last = schedule
+        st.hot = (key, schedule)
+        if st.observer is None:
+            if schedule.as_written:
+                return self.run_as_written(schedule, spec, args, kwargs)
+            if schedule.trial is not None and self.trials:
+                return self.trial(schedule, schedule.trial, tensors, args, kwargs)
+        return schedule.rebuild(self.run(schedule, tensors))
+
+    def revalidate(self) -> None:
+        """Some module somewhere was re-wired, switched mode or had a flag set: drop the
+        caches that no longer hold (``new_signatures.revalidate``)."""
+        if revalidate(self):
+            self.st.clear(self.module)
+
+    # --- the model as written ---------------------------------------------------------
+
+    def as_written(self, args: tuple, kwargs: dict) -> Any:
+        # The class's forward, as the trace calls it: hooks on the model itself run on no
+        # path of the wrapper (the wrapper's own hooks run around every call).
+        self.st.last_path = "as-written"
+        module = self.module
+        return type(module).forward(module, *args, **kwargs)
+
+    def settled(self, settled: SettledCalls, args: tuple, kwargs: dict) -> Any:
+        """A call in the layout of one settled to run as written (passing an object, its
+        nested children quiet; or of a structure run as written at every size), at the
+        generation it settled at: the forward itself (settled_calls.py). The caller
+        checked the hooks, as for any call. (``StreamScheduledModule.__call__`` writes this
+        out for its own calls: a frame is a tenth of such a call's budget.)
+
+        Without the lock: the call runs the user's model as written, which two threads may
+        do at once as in eager (a nested child another thread's call placed is reached
+        through that child's wrapper, which takes its own lock); the counters below are
+        hints (a lost decrement only delays the nested children's retry by a call). The
+        lock would cost these calls as much as the rest of the wrapper together."""
+        st = self.st
+        settled.left -= 1
+        if settled.left <= 0:
+            st.settled = None  # the nested children's retry is due next call
+        st.calls += 1
+        if settled.nested is not None:
+            settled.nested.calls += 1  # counted as NestedPlans.all_quiet counts a call
+        sizes = settled.sizes
+        st.last = settled.schedule if sizes is None else sizes[shapes_of(args, kwargs)]
+        st.last_path = "as-written"
+        module = self.module
+        try:
+            return type(module).forward(module, *args, **kwargs)
+        except Exception as exc:
+            self.annotate(exc)
+            raise
+
+    def settle_as_written(self, args: tuple, kwargs: dict, schedule: Any) -> None:
+        """A call of tensors and plain values settled to run as written (``schedule``): at
+        every size of its structure, or at its sizes. Later calls of its layout (at those
+        sizes) skip binding and keys (settled_calls.py)."""
+        st = self.st
+        if st.observer is not None or not settles(args, kwargs):
+            return
+        settled = st.settled
+        if settled is not None and settled.generation == st.generation and settled.admits(args, kwargs, settled.sizes):
+            return  # settled already (this call came another way: a hook on the wrapper)
+        if schedule.every_size:
+            st.settled = SettledCalls(st.generation, args, kwargs, schedule, tensors=True)
+            return
+        shapes = shapes_of(args, kwargs)
+        if (
+            settled is not None
+            and settled.sizes is not None
+            and settled.generation == st.generation
+            and settled.admits(args, kwargs, None)
+        ):
+            settled.add_size(shapes, schedule)
+        else:
+            st.settled = SettledCalls(st.generation, args, kwargs, None, tensors=True, sizes={shapes: schedule})
+
+    def run_as_written(self, schedule: Any, spec: Any, args: tuple, kwargs: dict) -> Any:
+        """A signature settled to run the model as written (a trial's verdict, an object
+        argument): its own output types, no rebuild."""
+        if schedule.nests:
+            return self.forward_nesting(spec, args, kwargs)
+        self.settle_as_written(args, kwargs, schedule)
+        return self.as_written(args, kwargs)
+
+    def with_hooks(self, args: tuple, kwargs: dict) -> Any:
+        """Hooks on the wrapped model itself, or global module hooks, fire around (or on)
+        every module call eager makes, which no schedule reproduces: run the model as
+        written, through its own ``__call__``, and say so once."""
+        st = self.st
+        if not st.warned_hooks:
+            st.warned_hooks = True
+            where = "global module hooks are" if global_hooks() else f"{type(self.module).__name__} has hooks"
+            warnings.warn(
+                f"streamsched: {where} registered, so the wrapped model runs as written (its hooks fire as in "
+                "eager; nothing is scheduled). Hooks on the StreamScheduledModule itself, or on a submodule, "
+                "keep the schedule.",
+                HooksWarning,
+                stacklevel=user_stacklevel(),
+            )
+        st.last_path = "as-written"
+        return self.module(*args, **kwargs)
+
+    # --- nested children ----------------------------------------------------------------
+
+    def nesting(self) -> NestedPlans:
+        """The model's nested children (nesting.py), made on first need."""
+        st = self.st
+        if st.nested is None:
+            cls = self.wrapper_class
+            st.nested = NestedPlans(self.module, self._nested_wrapper, lambda m: isinstance(m, cls), self.leaf_types())
+        return st.nested
+
+    def leaf_types(self) -> tuple:
+        return tuple(t for t in self.config.leaf_modules if isinstance(t, type))
+
+    def _nested_wrapper(self, child: nn.Module) -> Any:
+        """The wrapper a child of this untraceable forward is called through (nesting.py):
+        this configuration, minus what belongs to the root (its profile of task costs,
+        ``strict``: the root already said that the forward runs as written)."""
+        wrapper = self.wrapper_class(child, self.config.model_copy(update={"strict": False, "profile": None}))
+        # Its errors name the module by its path in this model.
+        path = next((p for p, m in self.module.named_modules() if m is child), "")
+        prefix, root = self.st.where
+        wrapper._ss.where = (f"{prefix}{path}.", root)
+        return wrapper
+
+    def opaque_sites(self, plan: Any) -> list:
+        """The nested sites of a traced plan: its opaque module calls that are not fused
+        (a fused member's forward runs under vmap, not through a call)."""
+        if not plan.opaque:
+            return []
+        fused = {m for g in plan.fused_groups for m in g.members}
+        paths = [o.path for o in plan.opaque if o.path not in fused]
+        return self.nesting().sites_at(paths)
+
+    def forward_nesting(self, spec: Any, args: tuple, kwargs: dict) -> Any:
+        """The forward as written, its children nested (nesting.py), as an untraceable
+        forward's as-written calls run: a call passing an object. The first call of each
+        call structure counts the leaf calls (``Plan.coverage``), as eager dispatch does."""
+        st = self.st
+        nested = self.nesting()
+        counted = st.dispatch.leaf_calls
+        if counted.get(spec.key) is not None and nested.all_quiet():
+            if st.observer is None:
+                # Later calls of this layout skip binding and keys (settled_calls.py).
+                st.settled = SettledCalls(st.generation, args, kwargs, st.last, nested, nested.quiet_calls_ahead())
+            return self.as_written(args, kwargs)
+        # A child that settles to run as written stops being nested at once: every call
+        # passes the object (a decoding step), and a child nested for nothing costs each
+        # of them its wrapper (and its parents' down to it).
+        with nested.installed(hand_back=True):
+            if counted.get_fresh(spec.key) is not None:
+                return self.as_written(args, kwargs)
+            with counting_dispatch(self.module, self.config.leaf_modules, st._nested_site) as counter:
+                out = self.as_written(args, kwargs)
+        calls: dict[str, int] = {}
+        for hit in counter.hits:
+            if type(hit) is str:
+                calls[hit] = calls.get(hit, 0) + 1
+        counted.put(spec.key, (0, len(counter.hits), calls))
+        return out
+
+    # --- eager dispatch -----------------------------------------------------------------
+
+    def nvtx(self) -> Any:
+        """The NVTX range observer, on every executor and device (NVTX tools profile
+        CPU-only runs too) and under eager dispatch, while a tool is there to see the
+        ranges (Nsight Systems attached, or the torch profiler recording): free otherwise."""
+        ranges = self.st.nvtx
+        if ranges is None:  # first call: the config is frozen, so this is decided once
+            ranges = self.st.nvtx = (NvtxRanges.create() if self.config.nvtx else None) or False
+        if ranges and ranges.wanted():
+            return ranges
+        return None
+
+    def eager_dispatch(
+        self, spec: Any, tensors: list[torch.Tensor], reason: TraceError, trace_key: Any, args: tuple, kwargs: dict
+    ) -> Any:
+        """A forward that cannot be traced: its ``@streamsched.branch`` calls dispatched
+        as it runs, or, once it launched none a few calls in a row, the model as written."""
+        st = self.st
+        quiet = st.quiet.get_fresh(trace_key)
+        automatic = self.automatic()
+        nested = self.nesting()
+        if automatic and isinstance(quiet, AsWritten):
+            st.last = quiet
+            with nested.installed():
+                return self.as_written(args, kwargs)
+        with nested.installed():
+            done = eager_dispatch.run_eager_dispatch(
+                st.dispatch.for_call(st.calls, st.observer or self.nvtx()), spec, tensors, reason
+            )
+        st.last = done.schedule
+        st.last_path = "eager-dispatch"
+        if done.sync_log is not None:
+            st.last_sync_log = done.sync_log
+        out = done.result()  # the call's exception, if any, raised once the call is recorded
+        # Said once, after a call that worked: an exception eager raises too is the user's
+        # own, not a tracing matter; and only to users who did not ask with strict=False.
+        if not st.warned_untraceable and "strict" not in self.config.model_fields_set:
+            st.warned_untraceable = True
+            warnings.warn(
+                f"{reason}\n[streamsched] {type(self.module).__name__} runs its own forward (eager dispatch: only "
+                "@streamsched.branch calls are scheduled); pass strict=True to raise this error instead.",
+                UntraceableWarning,
+                stacklevel=user_stacklevel(),
+            )
+        if automatic:
+            self._count_quiet(done.schedule.plan, quiet, reason, trace_key)
+        return out
+
+    def _count_quiet(self, plan: Any, quiet: Any, reason: TraceError, trace_key: Any) -> None:
+        """A forward that calls no @streamsched.branch has nothing to dispatch: after a few
+        such calls in a row, it runs as written (the same calls, minus the dispatch
+        bookkeeping)."""
+        count = 0 if plan.tasks else (quiet if isinstance(quiet, int) else 0) + 1
+        if count < _QUIET_CALLS:
+            self.st.quiet.put(trace_key, count)
+            return
+        why = (str(reason).strip().splitlines() or [type(reason).__name__])[0]
+        update = {
+            "executor": "eager",
+            "reason": (
+                f"eager dispatch: the model cannot be traced ({why}); its forward made no "
+                f"@streamsched.branch call in {count} calls with these arguments: it runs as written"
+            ),
+        }
+        self.st.quiet.put(trace_key, AsWritten(plan.model_copy(update=update)))
+
+    # --- a compiled plan ----------------------------------------------------------------
+
+    def _execute(
+        self,
+        compiled: Compiled,
+        executor: Any,
+        tensors: list[torch.Tensor],
+        sync_log: Optional[SyncLog] = None,
+        chaos: Optional[Chaos] = None,
+        observer: Any = None,
+        nested: bool = True,
+    ) -> Any:
+        """Run ``compiled``'s program on ``executor`` (a CUDA graph replays it without the
+        nested sites installed): its stacked parameters checked first, an exception named
+        by the node that raised it."""
+        program = compiled.program
+        guard = program.stack_guard
+        if guard is not None:
+            guard.check()
+        try:
+            if nested and compiled.nested_sites:
+                with self.st.nested.installed(compiled.nested_sites):
+                    return executor.run(program, tensors, sync_log, chaos, observer)
+            return executor.run(program, tensors, sync_log, chaos, observer)
+        except Exception as exc:
+            self.annotate(exc, program)
+            raise
+
+    def executor_for(self, compiled: Compiled, tensors: list[torch.Tensor], name: Optional[str] = None) -> Any:
+        """The executor that runs this call of ``compiled`` (``name``: the one a trial
+        times), or its CUDA-graph executor where a graph replays the call."""
+        if name is not None:
+            return self.st.executors.named(name, compiled.device)
+        if compiled.graphs and GraphExecutor.captures(tensors):
+            graphs = self.st.executors.graphs_for(compiled.device, self.module, self.config)
+            if not graphs.swapped():  # tensors swapped in (functional_call): streams, the graphs kept
+                return graphs
+        return self.st.executors.named(compiled.executor, compiled.device)
+
+    def direct(self, compiled: Compiled, executor: Any) -> Optional[tuple]:
+        """``(verdict, program.call, nvtx_wanted)`` when every call of ``compiled`` under
+        ``verdict`` that no observer or NVTX tool looks at runs the serial program's one
+        function and nothing else: the serial executor, no sync log, chaos or nested sites
+        (all fixed by the frozen config and the plan), no CUDA graph (a CPU plan, or graphs
+        off). ``run`` then checks the stacks, that no observer is installed and, where
+        NVTX ranges are on, that nothing would see them (``nvtx_wanted``: ``None`` where
+        they are off). The verdict is kept to notice a trial's decision."""
+        cfg = self.config
+        if (
+            executor is not self.st.executors.serial
+            or compiled.program.call is None
+            or cfg.sync_log
+            or cfg.chaos is not None
+            or compiled.nested_sites
+            or compiled.graphs
+        ):
+            return None
+        ranges = self.st.nvtx
+        return (compiled.verdict, compiled.program.call, ranges.wanted if ranges else None)
+
+    def run(self, compiled: Compiled, tensors: list[torch.Tensor]) -> Any:
+        """A call of a compiled plan: the program's leaves (``compiled.rebuild`` makes the
+        model's output of them)."""
+        st = self.st
+        direct = compiled.direct
+        if (
+            direct is not None
+            and direct[0] is compiled.verdict
+            and st.observer is None
+            and (direct[2] is None or not direct[2]())
+        ):
+            # The serial program's one function, nothing else to decide (see direct).
+            guard = compiled.program.stack_guard
+            if guard is not None:
+                guard.check()
+            st.last_path = "plan:serial"
+            try:
+                return direct[1](tensors)
+            except Exception as exc:
+                self.annotate(exc, compiled.program)
+                raise
+        cfg = self.config
+        sync_log = None
+        if cfg.sync_log:
+            program = compiled.program
+            sync_log = st.last_sync_log = SyncLog()
+            sync_log.input_slots = (
+                tuple(program.input_slots) + tuple(s for s, _ in program.attr_slots) + program.location_slots
+            )
+            sync_log.expected_writers = program.expected_writers
+        chaos = Chaos(cfg.chaos, st.calls) if cfg.chaos is not None else None
+        executor = self.executor_for(compiled, tensors)
+        if isinstance(executor, GraphExecutor):
+            st.last_path = "graph"
+            return self._execute(compiled, executor, tensors, sync_log, chaos, st.observer, nested=False)
+        st.last_path = "plan:" + compiled.executor
+        observer = st.observer or self.nvtx()
+        if direct is None or direct[0] is not compiled.verdict:
+            compiled.direct = self.direct(compiled, executor)
+        return self._execute(compiled, executor, tensors, sync_log, chaos, observer)
+
+    # --- the auto trial -----------------------------------------------------------------
+
+    def trial(self, compiled: Compiled, trial: Trial, tensors: list[torch.Tensor], args: tuple, kwargs: dict) -> Any:
+        """A call of a signature under trial: one of the candidates (the plan's executor,
+        serial, the model as written), timed as the calls after the trial would run it."""
+        if self._trial_decided(compiled, trial):
+            return self.decided(compiled, tensors, args, kwargs)
+        name = trial.next()
+        unsettled = count_unsettled()
+        out, forward_s = self._timed(compiled, name, tensors, args, kwargs)
+        if unsettled != unsettled_calls() and trial.skip(name):
+            return out
+        if trial.backward is not False:
+            # In training the step is forward and backward: time the backward too, once
+            # the caller runs it (backward_timing).
+            reads = [*tensors, *(p for p in self.module.parameters() if p.requires_grad)]
+            sample = BackwardSample.attach(out, reads, torch.device(compiled.device))
+            if trial.backward is None:
+                trial.backward = sample is not None
+            if sample is not None:
+                trial.add_pending(name, forward_s, sample)
+                return out
+            if trial.backward:
+                trial.missed()  # no gradient this time: nothing comparable to time
+                return out
+        trial.add(name, forward_s)
+        if trial.done():
+            compiled.finish(trial)
+        return out
+
+    def _trial_decided(self, compiled: Compiled, trial: Trial) -> bool:
+        """Whether the trial is over before this call: its bucket was decided meanwhile,
+        its size came back too rarely to go on, or its training calls' backwards (run
+        since) complete its figures."""
+        structure = compiled.structure
+        if structure is not None:
+            decision = structure.decision(structure.bucket_of(compiled.sizes))
+            if decision is not None:
+                # The bucket was decided while this trial went on (stalled, or decided
+                # at another size): take that verdict.
+                compiled.apply(decision)
+                return True
+        trial.own_calls += 1
+        if not trial.rare and trial.began is not None:
+            if self.st.calls - trial.began - trial.own_calls >= RARE_CALLS:
+                # Its size comes back rarely (planning.signatures): decide on two calls of
+                # each candidate, keeping the schedule only where it wins clearly.
+                trial.rare = True
+                trial.schedule_margin = max(trial.schedule_margin, UNIFORM_SCHEDULE_MARGIN)
+                if trial.done():
+                    compiled.finish(trial)
+                    return True
+        if trial.pending:
+            # Training calls whose backward has run since count now.
+            trial.collect()
+            if trial.done():
+                compiled.finish(trial)
+                return True
+        return False
+
+    def _timed(self, compiled: Compiled, name: str, tensors: list[torch.Tensor], args: tuple, kwargs: dict) -> tuple:
+        """(output, seconds) of one trial call run by ``name``: the schedule with its
+        stacked-parameter checks and output rebuild, or the model's forward as it is."""
+        device = compiled.device
+        cuda = device.startswith("cuda")
+        executor = self.executor_for(compiled, tensors, name) if name != "eager" else None
+        if cuda:
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        if executor is None:
+            out = self.as_written(args, kwargs)
+        else:
+            self.st.last_path = f"plan:{name}"
+            out = compiled.rebuild(self._execute(compiled, executor, tensors))
+        if cuda:
+            torch.cuda.synchronize(device)
+        return out, time.perf_counter() - start
+
+    def decided(self, compiled: Compiled, tensors: list[torch.Tensor], args: tuple, kwargs: dict) -> Any:
+        """A call of a signature whose trial has just been decided, run the way decided."""
+        if compiled.as_written:
+            return self.as_written(args, kwargs)
+        return compiled.rebuild(self.run(compiled, tensors))

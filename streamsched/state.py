@@ -1,0 +1,429 @@
+"""What a ``StreamScheduledModule`` keeps: its caches (:class:`WrapperState`) and, per
+input signature, how calls with it run (:class:`Compiled`: a planned and compiled
+signature; :class:`AsWritten`: one that runs the model as written)."""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import threading
+import weakref
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from . import _generation, _native
+from ._lru import LRU
+from .config import SchedulerConfig
+from .errors import ConfigError
+from .frontend.binder import CallBinder, ShapeCachedBinder
+from .frontend.trace import Traced, is_compiled_module
+from .nesting import NestedPlans
+from .planning.choice import Trial
+from .planning.plan import Plan
+from .planning.planner import Schedule
+from .planning.signatures import Decision, Structure, sizes_text
+from .runtime import dispatch as eager_dispatch
+from .runtime.pool import ExecutorPool
+from .runtime.program import Program
+from .runtime.synclog import SyncLog
+from .settled_calls import SettledCalls
+
+__all__ = [
+    "UNIFORM_SCHEDULE_MARGIN",
+    "count_unsettled",
+    "unsettled_calls",
+    "check_wrappable",
+    "AttachedForward",
+    "AsWritten",
+    "Compiled",
+    "WrapperState",
+    "alias_pattern",
+    "all_plain_tensors",
+    "placement_probe",
+]
+
+# How much faster than the model as written a plan with nothing to run side by side or
+# batch must be to be kept (planning.signatures: decided once for every size).
+UNIFORM_SCHEDULE_MARGIN = 0.05
+
+# Calls of any wrapper that were not yet its settled way of running: first calls of a
+# signature (trace, record, plan) and trial calls. A trial call of a plan during which
+# another one ran (a nested child planning or trying itself) is no measure of the plan.
+_unsettled_calls = 0
+
+
+def count_unsettled() -> int:
+    """Count a call that is not a settled one (a first call or a trial call)."""
+    global _unsettled_calls
+    _unsettled_calls += 1
+    return _unsettled_calls
+
+
+def unsettled_calls() -> int:
+    """How many calls were counted by :func:`count_unsettled` so far."""
+    return _unsettled_calls
+
+
+# The fields of a plan the ``auto`` trial's decision sets (``Trial.decide``).
+_DECIDED_FIELDS = ("executor", "reason", "notes", "trial")
+
+
+class AsWritten:
+    """What ``sm.plan`` reports for a call that ran the model as written: a plan, or how
+    to make one when asked (these calls are the cheap path: no pydantic model per call)."""
+
+    __slots__ = ("_plan", "_make", "nests", "every_size")
+
+    # Read by the call path like a compiled signature's: it runs the model as written.
+    as_written = True
+    alias_pattern = None
+    trial = None
+
+    def __init__(self, plan: Optional[Plan] = None, make: Any = None, nests: bool = False):
+        self._plan = plan
+        self._make = make
+        # Whether its calls nest the forward's children (nesting.py): a forward run as
+        # written because an argument is an object.
+        self.nests = nests
+        # Whether its call structure runs as written at every size (settled_calls.py).
+        self.every_size = False
+
+    @property
+    def plan(self) -> Plan:
+        if self._plan is None:
+            self._plan = self._make()
+            self._make = None
+        return self._plan
+
+
+class Compiled:
+    """One input signature as the wrapper runs it: the planner's schedule (whose ``plan``
+    is the signature's one plan), the program the runtime compiled from it, how calls
+    with the signature run, and the ``auto`` trial's decision beside the plan
+    (``verdict``: the fields it sets on the plan ``sm.plan`` reports)."""
+
+    __slots__ = (
+        "schedule",
+        "program",
+        "verdict",
+        "_shown",
+        "executor",
+        "device",
+        "trial",
+        "as_written",
+        "rebuild",
+        "alias_pattern",
+        "structure",
+        "sizes",
+        "nested_sites",
+        "graphs",
+        "direct",
+    )
+
+    # Its calls run as written (``as_written``) without nesting the forward's children; the
+    # shortcut for structures run as written at every size starts from an AsWritten.
+    nests = False
+    every_size = False
+
+    def __init__(self, schedule: Schedule, program: Program, rebuild: Any, graphs: bool):
+        self.schedule = schedule
+        self.program = program
+        # The trial's decision (or a decided size bucket's): {field: value} over the plan.
+        self.verdict: Optional[dict] = None
+        self._shown: Optional[Plan] = None
+        # The executor the schedule runs on, and the plan's device.
+        self.executor = schedule.plan.schedule_executor
+        self.device = schedule.plan.device
+        # With executor="auto": the timing of this plan's executor against serial and
+        # the model's own forward, until decided.
+        self.trial: Optional[Trial] = None
+        # Decided by the trial: calls with this signature run the model's own forward.
+        self.as_written = False
+        # Builds the model's own output (its container types) from the program's leaves.
+        self.rebuild = rebuild
+        # Where the graph writes in place: how the inputs shared storage on the planning
+        # call (the effect edges hold for that aliasing only).
+        self.alias_pattern: Optional[tuple] = None
+        # The call structure this signature belongs to, and its sizes: the trial's
+        # decision is kept there for the sizes' bucket.
+        self.structure: Optional[Structure] = None
+        self.sizes: tuple = ()
+        # The plan's opaque module calls that are nested (nesting.py): their forwards run
+        # as written inside their tasks, and their children get plans of their own.
+        self.nested_sites: list = []
+        # Whether a CUDA graph may replay its calls (``cuda_graph`` on, a CUDA plan).
+        self.graphs = graphs
+        # (verdict, function, nvtx_wanted): how the runner calls the plan while the
+        # verdict is this one (runner.Runner.direct).
+        self.direct: Optional[tuple] = None
+
+    @property
+    def plan(self) -> Plan:
+        """The plan, with the trial's decision once made (what ``sm.plan`` reports)."""
+        shown = self._shown
+        if shown is None:
+            plan = self.schedule.plan
+            shown = self._shown = plan if self.verdict is None else plan.model_copy(update=self.verdict)
+        return shown
+
+    @plan.setter
+    def plan(self, plan: Plan) -> None:
+        # A new plan for the same program (no decision on it yet).
+        self.schedule.plan, self.verdict, self._shown = plan, None, None
+        self.executor = plan.schedule_executor
+
+    @property
+    def graph(self) -> Any:
+        return self.schedule.graph
+
+    @property
+    def tasks(self) -> Any:
+        return self.schedule.tasks
+
+    def _decide(self, verdict: dict, as_written: bool) -> None:
+        self.verdict, self._shown, self.as_written, self.trial = verdict, None, as_written, None
+        self.executor = self.plan.schedule_executor
+
+    def apply(self, decision: Decision) -> None:
+        """A size of a bucket already decided: no trial (or no more of it). A bucket
+        decided for the model as written is one whose trial stalled, or ran at another
+        size while this one's trial went on (planning.signatures)."""
+        plan = self.plan
+        why = f"size bucket decided at sizes {sizes_text(decision.sizes)}: {decision.why}"
+        if decision.as_written:
+            self._decide({"executor": "eager", "reason": why}, True)
+            return
+        if plan.executor != decision.executor:
+            self._decide({"executor": decision.executor, "reason": why}, False)
+        else:
+            self._decide({"reason": f"{plan.reason}; {why}"}, False)
+        if self.structure is not None:
+            self.structure.plan = self.plan
+
+    def finish(self, trial: Trial) -> None:
+        """The trial has its figures: decide, and keep the verdict for the sizes' bucket."""
+        decided, as_written = trial.decide(self.plan)
+        self._decide({k: getattr(decided, k) for k in _DECIDED_FIELDS}, as_written)
+        structure = self.structure
+        if structure is None:
+            return
+        # Decided once for the sizes' bucket: its other sizes take this verdict.
+        plan = structure.plan = self.plan
+        measured = plan.trial.best_us if plan.trial is not None else {}
+        kept = measured.get(plan.schedule_executor)
+        gain_s = None
+        if not as_written and kept is not None and "eager" in measured:
+            gain_s = (measured["eager"] - kept) * 1e-6
+        structure.decide(
+            structure.bucket_of(self.sizes),
+            Decision(as_written, plan.schedule_executor, plan.reason, self.sizes, gain_s),
+        )
+
+
+class WrapperState:
+    """Everything the wrapper caches; kept out of nn.Module's attribute machinery."""
+
+    def __init__(self, model: nn.Module, config: SchedulerConfig):
+        self.binder = CallBinder(model)
+        self.bind = ShapeCachedBinder(self.binder).bind
+        # Calls of plain tensors only, as many as ``forward`` has parameters (none with a
+        # default): their spec, once one such call was bound (the same for all of them).
+        self.tensors_arity: Optional[int] = self.binder._simple_arity
+        self.tensors_spec: Any = None
+        # What eager dispatch reads of the model, and keeps between its calls.
+        self.dispatch = eager_dispatch.DispatchContext.for_model(model, config, self.binder, self._nested_site)
+        self.traces: LRU = LRU(config.plan_cache_size)
+        # Per traced graph: its latest plan's program, for its plans at other sizes that
+        # compile to the same code (runtime.program.ProgramCache).
+        self.programs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # Eager dispatch, per call structure: calls in a row that launched no branch, or
+        # an AsWritten once there were enough of them.
+        self.quiet: LRU = LRU(config.plan_cache_size)
+        self.plans: LRU = LRU(config.plan_cache_size)
+        # Signatures settled to run the model as written (a size bucket the trial decided
+        # for it, churn, an object argument): AsWritten records, so that their calls
+        # skip the size policy. Small entries (sizes, no tensors), so many of them.
+        self.written: LRU = LRU(max(256, 16 * config.plan_cache_size))
+        # Per call structure (a signature without its sizes): which new sizes get a plan.
+        self.structures: LRU = LRU(max(16, config.plan_cache_size))
+        self.last: Any = None  # what sm.plan reports: a Compiled, or an eager-dispatch record
+        # Which way the most recent call ran (``streamsched.testing.last_path``): "recorded",
+        # "plan:<executor>", "graph", "as-written" or "eager-dispatch".
+        self.last_path = ""
+        # (key, schedule) of the most recent traced call: the common case skips the LRU.
+        self.hot: Optional[tuple] = None
+        # Calls settled to run as written whatever their sizes (passing an object, or of
+        # a structure run as written at every size): their layout, checked before
+        # anything else (settled_calls.py).
+        self.settled: Optional[SettledCalls] = None
+        self.lock = threading.RLock()
+        self.generation = _generation.current()
+        # The model's first parameter (or buffer) and its (dtype, device) when traces were
+        # made: ``model.to(...)``, ``.half()``, ``.cuda()`` on the model itself (not the
+        # wrapper) moves no generation, and traced code may have read them as constants
+        # (transformers' ``self.device`` and ``self.dtype``).
+        self.probe, self.probed = placement_probe(model)
+        # Traces that relied on the dtypes of parameters (``Traced.dtypes_hold``), and
+        # those parameters (``trace.dtype_probes``), compared every call: a submodule
+        # cast on its own moves neither the probe nor a generation.
+        self.dtype_guarded: list[Traced] = []
+        self.dtype_probes: tuple = ()
+        self.hook_registrations = _generation.hook_registrations()
+        self.calls = 0
+        self.executors = ExecutorPool(_native.native())
+        self.graphs = self.executors.graphs
+        self.last_sync_log: Optional[SyncLog] = None
+        self.fusion: Any = None
+        # push(task, stream) / pop(task, stream) around every task, or None (free).
+        self.observer: Any = None
+        self.nvtx: Any = None
+        self.profile: Any = None
+        # Every module's training flag, interned as a small int for the plan key;
+        # recomputed only when the generation moved (``.train()``, ``.eval()``).
+        self.modes: dict[tuple, int] = {}
+        self.mode_id = self.mode_of(model)
+        self.warned_untraceable = False
+        # How errors name a module: (path prefix, model name); a nested child's wrapper
+        # names its modules by their paths in the outermost model.
+        self.where = ("", type(model).__name__)
+        self.warned_hooks = False
+        # An untraceable forward's children, scheduled by plans of their own (nesting.py).
+        self.nested: Optional[NestedPlans] = None
+
+    def _nested_site(self) -> Optional[str]:
+        return self.nested.current_path() if self.nested is not None else None
+
+    def clear(self, model: nn.Module) -> None:
+        """Drop every cached trace, plan and stacked parameter (``sm.invalidate()``)."""
+        self.traces.clear()
+        self.programs.clear()
+        self.quiet.clear()
+        self.plans.clear()
+        self.written.clear()
+        self.structures.clear()
+        self.last = None
+        self.hot = None
+        self.settled = None
+        if self.fusion is not None:
+            self.fusion.invalidate()
+        self.executors.forget_graphs()
+        if self.nested is not None:
+            self.nested.invalidate()
+        self.generation = _generation.current()
+        self.probe, self.probed = placement_probe(model)
+        self.dtype_guarded = []
+        self.dtype_probes = ()
+
+    def where_text(self, path: str) -> str:
+        """How an error names the module at ``path`` (of the wrapped model): by its path in
+        the outermost wrapped model, for the wrapper of a nested child too."""
+        prefix, root = self.where
+        full = prefix + path if path else prefix.rstrip(".")
+        return f"module '{full}' of {root}" if full else f"the forward of {root}"
+
+    def mode_of(self, model: nn.Module) -> int:
+        flags = tuple(m.training for m in model.modules())
+        mode = self.modes.get(flags)
+        if mode is None:
+            mode = self.modes[flags] = len(self.modes)
+        return mode
+
+
+class AttachedForward:
+    """The ``forward`` an attached model gets (``StreamScheduledModule.attach``)."""
+
+    __slots__ = ("wrapper", "_signature")
+
+    def __init__(self, wrapper: Any):
+        self.wrapper = wrapper
+        self._signature: Optional[inspect.Signature] = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.wrapper._entry(args, kwargs, True)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        # Libraries read forward's parameters (transformers filters generate's keyword
+        # arguments by them): the class's forward's, bound to the model.
+        # (``generate`` asks on every step: computed once, the class's forward is fixed.)
+        if self._signature is None:
+            model = self.wrapper.module
+            self._signature = inspect.signature(type(model).forward.__get__(model))
+        return self._signature
+
+    @staticmethod
+    def attach(model: nn.Module, wrapper: Any) -> nn.Module:
+        """Give ``model`` an instance attribute ``forward`` that enters ``wrapper``."""
+        current = model.__dict__.get("forward")
+        if isinstance(current, AttachedForward) and current.wrapper is not wrapper:
+            raise ConfigError(f"{type(model).__name__} is attached to another StreamScheduledModule; detach it first")
+        if current is not None and not isinstance(current, AttachedForward):
+            raise ConfigError(
+                f"{type(model).__name__} has an instance attribute 'forward' of its own; attach() would replace it"
+            )
+        model.__dict__["forward"] = AttachedForward(wrapper)
+        return model
+
+    @staticmethod
+    def detach(model: nn.Module, wrapper: Any) -> nn.Module:
+        """Remove the ``forward`` that :meth:`attach` gave ``model`` for ``wrapper``."""
+        current = model.__dict__.get("forward")
+        if isinstance(current, AttachedForward) and current.wrapper is wrapper:
+            del model.__dict__["forward"]
+        return model
+
+    @staticmethod
+    def attached(model: nn.Module) -> bool:
+        return isinstance(model.__dict__.get("forward"), AttachedForward)
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            "a model attached to a StreamScheduledModule cannot be pickled or copied: call sm.detach() first"
+        )
+
+
+def check_wrappable(model: Any, wrapper_class: type) -> None:
+    """Raise where ``model`` is no module a ``StreamScheduledModule`` can wrap."""
+    if isinstance(model, wrapper_class):
+        raise ConfigError(
+            f"{type(model.module).__name__} is already wrapped in a StreamScheduledModule; "
+            "wrap its .module instead (to change options, pass a new config)"
+        )
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"StreamScheduledModule wraps an nn.Module, got {type(model).__name__}")
+    if is_compiled_module(model):
+        # Its forward is dynamo's compiled code: fx cannot trace it, and run as one call
+        # it would leave nothing to schedule.
+        raise ConfigError(
+            f"StreamScheduledModule cannot wrap a torch.compile'd module ({type(model._orig_mod).__name__} in an "
+            "OptimizedModule): wrap the model itself and compile the wrapper, "
+            "torch.compile(StreamScheduledModule(model)), or compile its branches "
+            "(model.towers[i] = torch.compile(tower)) and wrap the model "
+            "(its ._orig_mod is the module you compiled)"
+        )
+
+
+def placement_probe(model: nn.Module) -> tuple[Optional[torch.Tensor], Optional[tuple]]:
+    """The model's first parameter (else buffer) and its (dtype, device) now."""
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        return tensor, (tensor.dtype, tensor.device)
+    return None, None
+
+
+_Tensor = torch.Tensor
+
+
+def all_plain_tensors(args: tuple) -> bool:
+    """Whether every argument is a ``torch.Tensor`` itself (no subclass, no other value)."""
+    for a in args:
+        if type(a) is not _Tensor:
+            return False
+    return True
+
+
+def alias_pattern(tensors: list[torch.Tensor]) -> tuple:
+    """Which inputs share storage: for each input, the index of the first input with its storage."""
+    first: dict[int, int] = {}
+    return tuple(first.setdefault(t.untyped_storage()._cdata, i) for i, t in enumerate(tensors))
