@@ -3,7 +3,7 @@
 Two kinds of call run the model as written whatever their sizes, once decided:
 
 - a call that passes a non-tensor object (a KV cache, a config, a dataclass batch), under
-  every executor and every tensor signature (``module.py``, ``_new_signature``): the
+  every executor and every tensor signature (``pipeline.new_signature``): the
   object would be baked into a trace. Its nested children (``nesting.py``) must have gone
   quiet first (none of them scheduled);
 - a call of tensors and plain values whose call structure (the signature without its
