@@ -262,6 +262,43 @@ def test_auto_keeps_a_parallel_executor_only_where_it_measures_faster(monkeypatc
     assert "running serially" in sm.plan.reason and "measured" in sm.plan.reason
 
 
+def test_a_decided_signature_keeps_the_planners_plan_and_runs_the_decision_beside_it(monkeypatch):
+    """After the trial, the signature's one plan is the planner's; the decision sits beside
+    it: ``sm.plan`` reads the plan with it applied, and the calls run what it chose."""
+    import time
+
+    from streamsched.planning.choice import Trial as _Trial
+    from streamsched.runtime.threads import ThreadExecutor
+    from streamsched.testing import assert_path
+
+    model = Towers(4, 64)
+    x = torch.randn(8, 64)
+    sm = ss.StreamScheduledModule(model)
+    sm(x)
+    compiled = sm._ss.last
+    compiled.plan = sm.plan.model_copy(update={"executor": "threads"})
+    compiled.trial = _Trial("threads")
+    slow = ThreadExecutor.run
+
+    def slower(self, *args, **kwargs):
+        time.sleep(0.02)  # the parallel executor loses the trial
+        return slow(self, *args, **kwargs)
+
+    monkeypatch.setattr(ThreadExecutor, "run", slower)
+    for _ in range(40):
+        assert_close(sm(x), model(x), atol=1e-5)
+        if compiled.trial is None:
+            break
+    planned = compiled.schedule.plan
+    assert planned.executor == "threads" and planned.trial is None  # the planner's, as planned
+    assert compiled.verdict is not None and sm.plan == planned.model_copy(update=compiled.verdict)
+    assert sm.plan.executor == "serial" and sm.plan.trial.schedule_executor == "serial"
+    for _ in range(3):
+        y = torch.randn(8, 64)
+        assert_close(sm(y), model(y), atol=1e-5)
+        assert_path(sm, "plan:serial")  # the decision, not the planner's threads
+
+
 def test_parameters_read_by_the_graph_itself_are_always_current():
     model = nn.Linear(4, 3)  # traced through: its weight and bias are graph attributes
     sm = ss.StreamScheduledModule(model)
