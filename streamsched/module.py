@@ -328,7 +328,7 @@ class StreamScheduledModule(nn.Module):
                     return self._runner.call(args, kwargs, inside_model_call)
                 out = self._runner.call(args, kwargs, inside_model_call)
             except Exception as exc:
-                self._runner.annotate(exc)  # a plan named its node already
+                self._runner.annotate(exc)  # the submodule, unless a plan named its node
                 raise
             # Observers that ask are told which schedule the call ran (timelines read its
             # program and task graph): the wrapper hands it over, nobody reaches in.

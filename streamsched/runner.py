@@ -56,7 +56,10 @@ log = logging.getLogger(__name__)
 
 
 class Runner:
-    """Runs the calls of one wrapper (``module``, ``config``, its ``WrapperState``)."""
+    """Runs the calls of one wrapper (``module``, ``config``, its ``WrapperState``): made
+    with the wrapper, which enters :meth:`call` under its lock and :meth:`settled` without
+    it. Holds no reference to the wrapper (nested children's wrappers are made from
+    ``wrapper_class``)."""
 
     def __init__(self, module: nn.Module, config: SchedulerConfig, st: WrapperState, wrapper_class: type):
         self.module = module
