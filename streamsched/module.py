@@ -279,7 +279,7 @@ class StreamScheduledModule(nn.Module):
                 if nested is not None:
                     nested.calls += 1  # counted as NestedPlans.all_quiet counts a call
                 sizes = settled.sizes
-                st.last = settled.schedule if sizes is None else sizes[shapes_of(args, kwargs)]
+                st.last = settled.reported if sizes is None else sizes[shapes_of(args, kwargs)]
                 st.last_path = "as-written"
                 module = self.module
                 try:

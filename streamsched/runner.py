@@ -151,35 +151,35 @@ class Runner:
         )
         hot = st.hot
         if hot is not None and hot[0] == key:
-            schedule = hot[1]  # the previous call's signature: no LRU bookkeeping
-            if schedule.as_written and schedule.alias_pattern is None and st.observer is None:
+            entry = hot[1]  # the previous call's signature: no LRU bookkeeping
+            if entry.as_written and entry.alias_pattern is None and st.observer is None:
                 st.calls += 1  # settled to run as written: nothing else to decide
-                st.last = schedule
-                if schedule.nests:
+                st.last = entry
+                if entry.nests:
                     return self.forward_nesting(spec, args, kwargs)
-                self.settle_as_written(args, kwargs, schedule)
+                self.settle_as_written(args, kwargs, entry)
                 st.last_path = "as-written"
                 return type(module).forward(module, *args, **kwargs)
         else:
-            schedule = st.plans.get_fresh(key)
-            if schedule is None and st.observer is None:
-                schedule = st.written.get(key)  # settled to run as written (planning.signatures)
-        if schedule is not None and schedule.alias_pattern is not None:
+            entry = st.plans.get_fresh(key)
+            if entry is None and st.observer is None:
+                entry = st.written.get(key)  # settled to run as written (planning.signatures)
+        if entry is not None and entry.alias_pattern is not None:
             # The plan orders in-place effects for the way its inputs alias each
             # other on the call that made it; other aliasing needs another plan.
-            if alias_pattern(tensors) != schedule.alias_pattern:
-                schedule = None
+            if alias_pattern(tensors) != entry.alias_pattern:
+                entry = None
         st.calls += 1
-        if schedule is None:
+        if entry is None:
             return new_signature(self, key, spec, tensors, args, kwargs)
-        st.last = schedule
-        st.hot = (key, schedule)
+        st.last = entry
+        st.hot = (key, entry)
         if st.observer is None:
-            if schedule.as_written:
-                return self.run_as_written(schedule, spec, args, kwargs)
-            if schedule.trial is not None and self.trials:
-                return self.trial(schedule, schedule.trial, tensors, args, kwargs)
-        return schedule.rebuild(self.run(schedule, tensors))
+            if entry.as_written:
+                return self.run_as_written(entry, spec, args, kwargs)
+            if entry.trial is not None and self.trials:
+                return self.trial(entry, entry.trial, tensors, args, kwargs)
+        return entry.rebuild(self.run(entry, tensors))
 
     def revalidate(self) -> None:
         """Some module somewhere was re-wired, switched mode or had a flag set: drop the
@@ -216,7 +216,7 @@ class Runner:
         if settled.nested is not None:
             settled.nested.calls += 1  # counted as NestedPlans.all_quiet counts a call
         sizes = settled.sizes
-        st.last = settled.schedule if sizes is None else sizes[shapes_of(args, kwargs)]
+        st.last = settled.reported if sizes is None else sizes[shapes_of(args, kwargs)]
         st.last_path = "as-written"
         module = self.module
         try:
@@ -225,8 +225,8 @@ class Runner:
             self.annotate(exc)
             raise
 
-    def settle_as_written(self, args: tuple, kwargs: dict, schedule: Any) -> None:
-        """A call of tensors and plain values settled to run as written (``schedule``): at
+    def settle_as_written(self, args: tuple, kwargs: dict, written: Any) -> None:
+        """A call of tensors and plain values settled to run as written (``written``): at
         every size of its structure, or at its sizes. Later calls of its layout (at those
         sizes) skip binding and keys (settled_calls.py)."""
         st = self.st
@@ -235,8 +235,8 @@ class Runner:
         settled = st.settled
         if settled is not None and settled.generation == st.generation and settled.admits(args, kwargs, settled.sizes):
             return  # settled already (this call came another way: a hook on the wrapper)
-        if schedule.every_size:
-            st.settled = SettledCalls(st.generation, args, kwargs, schedule, tensors=True)
+        if written.every_size:
+            st.settled = SettledCalls(st.generation, args, kwargs, written, tensors=True)
             return
         shapes = shapes_of(args, kwargs)
         if (
@@ -245,16 +245,16 @@ class Runner:
             and settled.generation == st.generation
             and settled.admits(args, kwargs, None)
         ):
-            settled.add_size(shapes, schedule)
+            settled.add_size(shapes, written)
         else:
-            st.settled = SettledCalls(st.generation, args, kwargs, None, tensors=True, sizes={shapes: schedule})
+            st.settled = SettledCalls(st.generation, args, kwargs, None, tensors=True, sizes={shapes: written})
 
-    def run_as_written(self, schedule: Any, spec: Any, args: tuple, kwargs: dict) -> Any:
+    def run_as_written(self, written: Any, spec: Any, args: tuple, kwargs: dict) -> Any:
         """A signature settled to run the model as written (a trial's verdict, an object
         argument): its own output types, no rebuild."""
-        if schedule.nests:
+        if written.nests:
             return self.forward_nesting(spec, args, kwargs)
-        self.settle_as_written(args, kwargs, schedule)
+        self.settle_as_written(args, kwargs, written)
         return self.as_written(args, kwargs)
 
     def with_hooks(self, args: tuple, kwargs: dict) -> Any:

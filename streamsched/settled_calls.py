@@ -61,14 +61,14 @@ class SettledCalls:
     reports, the nested children to count calls for (object calls), and how many calls may
     take the shortcut before their retry."""
 
-    __slots__ = ("generation", "admits", "left", "schedule", "nested", "sizes")
+    __slots__ = ("generation", "admits", "left", "reported", "nested", "sizes")
 
     def __init__(
         self,
         generation: int,
         args: tuple,
         kwargs: dict,
-        schedule: Any,
+        reported: Any,
         nested: Any = None,
         left: Optional[int] = None,
         tensors: bool = False,
@@ -93,16 +93,16 @@ class SettledCalls:
         # (and, for a tensor layout with ``sizes``, one of its shapes).
         self.admits: Callable[[tuple, dict, Optional[dict]], bool] = check
         self.left = _NEVER if left is None else left
-        self.schedule = schedule
+        self.reported = reported
         self.nested = nested
         self.sizes = sizes
 
-    def add_size(self, shapes: tuple, schedule: Any) -> None:
+    def add_size(self, shapes: tuple, reported: Any) -> None:
         """Another size of the layout settled to run as written (up to a bound: the table
         is per layout, and a workload of ever new sizes must not grow it for ever)."""
         sizes = self.sizes
         if sizes is not None and len(sizes) < MAX_SETTLED_SIZES:
-            sizes[shapes] = schedule
+            sizes[shapes] = reported
 
 
 def _compiled_check(tests: list[str], names: dict[str, Any]) -> Callable[[tuple, dict, Optional[dict]], bool]:
