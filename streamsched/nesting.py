@@ -154,12 +154,17 @@ class _NestedForward:
         # of its nested children during this very call.
         inner = st.nested
         below = inner is not None and inner.calls != inner_calls and inner.scheduled
-        if st.last_path.startswith(_SCHEDULED) or below:
-            site.quiet = 0
+        scheduled = st.last_path.startswith(_SCHEDULED) or below
+        # The call that settles the child (its trial's last call, which may have run a
+        # schedule) hands it back at once too.
+        settled = site.owner.hand_back and _settled_as_written(st)
+        if scheduled:
             site.owner.scheduled = True
+        if scheduled and not settled:
+            site.quiet = 0
         else:
             site.quiet += 1
-            if site.quiet >= _QUIET_CALLS or (site.owner.hand_back and _settled_as_written(st)):
+            if site.quiet >= _QUIET_CALLS or settled:
                 site.active = False
         return out
 
