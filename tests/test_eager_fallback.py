@@ -14,6 +14,7 @@ from torch.utils import _pytree as pytree
 
 import streamsched as ss
 from benchmarks.zoo import ParallelFCN
+from streamsched import runner as runner_module
 from streamsched.runner import Runner
 from streamsched.runtime.serial import SerialExecutor
 from streamsched.runtime.threads import ThreadExecutor
@@ -40,7 +41,26 @@ class Heads(nn.Module):
         return Out(torch.cat([head(h) for head in self.heads], dim=1), {"h": h})
 
 
-def _slow_serial(monkeypatch, seconds=0.02, when=lambda inputs: True):
+class _TrialClock:
+    """The trial's clock, advanced only by planted delays: two ways planted equally slow
+    then time exactly alike, whatever a loaded machine adds to their real work."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.now = 0.0
+        monkeypatch.setattr(runner_module, "time", self)
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def _wait(seconds, clock):
+    if clock is None:
+        spin(seconds)
+    else:
+        clock.now += seconds
+
+
+def _slow_serial(monkeypatch, seconds=0.02, when=lambda inputs: True, clock=None):
     """Make the serial executor (the schedule's) slow; returns a list counting its runs."""
     runs = []
     original = SerialExecutor.run
@@ -48,7 +68,7 @@ def _slow_serial(monkeypatch, seconds=0.02, when=lambda inputs: True):
     def delay(inputs):
         runs.append(1)
         if when(inputs):
-            spin(seconds)
+            _wait(seconds, clock)
 
     def slow(self, program, inputs, *args, **kwargs):
         delay(inputs)
@@ -75,7 +95,7 @@ def _slow_serial(monkeypatch, seconds=0.02, when=lambda inputs: True):
     return runs
 
 
-def _slow_forward(monkeypatch, cls, seconds=0.02, when=lambda x: True):
+def _slow_forward(monkeypatch, cls, seconds=0.02, when=lambda x: True, clock=None):
     """Make the model's own forward slow (the schedule never calls it after the trace)."""
     runs = []
     original = cls.forward
@@ -83,7 +103,7 @@ def _slow_forward(monkeypatch, cls, seconds=0.02, when=lambda x: True):
     def slow(self, x):
         runs.append(1)
         if when(x):
-            spin(seconds)
+            _wait(seconds, clock)
         return original(self, x)
 
     monkeypatch.setattr(cls, "forward", slow)
@@ -169,11 +189,11 @@ def test_a_close_call_takes_more_calls_and_keeps_the_schedule(monkeypatch):
     sm = ss.StreamScheduledModule(model)
     x = torch.randn(5, 16)
     sm(x)
-    # Both ways take 30 ms and a little: within a few percent of each other (long enough
-    # that what the real work differs by, and a loaded machine's jitter, stay far under
-    # the 2% margin).
-    _slow_serial(monkeypatch, seconds=0.03)
-    _slow_forward(monkeypatch, Heads, seconds=0.03)
+    # Both ways take 30 ms on the trial's clock, which only the planted delays advance:
+    # a tie, whatever a loaded machine adds to their real work.
+    clock = _TrialClock(monkeypatch)
+    _slow_serial(monkeypatch, seconds=0.03, clock=clock)
+    _slow_forward(monkeypatch, Heads, seconds=0.03, clock=clock)
     calls, _ = _calls_until_decided(sm, x)
     trial = sm.plan.trial
     assert calls == 2 * trial.max_rounds and trial.calls == {"serial": trial.max_rounds, "eager": trial.max_rounds}
