@@ -232,10 +232,20 @@ def test_tracing_does_not_disturb_modules_running_in_other_threads():
 
 
 def test_auto_keeps_a_parallel_executor_only_where_it_measures_faster(monkeypatch):
-    import time
-
+    from streamsched import runner as runner_module
     from streamsched.planning.choice import Trial as _Trial
     from streamsched.runtime.threads import ThreadExecutor
+
+    class TrialClock:
+        """The trial's clock, advanced only by the planted delay: what a loaded machine
+        adds to the real work of either way does not count."""
+
+        now = 0.0
+
+        def perf_counter(self) -> float:
+            return self.now
+
+    clock = TrialClock()
 
     model = Towers(4, 512)
     x = torch.randn(256, 512)
@@ -249,10 +259,11 @@ def test_auto_keeps_a_parallel_executor_only_where_it_measures_faster(monkeypatc
     slow = ThreadExecutor.run
 
     def slower(self, *args, **kwargs):
-        time.sleep(0.05)  # a planted slow path: the parallel executor now loses
+        clock.now += 0.05  # a planted slow path: the parallel executor now loses
         return slow(self, *args, **kwargs)
 
     monkeypatch.setattr(ThreadExecutor, "run", slower)
+    monkeypatch.setattr(runner_module, "time", clock)
     # Until the trial decides (a loaded machine can stretch it past its usual few calls).
     for _ in range(40):
         assert_close(sm(x), model(x), atol=1e-5)
