@@ -5,16 +5,20 @@ the decisions do not depend on this machine's speed or noise."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
 import streamsched as ss
+from streamsched import backward_timing
+from streamsched import runner as runner_module
 from streamsched.runtime.serial import SerialExecutor
 from streamsched.testing import last_path
 
-from .helpers import assert_close, spin
+from .helpers import assert_close
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -30,39 +34,53 @@ class Heads(nn.Module):
         return torch.cat([head(h) for head in self.heads], dim=1)
 
 
+class _TrialClock:
+    """The clock the trial reads (its forward timer and the backward timer): real time
+    plus the planted delays, which are added to it, not spun. A loaded machine that stalls
+    the process stretches the real work of both ways alike, never a planted delay."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.planted = 0.0
+        monkeypatch.setattr(runner_module, "time", self)
+        monkeypatch.setattr(backward_timing, "time", self)
+
+    def perf_counter(self) -> float:
+        return time.perf_counter() + self.planted
+
+
 class _SlowBackward(torch.autograd.Function):
-    """The identity, with a backward that takes ``seconds`` more."""
+    """The identity, with a backward that takes ``seconds`` more on ``clock``."""
 
     @staticmethod
-    def forward(ctx, x, seconds):
-        ctx.seconds = seconds
+    def forward(ctx, x, seconds, clock):
+        ctx.seconds, ctx.clock = seconds, clock
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        spin(ctx.seconds)
-        return grad, None
+        ctx.clock.planted += ctx.seconds
+        return grad, None, None
 
 
-def _schedule_slow_in_backward(monkeypatch, seconds: float = 0.03) -> None:
+def _schedule_slow_in_backward(monkeypatch, clock: _TrialClock, seconds: float = 0.03) -> None:
     """The schedule's outputs get a backward ``seconds`` slower; its forward is unchanged."""
     original = SerialExecutor.run
 
     def run(self, program, inputs, *args, **kwargs):
         outs = original(self, program, inputs, *args, **kwargs)
         return pytree.tree_map_only(
-            torch.Tensor, lambda o: _SlowBackward.apply(o, seconds) if o.requires_grad else o, outs
+            torch.Tensor, lambda o: _SlowBackward.apply(o, seconds, clock) if o.requires_grad else o, outs
         )
 
     monkeypatch.setattr(SerialExecutor, "run", run)
 
 
-def _forward_slower(monkeypatch, seconds: float = 0.003) -> None:
+def _forward_slower(monkeypatch, clock: _TrialClock, seconds: float = 0.003) -> None:
     """The model's own forward gets ``seconds`` slower: the schedule wins every forward."""
     original = Heads.forward
 
     def forward(self, x):
-        spin(seconds)
+        clock.planted += seconds
         return original(self, x)
 
     monkeypatch.setattr(Heads, "forward", forward)
@@ -85,8 +103,9 @@ def test_a_schedule_slower_in_backward_loses_the_training_trial(monkeypatch):
     sm = ss.StreamScheduledModule(model)
     sm(torch.randn(5, 16))  # traces and plans
     assert sm.plan.executor == "serial" and sm._ss.last.trial is not None
-    _schedule_slow_in_backward(monkeypatch)
-    _forward_slower(monkeypatch)  # a forward-only trial would keep the schedule
+    clock = _TrialClock(monkeypatch)
+    _schedule_slow_in_backward(monkeypatch, clock)
+    _forward_slower(monkeypatch, clock)  # a forward-only trial would keep the schedule
     paths = _train(sm, model, 12)
     plan = sm.plan
     assert plan.executor == "eager" and plan.trial is not None and plan.trial.chosen == "eager"
@@ -112,8 +131,9 @@ def test_a_forward_only_trial_would_have_kept_that_schedule(monkeypatch):
     model = Heads()
     sm = ss.StreamScheduledModule(model)
     sm(torch.randn(5, 16))
-    _schedule_slow_in_backward(monkeypatch)
-    _forward_slower(monkeypatch)
+    clock = _TrialClock(monkeypatch)
+    _schedule_slow_in_backward(monkeypatch, clock)
+    _forward_slower(monkeypatch, clock)
     for _ in range(12):
         x = torch.randn(5, 16)
         assert_close(sm(x), model(x))
