@@ -105,10 +105,12 @@ class SettledCalls:
             sizes[shapes] = reported
 
 
-def _compiled_check(tests: list[str], names: dict[str, Any]) -> Callable[[tuple, dict, Optional[dict]], bool]:
-    # One expression, no loop: it runs before anything else on every such call, whose
-    # whole budget is a microsecond or two. Made once per layout (the callers cache it).
-    source = "def check(args, kwargs, sizes):\n    return " + " and ".join(tests) + "\n"
+def _compiled_check(lines: list[str], names: dict[str, Any]) -> Callable[[tuple, dict, Optional[dict]], bool]:
+    """``check(args, kwargs, sizes)`` with ``lines`` as its body, over ``names``."""
+    # Written out for the layout, no loop: it runs before anything else on every such
+    # call, whose whole budget is a microsecond or two. Made once per layout (the callers
+    # cache it).
+    source = "def check(args, kwargs, sizes):\n" + "".join(f"    {line}\n" for line in lines)
     exec(compile(source, "<streamsched settled layout>", "exec"), names)
     return names["check"]
 
@@ -126,10 +128,9 @@ def _object_layout_check(arg_types: tuple, kw_types: tuple) -> Callable[[tuple, 
     for i, (name, t) in enumerate(kw_types):
         names[f"_K{i}"] = t
         tests.append(f"type(kwargs.get({name!r}, _MISSING)) is _K{i}")
-    return _compiled_check(tests, names)
+    return _compiled_check(["return " + " and ".join(tests)], names)
 
 
-@functools.lru_cache(maxsize=256)
 def value_entry(value: Any) -> tuple:
     """How a tensor layout checks one argument: a plain tensor by its metadata, a plain
     value (None, numbers, strings, dtypes, tuples of them: they key a call by value) by its
@@ -197,6 +198,4 @@ def _tensor_layout_check(
             lines.append(f"if type(v{i}) is not _T{i} or not (v{i} == _X{i}): return False")
     lines.append(f"if _grad() is not {grad} or _autocast() != _AC: return False")
     lines.append(f"return sizes is None or ({''.join(shapes)}) in sizes")
-    source = "def check(args, kwargs, sizes):\n" + "".join(f"    {line}\n" for line in lines)
-    exec(compile(source, "<streamsched settled layout>", "exec"), names)
-    return names["check"]
+    return _compiled_check(lines, names)

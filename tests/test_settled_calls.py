@@ -323,3 +323,20 @@ def test_sizes_settled_one_by_one_with_keywords_in_any_order(monkeypatch, full_c
         assert_close(sm(mask=mask, x=x), model(x=x, mask=mask))
         assert_path(sm, "as-written")
     assert full_calls == []
+
+
+def test_settling_keeps_no_argument_tensor_alive(monkeypatch):
+    """The layout check is made from the tensors' metadata: no table holds the tensors."""
+    _slow_schedules(monkeypatch)
+    model = Chain()
+    sm = ss.StreamScheduledModule(model)
+    refs = []
+    for _rep in range(6):
+        for n in (3, 6, 12, 24, 48):
+            x = torch.randn(n, 16)
+            refs.append(weakref.ref(x))
+            sm(x)
+            del x
+    assert sm._ss.settled is not None
+    gc.collect()
+    assert all(r() is None for r in refs)
