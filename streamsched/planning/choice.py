@@ -271,8 +271,9 @@ class Trial:
         if min(counts) < self.rounds:
             return False
         scheduled = [min(self.samples[c]) for c in self.live if c != "eager"]
-        if "eager" in self.live and scheduled and min(counts) < self.max_rounds:
-            # A close call: more calls make the fastest of each more certain.
+        if "eager" in self.live and scheduled and min(scheduled) > 0 and min(counts) < self.max_rounds:
+            # A close call: more calls make the fastest of each more certain (a clock
+            # too coarse to see the schedule's calls at all cannot tell more).
             return abs(min(self.samples["eager"]) / min(scheduled) - 1.0) >= self.close
         return True
 
