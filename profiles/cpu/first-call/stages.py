@@ -13,7 +13,7 @@ sys.path.insert(0, sys.argv[1])
 warnings.simplefilter("ignore")
 import torch  # noqa: E402
 
-import streamsched.module as M  # noqa: E402
+import streamsched.new_signatures as M  # noqa: E402
 import streamsched.passes.fusion.context as C  # noqa: E402
 import streamsched.passes.fusion.fuse as F  # noqa: E402
 import streamsched.passes.fusion.rewrite as RW  # noqa: E402
@@ -52,7 +52,9 @@ timed(RW.Rewriter, "emit", "plan.fuse.emit")
 torch.manual_seed(0)
 model = ParallelFCN(1000).eval()
 x = torch.randn(1, 1000 * 20)
-sm = M.StreamScheduledModule(model)
+import streamsched  # noqa: E402
+
+sm = streamsched.StreamScheduledModule(model)
 if "--collect" in sys.argv:
     gc.collect()
 with torch.no_grad():
