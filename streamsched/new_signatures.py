@@ -24,7 +24,7 @@ from .frontend.trace import Traced, dtype_probes, trace_model
 from .frontend.trace_guard import autocast_state
 from .observe.schedule_profiles import check_profile, load_profile, profile_costs
 from .planning.choice import Trial
-from .planning.plan import Plan
+from .planning.plan import Plan, signature_text_of
 from .planning.planner import device_of, make_schedule, signature_text
 from .planning.signatures import Structure
 from .runtime.program import ProgramCache, annotate_exception, compile_program
@@ -56,7 +56,12 @@ def new_signature(runner: Runner, key: Any, spec: Any, tensors: list[torch.Tenso
         verdict = structure.admit(shapes, structure.bucket_of(shapes))
         if verdict is not None:
             like, why = structure.plan, verdict.why
-            st.last = AsWritten(make=lambda: _as_written_plan(runner, why(), like))
+            written = st.last = AsWritten()
+            # Made when asked: by then ``every_size`` says whether it stands for this
+            # call's sizes or for every size of the structure.
+            written.make = lambda: _as_written_plan(
+                runner, why(), like, signature_text_of(sizes, any_size=written.every_size)
+            )
             if verdict.settled:
                 # Later calls with this signature run as written without asking again.
                 st.written.put(key, st.last)
@@ -205,15 +210,23 @@ def _join_structure(
             compiled.trial.schedule_margin = UNIFORM_SCHEDULE_MARGIN
 
 
-def _as_written_plan(runner: Runner, why: str, like: Optional[Plan] = None, leaf_calls: Optional[tuple] = None) -> Plan:
-    """What ``sm.plan`` reports for a call that ran the model as written (``leaf_calls``:
-    its forward's, counted with the nested children's share, ``Runner.forward_nesting``)."""
+def _as_written_plan(
+    runner: Runner,
+    why: str,
+    like: Optional[Plan] = None,
+    signature: str = "",
+    leaf_calls: Optional[tuple] = None,
+) -> Plan:
+    """What ``sm.plan`` reports for a call that ran the model as written: ``like`` (a plan
+    of the same call structure at other sizes) for this call's ``signature``, run as
+    written. ``leaf_calls``: its forward's, counted with the nested children's share
+    (``Runner.forward_nesting``)."""
     if like is None:
         plan = Plan.as_written(type(runner.module).__name__, why)
         if leaf_calls is not None:
             plan = plan.model_copy(update={"leaf_calls": leaf_calls[1], "nested_leaf_calls": dict(leaf_calls[2])})
         return plan
-    return like.model_copy(update={"executor": "eager", "reason": why, "trial": None})
+    return like.model_copy(update={"executor": "eager", "reason": why, "trial": None, "signature": signature})
 
 
 def _guard_dtypes(runner: Runner, traced: Traced) -> None:

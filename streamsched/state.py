@@ -74,7 +74,7 @@ class AsWritten:
     """What ``sm.plan`` reports for a call that ran the model as written: a plan, or how
     to make one when asked (these calls are the cheap path: no pydantic model per call)."""
 
-    __slots__ = ("_plan", "_make", "nests", "every_size")
+    __slots__ = ("_plan", "make", "nests", "every_size")
 
     # Read by the call path like a compiled signature's: it runs the model as written.
     as_written = True
@@ -83,7 +83,7 @@ class AsWritten:
 
     def __init__(self, plan: Optional[Plan] = None, make: Any = None, nests: bool = False):
         self._plan = plan
-        self._make = make
+        self.make = make
         # Whether its calls nest the forward's children (nesting.py): a forward run as
         # written because an argument is an object.
         self.nests = nests
@@ -93,8 +93,8 @@ class AsWritten:
     @property
     def plan(self) -> Plan:
         if self._plan is None:
-            self._plan = self._make()
-            self._make = None
+            self._plan = self.make()
+            self.make = None
         return self._plan
 
 

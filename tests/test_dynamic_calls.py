@@ -73,6 +73,7 @@ def test_a_new_size_runs_as_written_then_is_planned_when_it_comes_back():
     assert_close(sm(x3), model(x3))
     assert_path(sm, "as-written")
     assert sm.plan.executor == "eager" and "new to this call structure" in sm.plan.reason
+    assert sm.plan.signature == "float32[3, 16]"  # this call's, not the planned size's
     assert len(sm.plans) == 1
     x3 = torch.randn(3, 16)
     assert_close(sm(x3), model(x3))

@@ -172,6 +172,19 @@ def test_a_structure_run_as_written_at_every_size_skips_the_full_path(monkeypatc
     assert full_calls == []
 
 
+def test_the_plan_of_a_structure_settled_at_every_size_names_no_one_size(monkeypatch):
+    _slow_schedules(monkeypatch)
+    model = Chain()
+    sm = ss.StreamScheduledModule(model)
+    _settle_every_size(sm, model)
+    for n in (7, 31):
+        x = torch.randn(n, 16)
+        assert_close(sm(x), model(x))
+        assert_path(sm, "as-written")
+        # One report stands for every size: it names none of them.
+        assert sm.plan.signature == "float32[2-d]", sm.plan.signature
+
+
 @pytest.mark.parametrize(
     "change",
     ["dtype", "requires_grad", "rank", "no_grad", "keyword", "two_args"],

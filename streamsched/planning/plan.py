@@ -17,7 +17,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal, Optional
+from typing import TYPE_CHECKING, Literal, Optional, Sequence
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -38,6 +38,7 @@ __all__ = [
     "ExecutorTrial",
     "assemble_plan",
     "signature_text",
+    "signature_text_of",
 ]
 
 
@@ -344,12 +345,21 @@ class Plan(BaseModel):
 
 
 def signature_text(tensors: list[torch.Tensor]) -> str:
+    return signature_text_of([(t.shape, t.dtype) for t in tensors[:4]], len(tensors))
+
+
+def signature_text_of(metas: Sequence[tuple], count: Optional[int] = None, any_size: bool = False) -> str:
+    """:func:`signature_text` of ``(shape, dtype, ...)`` tuples, as a call's plan key
+    holds them (no tensor kept); ``count``: how many inputs there are in all;
+    ``any_size``: each shape written as its number of dimensions (``float32[3-d]``), for
+    what stands for calls of every size."""
+    count = len(metas) if count is None else count
     parts = []
-    for t in tensors[:4]:
-        dt = str(t.dtype).replace("torch.", "")
-        parts.append(f"{dt}[{', '.join(map(str, t.shape))}]")
-    if len(tensors) > 4:
-        parts.append(f"... {len(tensors)} inputs")
+    for shape, dtype, *_ in metas[:4]:
+        dt = str(dtype).replace("torch.", "")
+        parts.append(f"{dt}[{len(shape)}-d]" if any_size else f"{dt}[{', '.join(map(str, shape))}]")
+    if count > 4:
+        parts.append(f"... {count} inputs")
     return ", ".join(parts) or "no tensor inputs"
 
 
