@@ -397,6 +397,46 @@ def test_grad_inference_and_autocast_modes_reach_the_lanes():
         assert_close(out, ref)
 
 
+def test_saved_tensor_hooks_keep_branches_on_the_callers_thread():
+    """A branch launched onto a lane would save its tensors past the caller's
+    saved-tensor hooks (activation checkpointing's, save_on_cpu): under them, branches
+    run inline."""
+
+    class Saving(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        @ss.branch
+        def left(self, x):
+            return torch.tanh(self.a(x))
+
+        @ss.branch
+        def right(self, x):
+            return torch.sigmoid(self.b(x))
+
+        def forward(self, x):
+            if x.sum() > 0:
+                x = x * 1
+            return self.left(x) + self.right(x)
+
+    model = Saving()
+    sm = wrap(model, executor="threads")
+    x = positive(4, 8)
+    sm(x)
+    saved = {"wrapped": 0, "eager": 0}
+    for name, module in (("wrapped", sm), ("eager", model)):
+
+        def pack(t, name=name):
+            saved[name] += 1
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = module(x)
+        out.sum().backward()
+    assert saved["wrapped"] == saved["eager"] > 0, saved
+
+
 def run_with_timeout(fn, seconds: float = BARRIER_TIMEOUT_S):
     """Run ``fn`` in a thread and fail (instead of hanging) if it does not finish."""
     outcome = {}

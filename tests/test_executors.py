@@ -117,6 +117,46 @@ def test_threads_carry_grad_mode_and_inference_mode_into_lanes():
     assert sm(x).requires_grad
 
 
+def test_state_a_lane_cannot_carry_keeps_the_call_on_the_callers_thread():
+    """Saved-tensor hooks and Python dispatch modes are the calling thread's own: under
+    them the plan's tasks run where they see every saved tensor and every op."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counting(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = Towers(4, 64)
+    sm = ss.StreamScheduledModule(model, executor="threads", num_streams=4, min_task_cost=0.0, fuse=False)
+    x = torch.randn(4, 64, requires_grad=True)
+    sm(x)
+    assert_close(called_on(sm, "plan:threads", x), model(x))
+    assert sm.plan.num_streams > 1
+    saved = {"wrapped": 0, "eager": 0}
+    for name, module in (("wrapped", sm), ("eager", model)):
+
+        def pack(t, name=name):
+            saved[name] += 1
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            module(x).sum().backward()
+    assert saved["wrapped"] == saved["eager"] > 0, saved
+    counted = {}
+    for name, module in (("wrapped", sm), ("eager", model)):
+        with Counting() as mode:
+            out = module(x)
+        counted[name] = mode.ops
+        assert_close(out, model(x))
+    assert counted["wrapped"] >= counted["eager"] > 0, counted  # no op ran unseen on a lane
+
+
 def test_lanes_run_with_the_callers_intra_op_thread_count():
     # PyTorch keeps part of the count per thread: a lane started under one count kept
     # it after the caller changed it, and kernels split over another number of threads

@@ -60,6 +60,7 @@ import torch
 from torch import fx
 
 from .. import _generation
+from .checkpointing import ENTRY_POINTS, CheckpointDuringTrace, checkpoint_site
 from .rank_checks import RankAssumptionError, real_of
 
 __all__ = [
@@ -81,6 +82,10 @@ _STDLIB_DIRS = tuple(
 
 class OpaqueFunctionSideEffect(RuntimeError):
     """A function run as an opaque call assigned an attribute of a module of the model."""
+
+
+# The code objects running checkpoint's own body (under torch's wrappers).
+_CHECKPOINT_BODIES = frozenset(getattr(f, "__wrapped__", f).__code__ for f in ENTRY_POINTS)
 
 
 class UnsafeOpaqueCall(Exception):
@@ -131,6 +136,13 @@ class OpaqueFunction:
         self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
         # index of an item of the output -> (rank, dtype) the trace relied on (None: not that)
         self.expected: dict[int, tuple[Optional[int], Optional[torch.dtype]]] = {}
+
+    @property
+    def costed_module(self) -> Optional[torch.nn.Module]:
+        """The module of the model the call runs, where it is handed one as its first
+        argument (``checkpoint(block, x)``): its cost is estimated as that module's."""
+        first = self.args[0] if self.args else None
+        return first if isinstance(first, torch.nn.Module) else None
 
     def expect(self, index: int, rank: Optional[int], dtype: Optional[torch.dtype]) -> None:
         """The trace relied on item ``index`` of the output having ``rank`` and ``dtype``
@@ -291,6 +303,11 @@ def candidate(exc: BaseException, module: torch.nn.Module, skip: set[int]) -> Op
     for i in range(start + 1, len(frames)):
         frame = frames[i]
         code = frame.f_code
+        if isinstance(exc, CheckpointDuringTrace) and code in _CHECKPOINT_BODIES:
+            # Activation checkpointing (frontend.checkpointing): the checkpoint call
+            # itself, as the nearest frame of the caller's own reaches it.
+            caller = next((f for f in reversed(frames[start:i]) if not _excluded_file(f.f_code.co_filename)), None)
+            return checkpoint_site(caller.f_globals) if caller is not None else None
         if _excluded_file(code.co_filename):
             continue
         found = _reached(frames[i - 1].f_globals, code)

@@ -39,6 +39,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import _generation
+from .checkpointing import checkpoint_refused
 from .effects import fresh_outputs, op_accesses, storage_key
 
 __all__ = [
@@ -165,9 +166,11 @@ class GradModeGuard(TorchFunctionMode):
 
     def __enter__(self) -> GradModeGuard:
         _python_random_refused(True)
+        checkpoint_refused(True)
         try:
             return super().__enter__()
         except BaseException:
+            checkpoint_refused(False)
             _python_random_refused(False)
             raise
 
@@ -175,6 +178,7 @@ class GradModeGuard(TorchFunctionMode):
         try:
             return super().__exit__(*exc)
         finally:
+            checkpoint_refused(False)
             _python_random_refused(False)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:

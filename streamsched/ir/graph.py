@@ -100,7 +100,10 @@ class TaskGraph:
         for node in graph.nodes:
             if node.op in ("placeholder", "get_attr", "output"):
                 continue
-            module = submodule(root, node.target) if node.op == "call_module" else None
+            if node.op == "call_module":
+                module = submodule(root, node.target)
+            else:  # an opaque call handed a module to run (frontend.opaque_functions)
+                module = getattr(node.target, "costed_module", None) if node.op == "call_function" else None
             cost = estimate_node_cost(node, module, metas, device)
             if measured is not None:
                 cost = measured.get(node_label(node), cost)

@@ -7,7 +7,9 @@ the CUDA executor would wait on a CUDA event. PyTorch releases the GIL inside it
 kernels, so independent branches overlap on separate cores.
 
 Thread-local PyTorch state (grad mode, inference mode, autocast) is carried from the
-caller into each lane. An exception in any lane stops every lane at its next task; all
+caller into each lane; a call made under state a lane cannot carry (saved-tensor
+hooks, Python function or dispatch modes: :func:`lanes_refused`) runs on the calling
+thread. An exception in any lane stops every lane at its next task; all
 lanes are joined before the earliest failing task's exception (in issue order, as eager
 would have met it first) propagates.
 """
@@ -27,7 +29,28 @@ from .program import CompiledTask, Program, run_task
 from .serial import SerialExecutor
 from .synclog import NULL_LOG, NullSyncLog, SyncLog
 
-__all__ = ["ThreadExecutor"]
+__all__ = ["ThreadExecutor", "lanes_refused"]
+
+
+_top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+_function_modes = torch._C._len_torch_function_stack
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_function_mode_stack = torch.overrides._get_current_function_mode_stack
+
+
+def lanes_refused(own: tuple[type, ...] = ()) -> bool:
+    """Whether the calling thread holds PyTorch state a lane cannot take along, so that
+    the call's work must stay on it: saved-tensor hooks (activation checkpointing's,
+    ``save_on_cpu``), whose pack hook must see every tensor autograd saves, and Python
+    ``TorchFunctionMode``/``TorchDispatchMode``s (``with torch.device(...)``, a profiler
+    or counting mode), which must see every op. ``own``: function modes of the caller's
+    own that need not follow the work (eager dispatch's write guard). (Grad mode,
+    inference mode and autocast are carried: :class:`_TorchState`.)"""
+    if _top_saved_tensors_hooks(False) is not None or _dispatch_modes() > 0:
+        return True
+    if _function_modes() == 0:
+        return False
+    return any(not isinstance(mode, own) for mode in _function_mode_stack())
 
 
 class _TorchState:
@@ -121,7 +144,7 @@ class ThreadExecutor:
     ) -> Any:
         """Run one call; ``observer.push(task, lane)``/``pop`` bracket each task in its lane
         thread (so an observer must be thread-safe)."""
-        if _POOL.in_lane() or _POOL.forked_child or getattr(_caller, "running", False):
+        if _POOL.in_lane() or _POOL.forked_child or getattr(_caller, "running", False) or lanes_refused():
             return self._serial.run(program, inputs, log, chaos, observer)
         with _POOL.lock:
             _caller.running = True

@@ -21,6 +21,7 @@ from ... import _generation
 from ...errors import ConfigError
 from ..chaos import Chaos
 from ..synclog import SyncLog
+from ..threads import lanes_refused
 from .body import _BranchRunner
 from .calllog import _CallLog
 from .dispatch_context import DispatchContext
@@ -32,6 +33,10 @@ from .policy import _bound, _Mode
 from .reported_plan import _CallRecord
 from .stream_backends import _SIMULATED, _cuda_streams
 from .values import _leaves, _storage_key
+from .writes import _WriteGuard
+
+# The function mode eager dispatch runs the forward under: it need not follow a branch.
+_OWN_MODES = (_WriteGuard,)
 
 _MODULE_PATHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -127,7 +132,7 @@ class _EagerCall:
             lanes = _bound(self.config, "cuda") - 1
             if lanes >= 1:
                 return self.streams.launch(launch, _cuda_streams(device), lanes, fn, args, kwargs)
-        elif self.mode.cpu == "lanes" and not _LANES.forked_child:
+        elif self.mode.cpu == "lanes" and not _LANES.forked_child and not lanes_refused(_OWN_MODES):
             return self.lanes.launch(launch, fn, args, kwargs)
         elif self.mode.cpu == "streams" and self.mode.bound > 1:
             return self.streams.launch(launch, _SIMULATED, self.mode.bound - 1, fn, args, kwargs)

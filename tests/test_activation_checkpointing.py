@@ -1,0 +1,167 @@
+"""Activation checkpointing inside a wrapped model (``torch.utils.checkpoint``, as timm's
+``set_grad_checkpointing`` and transformers' ``gradient_checkpointing_enable`` use it):
+the checkpointed part runs again in backward, so its recomputation must see what its
+forward saw. Outputs, gradients and the optimizer's steps equal eager's on the schedule's
+executors, the fused members included, and on the emulated device's streams."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import streamsched as ss
+from streamsched.testing import assert_path, last_path
+
+from .helpers import assert_close
+
+
+class CheckpointedBranches(nn.Module):
+    """Independent branches, each run under ``checkpoint``; ``members`` are alike (fusable
+    when called directly), ``towers`` are not."""
+
+    def __init__(self, reentrant: bool, n: int = 4, d: int = 16):
+        super().__init__()
+        self.reentrant = reentrant
+        self.members = nn.ModuleList(nn.Sequential(nn.Linear(d, 32), nn.ReLU(), nn.Linear(32, 4)) for _ in range(n))
+        self.towers = nn.ModuleList(
+            [nn.Sequential(nn.Linear(d, 24), nn.GELU(), nn.Linear(24, 4)), nn.Sequential(nn.Linear(d, 8), nn.Tanh())]
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = [checkpoint(m, x, use_reentrant=self.reentrant, preserve_rng_state=False) for m in self.members]
+        outs += [checkpoint(t, x, use_reentrant=self.reentrant) for t in self.towers]
+        return torch.cat(outs, dim=1)
+
+
+class CheckpointedMembers(nn.Module):
+    """Fusable members, checkpointed inside each member's own forward."""
+
+    def __init__(self, n: int = 6, d: int = 16):
+        super().__init__()
+        self.members = nn.ModuleList(_Member(d) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([m(x) for m in self.members])
+
+
+class _Member(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(d, 32), nn.ReLU(), nn.Linear(32, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.body, x, use_reentrant=False)
+
+
+def _saving(module, x) -> tuple[torch.Tensor, int]:
+    """``module(x)``, and how many tensors autograd saved for backward outside any
+    checkpointed region (a region's own saves go to its innermost hooks)."""
+    count = 0
+
+    def pack(t):
+        nonlocal count
+        count += 1
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = module(x)
+    return out, count
+
+
+def _train_alongside(sm, model, ref, make_input, steps: int, planned: str) -> list[str]:
+    """SGD steps of the wrapper and of an eager copy on the same inputs; every output,
+    input gradient, parameter gradient and parameter compared. Returns the paths."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    paths = []
+    for step in range(steps):
+        x = make_input(step)
+        x_ref = x.detach().clone().requires_grad_(x.requires_grad)
+        opt.zero_grad()
+        opt_ref.zero_grad()
+        (out, saved), (expected, saved_ref) = _saving(sm, x), _saving(ref, x_ref)
+        paths.append(last_path(sm))
+        # What autograd keeps outside the checkpointed regions: as eager's (a region
+        # traced through would keep its activations).
+        assert saved == saved_ref, f"step {step}: {saved} tensors kept for backward, eager keeps {saved_ref}"
+        assert_close(out, expected, atol=1e-5, what=f"output, step {step}")
+        out.square().sum().backward()
+        expected.square().sum().backward()
+        if x.requires_grad:
+            assert_close(x.grad, x_ref.grad, atol=1e-5, what=f"input grad, step {step}")
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert_close(p.grad, q.grad, atol=1e-5, what=f"grad {name}, step {step}")
+        opt.step()
+        opt_ref.step()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_close(p, q, atol=1e-5, what=name)
+    assert planned in paths, paths  # the schedule itself ran, not only the model as written
+    return paths
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("executor", ["serial", "threads"])
+def test_checkpointed_branches_train_as_eager(reentrant, executor):
+    torch.manual_seed(0)
+    model = CheckpointedBranches(reentrant).train()
+    ref = copy.deepcopy(model)
+    sm = ss.StreamScheduledModule(model, executor=executor, min_task_cost=0.0)
+    _train_alongside(
+        sm,
+        model,
+        ref,
+        lambda step: torch.randn(8 + step % 3, 16, requires_grad=True),
+        steps=8,
+        planned=f"plan:{executor}",
+    )
+
+
+def test_checkpointed_members_train_as_eager():
+    torch.manual_seed(0)
+    model = CheckpointedMembers().train()
+    ref = copy.deepcopy(model)
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    _train_alongside(sm, model, ref, lambda step: torch.randn(5, 16), steps=6, planned="plan:serial")
+
+
+def test_checkpointed_members_fused_by_the_plan_train_as_eager():
+    """The members' checkpointed bodies, called directly: fused into stacked kernels the
+    recomputation runs again."""
+
+    class Direct(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.members = nn.ModuleList(_Member(16).body for _ in range(6))
+
+        def forward(self, x):
+            return checkpoint(lambda t: torch.stack([m(t) for m in self.members]), x, use_reentrant=False)
+
+    torch.manual_seed(0)
+    model = Direct().train()
+    ref = copy.deepcopy(model)
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    _train_alongside(sm, model, ref, lambda step: torch.randn(5, 16), steps=6, planned="plan:serial")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointed_branches_on_streams_train_as_eager(emulated_cuda, reentrant):
+    torch.manual_seed(0)
+    model = CheckpointedBranches(reentrant).cuda().train()
+    ref = copy.deepcopy(model)
+    sm = ss.StreamScheduledModule(model, executor="streams", num_streams=4, min_task_cost=0.0, fuse=False)
+    _train_alongside(
+        sm,
+        model,
+        ref,
+        lambda step: torch.randn(8, 16, device="cuda", requires_grad=True),
+        steps=5,
+        planned="plan:streams",
+    )
+    assert sm.plan.num_streams > 1
+    assert emulated_cuda.take_reports() == []
+    assert_path(sm, "plan:streams")
