@@ -21,6 +21,7 @@ from . import _generation
 from .backward_timing import BackwardSample
 from .config import SchedulerConfig
 from .errors import HooksWarning, TraceError, UntraceableWarning, raised_in, user_stacklevel
+from .frontend.checkpointing import in_checkpoint_region
 from .frontend.hooks import global_hooks, has_hooks
 from .frontend.leafcalls import counting_dispatch
 from .frontend.trace import dtypes_same
@@ -53,6 +54,8 @@ __all__ = ["Runner"]
 _QUIET_CALLS = 3
 
 log = logging.getLogger(__name__)
+
+_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 
 
 class Runner:
@@ -106,6 +109,9 @@ class Runner:
         work on each call"). ``inside_model_call``: made by the model's own ``__call__``
         (``sm.attach()``), whose hooks fired already."""
         st = self.st
+        if _saved_tensors_hooks(False) is not None and in_checkpoint_region():
+            # Its recomputation must save what this call saves: the way every call has.
+            return self.as_written(args, kwargs)
         if st.generation != _generation.current():
             self.revalidate()
         probe = st.probe

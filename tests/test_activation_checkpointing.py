@@ -7,6 +7,7 @@ executors, the fused members included, and on the emulated device's streams."""
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -165,3 +166,96 @@ def test_checkpointed_branches_on_streams_train_as_eager(emulated_cuda, reentran
     assert sm.plan.num_streams > 1
     assert emulated_cuda.take_reports() == []
     assert_path(sm, "plan:streams")
+
+
+class _Branchy(nn.Module):
+    """Independent towers: what a nested plan schedules (fused or side by side)."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.towers = nn.ModuleList(nn.Sequential(nn.Linear(d, 32), nn.ReLU(), nn.Linear(32, d)) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(t(x) for t in self.towers)
+
+
+class CheckpointedThroughAnObject(nn.Module):
+    """Layers checkpointing their body through a partial they hold, as transformers'
+    ``gradient_checkpointing_enable`` does: the trace cannot take the call, the layer
+    runs as written, and its children are scheduled by nested plans, inside the region."""
+
+    def __init__(self, reentrant: bool, n: int = 2, d: int = 16):
+        super().__init__()
+        self.embed = nn.Linear(d, d)
+        self.layers = nn.ModuleList(_PartialLayer(reentrant, d) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class _PartialLayer(nn.Module):
+    def __init__(self, reentrant: bool, d: int):
+        super().__init__()
+        self.inner = _Branchy(d)
+        self.norm = nn.LayerNorm(d)
+        self.checkpointing = functools.partial(checkpoint, use_reentrant=reentrant)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.checkpointing(functools.partial(_PartialLayer.body, self), x)
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + self.inner(x))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_nested_plans_inside_a_region_recompute_what_the_forward_saved(reentrant):
+    """The region's recomputation must save the tensors its forward saved (checkpoint
+    checks): a wrapper called inside a region runs as written, whichever way its other
+    calls take."""
+    torch.manual_seed(0)
+    model = CheckpointedThroughAnObject(reentrant).train()
+    ref = copy.deepcopy(model)
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    _train_alongside(
+        sm, model, ref, lambda step: torch.randn(6, 16, requires_grad=True), steps=8, planned="plan:serial"
+    )
+    assert "layers.0" in str([o.path for o in sm.plan.opaque]), sm.plan
+
+
+def _checkpoint_stages(stages, x):
+    """timm's ``checkpoint_seq``: a closure per segment, made while the forward runs."""
+
+    def segment(i):
+        def run(t):
+            return stages[i](t)
+
+        return run
+
+    for i in range(len(stages)):
+        x = torch.utils.checkpoint.checkpoint(segment(i), x, use_reentrant=False)
+    return x
+
+
+class CheckpointedStages(nn.Module):
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.stem = nn.Linear(d, d)
+        self.stages = nn.ModuleList(_Branchy(d) for _ in range(2))
+        self.head = nn.Linear(d, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(_checkpoint_stages(self.stages, self.stem(x)))
+
+
+def test_a_checkpoint_handed_a_closure_made_in_the_forward_runs_its_caller_as_written():
+    torch.manual_seed(0)
+    model = CheckpointedStages().train()
+    ref = copy.deepcopy(model)
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    _train_alongside(
+        sm, model, ref, lambda step: torch.randn(6, 16, requires_grad=True), steps=6, planned="plan:serial"
+    )
+    assert "_checkpoint_stages" in str(sm.plan.opaque_functions), sm.plan

@@ -19,6 +19,12 @@ region keeps checkpointing's memory and recomputation exactly. Where the call ca
 taken (the caller reaches ``checkpoint`` through an object, as transformers'
 ``self._gradient_checkpointing_func`` partial; ``fn`` a lambda made during the forward),
 the module that calls it runs as written instead, as for any untraceable forward.
+
+A wrapper called inside a non-reentrant checkpointed region (the region's forward, or
+its recomputation in backward: :func:`in_checkpoint_region`) runs its model as written.
+The recomputation must save the same tensors, in the same order and shapes, as the
+forward did (checkpoint checks), and a wrapper's calls may take different ways from
+call to call (the recording call, a trial, a plan).
 """
 
 from __future__ import annotations
@@ -27,9 +33,10 @@ import threading
 import types
 from typing import Any, Optional
 
+import torch
 import torch.utils.checkpoint as _ckpt
 
-__all__ = ["CheckpointDuringTrace", "checkpoint_refused", "checkpoint_site", "ENTRY_POINTS"]
+__all__ = ["CheckpointDuringTrace", "checkpoint_refused", "checkpoint_site", "in_checkpoint_region", "ENTRY_POINTS"]
 
 # What a forward calls to checkpoint a region (``checkpoint_sequential`` calls
 # ``checkpoint`` for each segment).
@@ -45,6 +52,16 @@ _MESSAGE = (
     "runs activation checkpointing (torch.utils.checkpoint) while tracing: traced through, the "
     "checkpointed region would keep every activation it is meant to free"
 )
+
+_top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+
+
+def in_checkpoint_region() -> bool:
+    """Whether the innermost saved-tensor hooks of this thread are a non-reentrant
+    checkpoint's (its forward's, or its recomputation's)."""
+    hooks = _top_saved_tensors_hooks(False)
+    return hooks is not None and getattr(hooks[0], "__module__", None) == _ckpt.__name__
+
 
 _lock = threading.Lock()
 _tracing: dict[int, int] = {}  # thread id -> traces running on it
@@ -90,10 +107,11 @@ def checkpoint_refused(on: bool) -> None:
                 if function is not None:
                     _originals["CheckpointFunction"] = function
                     namespace["CheckpointFunction"] = _RefusingFunction(function)
-                generator = namespace.get("_checkpoint_without_reentrant_generator")
-                if generator is not None:
-                    _originals["_checkpoint_without_reentrant_generator"] = generator
-                    namespace["_checkpoint_without_reentrant_generator"] = _refusing_generator(generator)
+                # (``_checkpoint_without_reentrant_generator``; ``..._impl`` in later torch.)
+                for name, generator in list(namespace.items()):
+                    if name.startswith("_checkpoint_without_reentrant_generator") and callable(generator):
+                        _originals[name] = generator
+                        namespace[name] = _refusing_generator(generator)
             return
         left = _tracing.get(thread, 0) - 1
         if left > 0:

@@ -307,7 +307,9 @@ def candidate(exc: BaseException, module: torch.nn.Module, skip: set[int]) -> Op
             # Activation checkpointing (frontend.checkpointing): the checkpoint call
             # itself, as the nearest frame of the caller's own reaches it.
             caller = next((f for f in reversed(frames[start:i]) if not _excluded_file(f.f_code.co_filename)), None)
-            return checkpoint_site(caller.f_globals) if caller is not None else None
+            site = checkpoint_site(caller.f_globals) if caller is not None else None
+            # Refused once (a lambda made during the forward): the caller runs as written.
+            return None if site is None or id(site[2]) in skip else site
         if _excluded_file(code.co_filename):
             continue
         found = _reached(frames[i - 1].f_globals, code)

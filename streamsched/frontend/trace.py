@@ -725,6 +725,8 @@ def trace_model(
                 sites.pop(id(retry.refuse), None)
             elif retry.site is not None:
                 namespace, name, fn = retry.site
+                if id(fn) in sites:  # taken already, and the trace failed there again
+                    raise retry.error from retry.error.__cause__
                 sites[id(fn)] = (namespace, name, fn, retry.reason)
             else:
                 if retry.cls in opaque:
