@@ -24,6 +24,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
@@ -90,6 +91,12 @@ def _describe(exc: ValidationError) -> str:
                 message = message[len(prefix) :]
         if message.startswith("Input should"):
             message = "should" + message[len("Input should") :]
+        if error.get("type") == "literal_error" and isinstance(error.get("input"), str):
+            # A misspelt choice (executor='thread'): name the closest one.
+            choices = re.findall(r"'([^']*)'", str((error.get("ctx") or {}).get("expected", "")))
+            close = difflib.get_close_matches(error["input"], choices, n=1)
+            if close and close[0] != error["input"]:
+                message += f" (did you mean {close[0]!r}?)"
         loc = error.get("loc") or ()
         field = str(loc[0]) if loc else ""
         if field:

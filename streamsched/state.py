@@ -392,7 +392,17 @@ def check_wrappable(model: Any, wrapper_class: type) -> None:
             "wrap its .module instead (to change options, pass a new config)"
         )
     if not isinstance(model, nn.Module):
-        raise TypeError(f"StreamScheduledModule wraps an nn.Module, got {type(model).__name__}")
+        raise TypeError(_not_a_module(model))
+    if isinstance(model, torch.jit.ScriptModule):
+        # TorchScript: its forward is no Python fx can trace, and run as one call it
+        # would leave nothing to schedule.
+        name = getattr(model, "original_name", None) or type(model).__name__
+        raise ConfigError(
+            f"StreamScheduledModule cannot wrap a TorchScript module ({name}, from torch.jit.script or "
+            "torch.jit.trace): fx cannot trace TorchScript, and run as one call it leaves nothing to schedule. "
+            "Wrap the Python model itself, or script its branches (model.towers[i] = torch.jit.script(tower)) "
+            "and wrap the model: each scripted branch runs as one task"
+        )
     if is_compiled_module(model):
         # Its forward is dynamo's compiled code: fx cannot trace it, and run as one call
         # it would leave nothing to schedule.
@@ -403,6 +413,34 @@ def check_wrappable(model: Any, wrapper_class: type) -> None:
             "(model.towers[i] = torch.compile(tower)) and wrap the model "
             "(its ._orig_mod is the module you compiled)"
         )
+
+
+def _not_a_module(model: Any) -> str:
+    """What was passed instead of an ``nn.Module`` instance, and what to pass."""
+    if isinstance(model, type) and issubclass(model, nn.Module):
+        return (
+            f"StreamScheduledModule wraps an nn.Module instance, got the class {model.__name__} itself: "
+            f"create the model first, StreamScheduledModule({model.__name__}(...))"
+        )
+    if callable(model):
+        name = getattr(model, "__qualname__", None) or type(model).__name__
+        return (
+            f"StreamScheduledModule wraps an nn.Module, got the {type(model).__name__} {name}: put the code in the "
+            "forward of an nn.Module whose branches are submodules (or @streamsched.branch functions it calls) "
+            "and wrap an instance of it"
+        )
+    return (
+        f"StreamScheduledModule wraps an nn.Module, got {type(model).__name__} {_short_repr(model)}: "
+        "pass the model itself (an nn.Module instance)"
+    )
+
+
+def _short_repr(value: Any) -> str:
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - a repr that fails says nothing more
+        return ""
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def placement_probe(model: nn.Module) -> tuple[Optional[torch.Tensor], Optional[tuple]]:

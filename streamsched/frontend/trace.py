@@ -972,6 +972,15 @@ def _frame_module(exc: BaseException, summary: traceback.FrameSummary) -> Option
     return None
 
 
+def _generator_forward(model: torch.nn.Module) -> Optional[str]:
+    """``file:line`` of the model's ``forward`` where it is a generator function."""
+    forward = inspect.unwrap(getattr(type(model), "forward", None))
+    if not inspect.isgeneratorfunction(forward):
+        return None
+    code = forward.__code__
+    return f"{code.co_filename}:{code.co_firstlineno}"
+
+
 def _describe_trace_failure(model: torch.nn.Module, tracer: _LeafTracer, exc: BaseException) -> str:
     reason = _first_line(exc)
     where = ""
@@ -990,6 +999,14 @@ def _describe_trace_failure(model: torch.nn.Module, tracer: _LeafTracer, exc: Ba
             if owner is model:
                 label = "the root module"
             who = f"{type(owner).__name__}.{frame.name} ({label})"
+    generator = _generator_forward(model) if "generator" in reason else None
+    if generator is not None:
+        # fx meets the generator object as the forward's output: say what it is.
+        who = f"{type(model).__name__}.forward (the root module)"
+        reason = (
+            f"{reason} (its forward is a generator function, at {generator}: it yields its outputs, and fx "
+            "traces a forward that returns them; return a list or tuple instead)"
+        )
     own = ""
     innermost = traceback.extract_tb(exc.__traceback__)[-1:]
     if frame is not None and innermost and innermost[0] == frame:
