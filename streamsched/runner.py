@@ -349,7 +349,9 @@ class Runner:
         ranges (Nsight Systems attached, or the torch profiler recording): free otherwise."""
         ranges = self.st.nvtx
         if ranges is None:  # first call: the config is frozen, so this is decided once
-            ranges = self.st.nvtx = (NvtxRanges.create() if self.config.nvtx else None) or False
+            # A nested child's ranges carry its path in the model (nvtx_ranges.range_name).
+            where = self.st.where[0].rstrip(".")
+            ranges = self.st.nvtx = (NvtxRanges.create(where) if self.config.nvtx else None) or False
         if ranges and ranges.wanted():
             return ranges
         return None

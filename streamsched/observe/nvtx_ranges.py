@@ -46,9 +46,12 @@ STREAM_COLORS: tuple[int, ...] = (
 """ARGB colour of each stream's ranges (streams beyond the eighth reuse them in turn)."""
 
 
-def range_name(task_name: str, stream: int) -> str:
-    """The name of a task's range: ``"Mixed_5b.branch1x1.conv [s1]"``."""
-    return f"{task_name} [s{stream}]"
+def range_name(task_name: str, stream: int, where: str = "") -> str:
+    """The name of a task's range: ``"Mixed_5b.branch1x1.conv [s1]"``; a task of a nested
+    child's plan (``where``, the child's path in the wrapped model, ``"blocks.0"``) is
+    ``"blocks.0: heads.*.fc [x16 baddbmm] [s0]"``, its task's name in
+    ``sm.nested_plans["blocks.0"]`` after the path."""
+    return f"{where}: {task_name} [s{stream}]" if where else f"{task_name} [s{stream}]"
 
 
 _autograd_profiler = torch.autograd.profiler
@@ -84,10 +87,13 @@ class NvtxRanges:
     Args:
         domain: an ``nvtx`` domain (``nvtx.get_domain("streamsched")``), or any object with
             ``get_event_attributes(message=, color=)``, ``push_range(attr)`` and ``pop_range()``.
+        where: the module path of a nested child whose plan's tasks these ranges name
+            (:func:`range_name`); ``""`` for the wrapped model's own plan.
     """
 
-    def __init__(self, domain: Any):
+    def __init__(self, domain: Any, where: str = ""):
         self.domain = domain
+        self.where = where
         self._push_range = domain.push_range
         self._pop_range = domain.pop_range
         # Keyed by what the attributes hold (name, stream) rather than the task id: task
@@ -105,7 +111,7 @@ class NvtxRanges:
         return self.tool_attached or _profiler_active()
 
     @classmethod
-    def create(cls) -> Optional[NvtxRanges]:
+    def create(cls, where: str = "") -> Optional[NvtxRanges]:
         """Ranges in the ``streamsched`` domain, or ``None`` when NVTX is off: ``NVTX_DISABLE``
         is set to anything non-empty (as the ``nvtx`` package reads it) or ``nvtx`` is not
         installed."""
@@ -115,7 +121,7 @@ class NvtxRanges:
             import nvtx  # lazy: only when ranges are asked for; without it NVTX is just off
         except ImportError:
             return None
-        return cls(nvtx.get_domain(DOMAIN))
+        return cls(nvtx.get_domain(DOMAIN), where)
 
     def attributes(self, name: str, stream: int) -> Any:
         """The event attributes of a task's range, built on first use and then reused
@@ -128,7 +134,7 @@ class NvtxRanges:
                 if attr is _MISSING:
                     color = STREAM_COLORS[stream % len(STREAM_COLORS)]
                     attr = self._attributes[key] = self.domain.get_event_attributes(
-                        message=range_name(name, stream), color=color
+                        message=range_name(name, stream, self.where), color=color
                     )
         return attr
 
@@ -139,7 +145,7 @@ class NvtxRanges:
             attr = self.attributes(task.name, stream)
         self._push_range(attr)
         if _profiler_active():
-            scope = torch.profiler.record_function(range_name(task.name, stream))
+            scope = torch.profiler.record_function(range_name(task.name, stream, self.where))
             scope.__enter__()
             self._scopes.stack.append((task.name, stream, scope))
 
