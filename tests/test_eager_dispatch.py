@@ -172,7 +172,7 @@ def test_plan_says_eager_dispatch_and_why():
     plan = sm.plan
     assert plan.mode == "eager-dispatch"
     assert plan.reason.startswith(f"eager dispatch: the model cannot be traced ({first_line})")
-    assert "2 CPU lane(s)" in plan.reason
+    assert "2 CPU lanes" in plan.reason
     assert plan.executor == "threads" and plan.stream_bound == 3
     k = 1 + int(x.abs().mean().item() * 10) % 3
     assert [t.name for t in plan.tasks] == ["pos.0.forward", "pos.1.forward"] + ["extra"] * k

@@ -122,7 +122,7 @@ def test_untraceable_submodule_becomes_opaque_and_the_rest_is_traced():
         assert torch.equal(sm(x), model(x))
     assert [o.path for o in sm.plan.opaque] == ["inner"]
     assert "control flow" in sm.plan.opaque[0].reason
-    assert "opaque: 1 module call(s)" in sm.plan.summary()
+    assert "opaque: 1 module call run as written" in sm.plan.summary()
 
 
 class UntraceableRoot(nn.Module):

@@ -25,7 +25,7 @@ import torch
 from ..config import SchedulerConfig
 from ..errors import ConfigError
 from .assign import Assignment
-from .plan import ExecutorTrial, Plan
+from .plan import ExecutorTrial, Plan, _count, _us
 
 __all__ = ["choose_executor", "Trial", "LaneHistory"]
 
@@ -71,23 +71,23 @@ def choose_executor(config: SchedulerConfig, device: torch.device, a: Assignment
     if device.type == "cuda":
         if a.est_parallel_us < 0.95 * a.est_serial_us:
             return "streams", (
-                f"independent branches: estimated {a.est_parallel_us:.0f} us on {a.num_streams} streams "
-                f"vs {a.est_serial_us:.0f} us on one"
+                f"independent branches: estimated {_us(a.est_parallel_us)} on {a.num_streams} streams "
+                f"vs {_us(a.est_serial_us)} on one"
             )
         return "serial", (
-            f"streams would not pay: estimated {a.est_parallel_us:.0f} us on {a.num_streams} streams "
-            f"vs {a.est_serial_us:.0f} us on one"
+            f"streams would not pay: estimated {_us(a.est_parallel_us)} on {a.num_streams} streams "
+            f"vs {_us(a.est_serial_us)} on one"
         )
     overhead = _THREAD_LANE_US * (a.num_streams - 1) + _THREAD_WAIT_US * sum(len(w) for w in a.waits)
     threaded = a.est_parallel_us + overhead
     if threaded < 0.7 * a.est_serial_us and a.est_serial_us - threaded > 1000.0:
         return "threads", (
-            f"independent CPU branches: estimated {threaded:.0f} us on {a.num_streams} threads "
-            f"vs {a.est_serial_us:.0f} us serial"
+            f"independent CPU branches: estimated {_us(threaded)} on {a.num_streams} threads "
+            f"vs {_us(a.est_serial_us)} serial"
         )
     return "serial", (
-        f"threads would not pay on CPU: estimated {threaded:.0f} us on {a.num_streams} threads "
-        f"(with hand-off costs) vs {a.est_serial_us:.0f} us serial"
+        f"threads would not pay on CPU: estimated {_us(threaded)} on {a.num_streams} threads "
+        f"(with hand-off costs) vs {_us(a.est_serial_us)} serial"
     )
 
 
@@ -305,7 +305,7 @@ class Trial:
             chosen=chosen,
             schedule_executor=keep,
         )
-        figures = ", ".join(f"{c} {best[c]:.0f} us" for c in self.candidates if c in best)
+        figures = ", ".join(f"{c} {_us(best[c])}" for c in self.candidates if c in best)
         if self.backward:
             figures = f"forward and backward: {figures}"
         counts = {len(v) for v in self.samples.values() if v}
@@ -316,7 +316,8 @@ class Trial:
                 f"decided on {self._RARE_ROUNDS} calls of each)"
             )
         elif len(counts) == 1:
-            measured = f"measured {figures} (fastest of {counts.pop()} calls each)"
+            n = counts.pop()
+            measured = f"measured {figures} ({'fastest of ' + str(n) + ' calls' if n > 1 else '1 call'} each)"
         else:
             calls = ", ".join(f"{c} {len(v)}" for c, v in self.samples.items() if v)
             measured = f"measured {figures} (fastest call of each; calls: {calls})"
@@ -330,7 +331,7 @@ class Trial:
                 ),
                 notes=[
                     *plan.notes,
-                    f"running the model's own forward (no trace): {best['eager']:.0f} us vs {best[keep]:.0f} us "
+                    f"running the model's own forward (no trace): {_us(best['eager'])} vs {_us(best[keep])} "
                     f"for the schedule on {keep}; observers, sync_log and chaos still run the schedule",
                 ],
             )
@@ -389,16 +390,16 @@ class LaneHistory:
         parallel_us = total_us / max(1, min(lanes, count)) + _THREAD_LANE_US * count
         if total_us - parallel_us <= _MIN_SAVING_US:
             return "inline", (
-                f"CPU lanes would not pay: {count} branch(es) take {total_us:.0f} us in all "
-                f"(estimated {parallel_us:.0f} us on {lanes} lane(s), with hand-offs)"
+                f"CPU lanes would not pay: {_count(count, 'branch')} take {_us(total_us)} in all "
+                f"(estimated {_us(parallel_us)} on {_count(lanes, 'lane')}, with hand-offs)"
             )
         if len(launched) < _MEASURED_CALLS:
             return "lanes", (
-                f"trying {lanes} CPU lane(s): {count} branch(es) take {total_us:.0f} us in all inline "
-                f"(estimated {parallel_us:.0f} us side by side)"
+                f"trying {_count(lanes, 'CPU lane')}: {_count(count, 'branch')} take {_us(total_us)} in all inline "
+                f"(estimated {_us(parallel_us)} side by side)"
             )
         best_inline, best_lanes = min(inline), min(launched)
-        timings = f"{best_lanes / 1e3:.2f} ms per call on {lanes} lane(s) vs {best_inline / 1e3:.2f} ms inline"
+        timings = f"{best_lanes / 1e3:.2f} ms per call on {_count(lanes, 'lane')} vs {best_inline / 1e3:.2f} ms inline"
         mode, why = ("lanes", "faster") if best_lanes < 0.9 * best_inline else ("inline", "no faster")
         self.settled_calls += 1
         if self.settled_calls % _RETIME_EVERY == 0:

@@ -282,15 +282,15 @@ class Plan(BaseModel):
         lines = [
             f"Plan for {self.model} ({self.signature} on {self.device}): executor {self.executor} [{self.mode}]",
             f"  why: {self.reason}",
-            f"  {len(self.tasks)} tasks on {self.num_streams} stream(s) (bound {self.stream_bound}); "
-            f"{self.cross_stream_waits} cross-stream wait(s)",
+            f"  {_count(len(self.tasks), 'task')} on {_count(self.num_streams, 'stream')} "
+            f"(at most {self.stream_bound}); {_count(self.cross_stream_waits, 'cross-stream wait')}",
             f"  estimated: serial {_us(self.est_serial_us)}, with this plan {_us(self.est_parallel_us)}, "
-            f"critical path {_us(self.critical_path_us)} ({len(self.critical_path)} tasks)",
+            f"critical path {_us(self.critical_path_us)} ({_count(len(self.critical_path), 'task')})",
             f"  {self.coverage_text()}",
         ]
         if self.fused_groups:
             total = sum(g.size for g in self.fused_groups)
-            lines.append(f"  fused: {len(self.fused_groups)} group(s) of {total} branches")
+            lines.append(f"  fused: {_count(len(self.fused_groups), 'group')} of {_count(total, 'branch')}")
             for g in self.fused_groups:
                 members = ", ".join(g.members[:3]) + (f", ... ({g.size} in all)" if g.size > 3 else "")
                 lines.append(f"    g{g.id}: {g.kind} x{g.size} as {g.kernel}: {members}")
@@ -300,14 +300,17 @@ class Plan(BaseModel):
         if len(self.unfused) > _LISTED:
             lines.append(f"  ... {len(self.unfused) - _LISTED} more groups not fused (plan.unfused lists all)")
         if self.opaque:
-            lines.append(f"  opaque: {len(self.opaque)} module call(s) run as written (tracing their class failed)")
+            lines.append(
+                f"  opaque: {_count(len(self.opaque), 'module call')} run as written (tracing their class failed)"
+            )
             for o in self.opaque[:_LISTED]:
                 lines.append(f"    {o.path}: {o.reason}")
             if len(self.opaque) > _LISTED:
                 lines.append(f"    ... {len(self.opaque) - _LISTED} more (plan.opaque lists all)")
         if self.opaque_functions:
             lines.append(
-                f"  opaque functions: {len(self.opaque_functions)} function(s) run as written (tracing them failed)"
+                f"  opaque functions: {_count(len(self.opaque_functions), 'function')} run as written "
+                "(tracing them failed)"
             )
             for f in self.opaque_functions[:_LISTED]:
                 lines.append(f"    {f.function}: {f.reason}")
@@ -317,7 +320,7 @@ class Plan(BaseModel):
             )
             lines.append(f"  measured (fastest of the first calls): {timed} -> {self.trial.chosen}")
         if self.effect_edges:
-            lines.append(f"  in-place effects: {self.effect_edges} ordering edge(s) keep writes in eager order")
+            lines.append(f"  in-place effects: {_count(self.effect_edges, 'ordering edge')} keep writes in eager order")
         for note in self.notes:
             lines.append(f"  note: {note}")
         return "\n".join(lines)
@@ -413,6 +416,13 @@ def assemble_plan(ctx: PlanningContext) -> Plan:
         leaf_calls_in_tasks=in_tasks,
         nested_leaf_calls=opaque_leaf_calls(traced),
     )
+
+
+def _count(n: int, noun: str) -> str:
+    """``"1 task"``, ``"3 tasks"``, ``"2 branches"``."""
+    if n == 1:
+        return f"1 {noun}"
+    return f"{n} {noun}es" if noun.endswith(("ch", "sh", "s", "x")) else f"{n} {noun}s"
 
 
 def _us(value: float) -> str:

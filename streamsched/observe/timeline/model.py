@@ -12,6 +12,7 @@ from typing import Any, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from ...errors import user_stacklevel
+from ...planning.plan import _count
 from .gantt import draw_gantt
 from .spans import IdleGap, TaskSpan, fmt_us
 
@@ -133,8 +134,9 @@ class Timeline(BaseModel):
         """Wall time, overlap, busy time per stream, critical path and the largest idle gaps."""
         lines = [
             self._title(),
-            f"  wall {fmt_us(self.wall_us)} (fastest of {self.runs} run(s)); {len(self.entries)} tasks on "
-            f"{len(self.streams)} stream(s); overlap {self.overlap:.2f} (busy time of all streams / wall time)",
+            f"  wall {fmt_us(self.wall_us)} (fastest of {_count(self.runs, 'run')}); "
+            f"{_count(len(self.entries), 'task')} on {_count(len(self.streams), 'stream')}; "
+            f"overlap {self.overlap:.2f} (busy time of all streams / wall time)",
         ]
         for stream in self.streams:
             busy = self.busy_us.get(stream, 0.0)

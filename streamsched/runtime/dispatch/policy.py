@@ -53,7 +53,11 @@ def _choose_mode(context: DispatchContext, spec_key: Any, device: torch.device) 
     if config.executor == "serial":
         return _Mode("inline", "branches run inline (executor='serial')", 1)
     if device.type == "cuda":
-        return _Mode("streams", f"branches issued onto up to {cuda_bound - 1} pool CUDA stream(s)", cuda_bound)
+        return _Mode(
+            "streams",
+            f"branches issued onto up to {cuda_bound - 1} pool CUDA stream{'s' if cuda_bound != 2 else ''}",
+            cuda_bound,
+        )
     if config.executor == "streams":
         why = (
             "executor='streams' on CPU: streams are simulated, each branch runs at once in the calling thread while "
@@ -65,7 +69,9 @@ def _choose_mode(context: DispatchContext, spec_key: Any, device: torch.device) 
     if lanes < 1:
         return _Mode("inline", "num_streams=1: branches run inline", 1)
     if config.executor == "threads":
-        return _Mode("lanes", f"branches launched on {lanes} CPU lane(s) (executor='threads')", bound)
+        return _Mode(
+            "lanes", f"branches launched on {lanes} CPU lane{'s' if lanes != 1 else ''} (executor='threads')", bound
+        )
     history = _lane_history(context, spec_key)
     mode, why = history.decide(lanes)
     return _Mode(mode, why, bound, history)
