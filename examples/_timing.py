@@ -32,6 +32,12 @@ def apply_threads(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
 
 
+def cpu_threads() -> str:
+    """The intra-op thread count for a heading: ``"1 CPU thread"``, ``"2 CPU threads"``."""
+    n = torch.get_num_threads()
+    return f"{n} CPU thread{'s' if n != 1 else ''}"
+
+
 def threads_note(device: torch.device) -> str:
     """What a speed figure was measured with: ``"cpu, 2 intra-op threads"``."""
     n = torch.get_num_threads()

@@ -21,7 +21,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _timing import add_threads_option, apply_threads, threads_note, time_variants  # noqa: E402
+from _timing import add_threads_option, apply_threads, cpu_threads, threads_note, time_variants  # noqa: E402
 
 import streamsched as ss  # noqa: E402
 
@@ -70,10 +70,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = RoutedTowers(args.towers, args.width).eval().to(device)
     sm = ss.StreamScheduledModule(model, strict=False)
-    print(
-        f"streamsched {ss.__version__}, torch {torch.__version__}, device {device}, "
-        f"{torch.get_num_threads()} CPU threads"
-    )
+    print(f"streamsched {ss.__version__}, torch {torch.__version__}, device {device}, {cpu_threads()}")
     print(f"{args.towers} towers of width {args.width}, batch {args.batch}; routed by the data, not traceable")
 
     with torch.no_grad():

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 # The repository root (benchmarks.zoo), last: streamsched is the installed one as before.
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _timing import add_threads_option, apply_threads, threads_note, time_variants  # noqa: E402
+from _timing import add_threads_option, apply_threads, cpu_threads, threads_note, time_variants  # noqa: E402
 
 import streamsched as ss  # noqa: E402
 from benchmarks.zoo import Inception3  # noqa: E402
@@ -45,7 +45,7 @@ def main() -> None:
     sm = ss.StreamScheduledModule(model)
     print(
         f"streamsched {ss.__version__}: runtime {ss.runtime_info()['runtime']}, torch {torch.__version__}, "
-        f"device {device}, {torch.get_num_threads()} CPU threads"
+        f"device {device}, {cpu_threads()}"
     )
     print(f"Inception-v3, batch {args.batch}, input {size}x{size}")
 

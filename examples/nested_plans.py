@@ -23,7 +23,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _timing import add_threads_option, apply_threads, threads_note, time_variants  # noqa: E402
+from _timing import add_threads_option, apply_threads, cpu_threads, threads_note, time_variants  # noqa: E402
 
 import streamsched as ss  # noqa: E402
 
@@ -77,10 +77,7 @@ def main() -> None:
         # The forward cannot be traced: said once, as an UntraceableWarning.
         warnings.simplefilter("ignore", ss.UntraceableWarning)
         sm = ss.StreamScheduledModule(model)
-        print(
-            f"streamsched {ss.__version__}, torch {torch.__version__}, device {device}, "
-            f"{torch.get_num_threads()} CPU threads"
-        )
+        print(f"streamsched {ss.__version__}, torch {torch.__version__}, device {device}, {cpu_threads()}")
         print(f"{args.blocks} blocks of {args.heads} heads, width {args.width}, batch {args.batch}")
         with torch.no_grad():
             errors = []

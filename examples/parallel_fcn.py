@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 # The repository root (benchmarks.zoo), last: streamsched is the installed one as before.
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _timing import add_threads_option, apply_threads, threads_note, time_variants  # noqa: E402
+from _timing import add_threads_option, apply_threads, cpu_threads, threads_note, time_variants  # noqa: E402
 
 import streamsched as ss  # noqa: E402
 from benchmarks.zoo import GroupedConvFCN, ParallelFCN, StackedFCN  # noqa: E402
@@ -55,7 +55,7 @@ def main() -> None:
         sm(x)
     first = time.perf_counter() - start
     print(
-        f"{args.members} MLPs, batch {args.batch}, {device}, {torch.get_num_threads()} threads; "
+        f"{args.members} MLPs, batch {args.batch}, {device}, {cpu_threads()}; "
         f"first call (trace + fuse + plan) {first:.2f} s"
     )
     print(sm.plan.summary())

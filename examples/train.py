@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 # The repository root (benchmarks.zoo), last: streamsched is the installed one as before.
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _timing import add_threads_option, apply_threads, threads_note  # noqa: E402
+from _timing import add_threads_option, apply_threads, cpu_threads, threads_note  # noqa: E402
 
 import streamsched as ss  # noqa: E402
 from benchmarks.zoo import NASNetCells  # noqa: E402
@@ -148,7 +148,7 @@ def main() -> None:
 
     print(
         f"streamsched {ss.__version__} ({ss.runtime_info()['runtime']} runtime), torch {torch.__version__}, "
-        f"device {device}, {torch.get_num_threads()} CPU threads"
+        f"device {device}, {cpu_threads()}"
     )
     print(f"{args.model}: {sum(p.numel() for p in eager_model.parameters()):,} parameters, batch {args.batch}")
     print(f"{'step':>6} {'eager loss':>12} {'streamsched loss':>17} {'difference':>11}")
@@ -164,9 +164,10 @@ def main() -> None:
         for trainer in pair:
             trainer.step(x, y)
         if step == 0:
+            streams, groups = sm.plan.num_streams, len(sm.plan.fused_groups)
             print(
-                f"       (plan: {sm.plan.executor}, {sm.plan.num_streams} stream(s), "
-                f"{len(sm.plan.fused_groups)} fused group(s), {len(sm.plan.tasks)} tasks)"
+                f"       (plan: {sm.plan.executor}, {streams} stream{'s' if streams != 1 else ''}, "
+                f"{groups} fused group{'s' if groups != 1 else ''}, {len(sm.plan.tasks)} tasks)"
             )
         if step % args.print_every == 0 or step == args.steps - 1:
             e, w = eager.losses[-1], wrapped.losses[-1]
@@ -182,6 +183,15 @@ def main() -> None:
     t_wrapped = statistics.median(wrapped.times_ms[1:] or wrapped.times_ms)
     print(f"max |loss difference| over {args.steps} steps: {curve_diff:.3e}")
     print(f"max |parameter difference| after training: {param_diff:.3e}")
+    if curve_diff or param_diff:
+        # Equal without fusion; a fused kernel sums in another order, and training
+        # carries the last-bit differences from step to step.
+        print(
+            "  (fused kernels add up in another order than the loop: each step differs in the last bits, "
+            "and training carries that on; with --no-fuse the serial schedule trains bit for bit as eager)"
+            if sm.plan.fused_groups
+            else "  (the executor sums some gradients in another order: float rounding)"
+        )
     print(
         f"loss: {eager.losses[0]:.4f} -> {eager.losses[-1]:.4f} (eager), "
         f"{wrapped.losses[0]:.4f} -> {wrapped.losses[-1]:.4f} (streamsched)"
