@@ -257,8 +257,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     parser.add_argument("--runs", type=int, default=1000, help="chaos calls (default 1000)")
     parser.add_argument("--soak", type=int, default=10000, help="soak calls (default 10000)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the models, inputs and delays (default 0)")
+    parser.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cpu or cuda (default: cuda when available)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     args = parser.parse_args(argv)
     device = torch.device(args.device)

@@ -28,6 +28,7 @@ import importlib
 import json
 import os
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -160,6 +161,30 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Wraps prose paragraphs to the terminal; keeps indented lines (examples) as written."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        paragraphs = []
+        for para in text.split("\n\n"):
+            lines = para.splitlines()
+            if any(line.startswith("  ") for line in lines):
+                paragraphs.append("\n".join(indent + line for line in lines))
+            else:
+                paragraphs.append(
+                    textwrap.fill(" ".join(para.split()), width, initial_indent=indent, subsequent_indent=indent)
+                )
+        return "\n\n".join(paragraphs)
+
+
+_MODEL_EPILOG = """MODULE:FACTORY is an importable callable returning the nn.Module (a class with default
+arguments, or a function). option=value pairs are SchedulerConfig options (README, Options):
+numbers, true/false and none are converted.
+
+example (from the root of a checkout, where benchmarks.zoo is):
+  {prog} {command} benchmarks.zoo:ParallelFCN --input-shape 16,20000 executor=serial{extra}"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser, one subcommand per job."""
     return _parsers()[0]
@@ -169,25 +194,63 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="streamsched: run the independent branches of a PyTorch model side by side; see what ran where.",
+        epilog=f"""examples (from the root of a checkout, where benchmarks.zoo is):
+  {PROG} info
+  {PROG} plan benchmarks.zoo:ParallelFCN --input-shape 16,20000
+  {PROG} plan mypackage.models:build --input-shape 8,3,224,224 num_streams=4 executor=threads
+
+`{PROG} COMMAND --help` lists a command's options; docs/observability.md describes each.""",
+        formatter_class=_HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"streamsched {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    info = commands.add_parser("info", help="this machine: Python, PyTorch, CPU, GPUs (NVML), native runtime")
+    info = commands.add_parser(
+        "info",
+        help="this machine: Python, PyTorch, CPU, GPUs (NVML), native runtime",
+        description="What this machine offers: Python, PyTorch and its CUDA/cuDNN, the CPU and its threads, "
+        "whether the native runtime (streamsched._C) is loaded, and the GPUs NVML sees (without NVML it "
+        "says why and reports the rest).",
+    )
     info.add_argument("--json", action="store_true", help="print the report as JSON")
 
-    plan = commands.add_parser("plan", help="plan a model and print the plan")
+    plan = commands.add_parser(
+        "plan",
+        help="plan a model and print the plan",
+        description="Build the model, wrap it, call it twice on random inputs of the given shapes (the first "
+        "call traces and plans, the second runs the plan) and print sm.plan: the executor and why, the tasks "
+        "in issue order with their streams, waits and estimated costs, and the fused groups.",
+        epilog=_MODEL_EPILOG.format(prog=PROG, command="plan", extra=""),
+        formatter_class=_HelpFormatter,
+    )
     _add_model_arguments(plan)
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.add_argument("--all-tasks", action="store_true", help="list every task (not only the first 40)")
 
-    tl = commands.add_parser("timeline", help="measure when each task ran: Chrome trace (.json) and Gantt chart (.png)")
+    tl = commands.add_parser(
+        "timeline",
+        help="measure when each task ran: Chrome trace (.json) and Gantt chart (.png)",
+        description="Run the model's schedule --warmup times, then --runs times observed, and keep the fastest: "
+        "each task's measured start and end per stream, written as PATH.json (a Chrome trace: open it in "
+        "https://ui.perfetto.dev) and PATH.png (a Gantt chart; needs matplotlib). Prints the wall time, the "
+        "overlap of the streams, the measured critical path and the largest idle gaps.",
+        epilog=_MODEL_EPILOG.format(prog=PROG, command="timeline", extra=" --out out/fcn"),
+        formatter_class=_HelpFormatter,
+    )
     _add_model_arguments(tl)
     tl.add_argument("--out", required=True, metavar="PATH", help="writes PATH.json and PATH.png")
     tl.add_argument("--runs", type=int, default=3, help="observed calls; the fastest is kept (3)")
     tl.add_argument("--warmup", type=int, default=2, help="calls before observing; the first one plans (2)")
 
-    prof = commands.add_parser("profile", help="measure per-task costs into a schedule profile (JSON)")
+    prof = commands.add_parser(
+        "profile",
+        help="measure per-task costs into a schedule profile (JSON)",
+        description="Measure every task of the model's schedule in rounds of calls and write the costs as a "
+        "profile; SchedulerConfig(profile=PATH.json) then plans with them instead of estimates. A profile "
+        "made for another model, input signature or device is refused when used.",
+        epilog=_MODEL_EPILOG.format(prog=PROG, command="profile", extra=" --out fcn.json"),
+        formatter_class=_HelpFormatter,
+    )
     _add_model_arguments(prof)
     prof.add_argument("--out", required=True, metavar="PATH.json", help="where to write the profile")
     prof.add_argument("--runs", type=int, default=5, help="observed calls per round; a task's median is taken (5)")
