@@ -329,8 +329,13 @@ def make_config(config: Optional[SchedulerConfig], overrides: dict[str, Any], ow
     misconfigured.
     """
     if config is not None and not isinstance(config, SchedulerConfig):
+        example = "num_streams=4"
+        if isinstance(config, Mapping) and config:
+            example = ", ".join(f"{k}={v!r}" for k, v in config.items())
         raise ConfigError(
-            f"config must be a streamsched.SchedulerConfig, got {type(config).__name__} (wrapping {owner})"
+            f"config must be a streamsched.SchedulerConfig, got {type(config).__name__} {config!r} (wrapping "
+            f"{owner}): pass options as keywords, StreamScheduledModule(model, {example}), or "
+            f"StreamScheduledModule(model, SchedulerConfig({example}))"
         )
     try:
         if config is None:

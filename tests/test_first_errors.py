@@ -140,3 +140,23 @@ def test_a_generator_forward_is_named_as_one():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert_close(list(sm(x)), list(model(x)))
+
+
+@pytest.mark.parametrize(
+    "config, expected",
+    [
+        (4, "pass options as keywords, StreamScheduledModule(model, num_streams=4)"),
+        ({"executor": "serial"}, "StreamScheduledModule(model, SchedulerConfig(executor='serial'))"),
+    ],
+    ids=["a-number", "a-dict"],
+)
+def test_options_passed_where_the_config_goes_say_how_to_pass_them(config, expected):
+    model = Towers()
+    with pytest.raises(ss.ConfigError) as info:
+        ss.StreamScheduledModule(model, config)
+    assert "config must be a streamsched.SchedulerConfig" in str(info.value) and expected in str(info.value)
+    sm = ss.StreamScheduledModule(model, executor="serial")  # as the message says
+    x = torch.randn(4, 64)
+    sm(x)
+    assert_close(sm(x), model(x))
+    assert_path(sm, "plan:serial")
