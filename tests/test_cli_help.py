@@ -47,6 +47,10 @@ def test_each_model_command_shows_an_example_that_runs(capsys, monkeypatch, tmp_
     if "--out" in argv:  # what it writes, in a scratch folder
         i = argv.index("--out") + 1
         argv[i] = str(tmp_path / Path(argv[i]).name)
+    if command == "profile":
+        # On a loaded machine the rounds spread wider than the default allows and the
+        # profile is refused (as it should be): accept any spread here.
+        argv += ["--max-spread", "1000"]
     assert main(argv) == 0, capsys.readouterr()
     out = capsys.readouterr().out
     assert "ParallelFCN" in out, out
