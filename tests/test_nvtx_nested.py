@@ -5,11 +5,13 @@ timeline and two lines of ``nsys stats --report nvtx_sum``, not one.
 
 The ranges are seen here as the torch profiler sees them (each NVTX range opens a
 ``record_function`` of the same name while it records); ``test_nvtx_injection.py`` checks
-the same names reach a real NVTX tool.
+the same names reach a real NVTX tool. A timeline, which observes the wrapped model's own
+plan only, says so for such a model and names the children to time instead.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -81,3 +83,23 @@ def test_the_wrapped_models_own_ranges_have_no_prefix():
     assert_path(sm, "plan:serial")
     assert sorted(names) == sorted(range_name(t.name, t.stream) for t in sm.plan.tasks)
     assert not any(": " in name for name in names), names
+
+
+def test_a_timeline_of_a_model_whose_children_have_the_plans_says_what_to_time():
+    from streamsched.observe import timeline
+
+    model = _Checked()
+    sm = ss.StreamScheduledModule(model, executor="serial", strict=False)
+    x = torch.randn(8, 16)
+    with torch.no_grad(), pytest.raises(RuntimeError) as info:
+        timeline(sm, x)
+    text = str(info.value)
+    assert "sm.nested_plans: blocks.0, blocks.1" in text, text
+    assert "timeline(StreamScheduledModule(model.get_submodule('blocks.0')), its input)" in text, text
+    # What it advises works: the child wrapped on its own is timed task by task.
+    child = ss.StreamScheduledModule(model.get_submodule("blocks.0"), executor="serial")
+    with torch.no_grad():
+        tl = timeline(child, x)
+    assert_path(child, "plan:serial")
+    assert {e.name for e in tl.entries} == {t.name for t in child.plan.tasks}
+    assert_close(child(x), model.blocks[0](x))

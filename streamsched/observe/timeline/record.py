@@ -189,7 +189,22 @@ def record_runs(sm: Observable, *inputs: Any, runs: int = 3, warmup: int = 2, **
         if not spans:
             raise RuntimeError(
                 f"{name}: no task reported to the observer (plan mode {schedule.plan.mode!r}, executor "
-                f"{schedule.plan.executor!r}); this configuration cannot be timed task by task"
+                f"{schedule.plan.executor!r}); this configuration cannot be timed task by task{_why_no_tasks(sm)}"
             )
         observed.append(ObservedCall(schedule, wall_us, spans))
     return observed
+
+
+def _why_no_tasks(sm: Any) -> str:
+    """What a call that reported no task ran instead, and what can be timed."""
+    nested = list(getattr(sm, "nested_plans", {}) or {})
+    if nested:
+        listed = ", ".join(nested[:3]) + (", ..." if len(nested) > 3 else "")
+        return (
+            f": its forward runs as written and its children are scheduled by plans of their own "
+            f"(sm.nested_plans: {listed}), which an observer of the model does not see; time a child by "
+            f"wrapping it on its own (timeline(StreamScheduledModule(model.get_submodule({nested[0]!r})), its "
+            "input)), or see "
+            "every child's tasks as NVTX ranges"
+        )
+    return ": its forward runs as written and made no @streamsched.branch call, so there is no task to time"
