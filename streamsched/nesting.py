@@ -34,6 +34,7 @@ import contextlib
 import threading
 from typing import Any, Callable, Iterator, Optional
 
+import torch
 from torch import nn
 
 from . import _generation
@@ -242,6 +243,8 @@ class NestedPlans:
         stack.reverse()
         while stack:
             path, child = stack.pop()
+            if isinstance(child, torch.jit.ScriptModule):
+                continue  # TorchScript runs as written: nothing in it to trace or nest
             if _is_container(child):
                 inner = [(f"{path}.{name}", grandchild) for name, grandchild in child.named_children()]
                 stack.extend(reversed(inner))

@@ -160,3 +160,30 @@ def test_options_passed_where_the_config_goes_say_how_to_pass_them(config, expec
     sm(x)
     assert_close(sm(x), model(x))
     assert_path(sm, "plan:serial")
+
+
+class _ScriptedChild(nn.Module):
+    """A forward fx cannot trace (a check on the values) around a TorchScript child and a
+    Python one."""
+
+    def __init__(self):
+        super().__init__()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self.scripted = torch.jit.script(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+        self.python = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+
+    def forward(self, x):
+        if x.abs().max() > 1e9:
+            raise ValueError("input out of range")
+        return self.scripted(x) + self.python(x)
+
+
+def test_a_torchscript_child_of_a_forward_run_as_written_runs_as_written():
+    model = _ScriptedChild()
+    sm = ss.StreamScheduledModule(model, executor="serial", strict=False)
+    for _ in range(4):
+        x = torch.randn(2, 4)
+        assert_close(sm(x), model(x))
+    assert sm.plan.mode == "eager-dispatch"
+    assert list(sm.nested_plans) == ["python"]  # the Python child is planned; the scripted one is not touched
