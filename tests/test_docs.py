@@ -227,6 +227,9 @@ def _cli_commands() -> set[str]:
 
 def test_named_commands_exist():
     targets, cli = _make_targets(), _cli_commands()
+    from streamsched.cli import _parsers
+
+    flags = {name: set(p._option_string_actions) for name, p in _parsers()[1].items()}
     wrong = []
     seen = 0
     for where, line in _commands():
@@ -249,6 +252,10 @@ def test_named_commands_exist():
                 seen += 1
                 if name and name not in cli:
                     wrong.append(f"{where}: python -m streamsched {name} (no such command)")
+            if len(names) == 1 and names[0] in flags:  # its options, where the line gives one command
+                for flag in (w.split("=")[0] for w in words[4:] if w.startswith("--")):
+                    if flag not in flags[names[0]]:
+                        wrong.append(f"{where}: python -m streamsched {names[0]} {flag} (no such option)")
         elif words[0] == "python" and len(words) > 1 and words[1].endswith(".py"):
             seen += 1
             script = words[1]
