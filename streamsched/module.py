@@ -44,32 +44,31 @@ _tracing_state = torch._C._get_tracing_state
 
 class StreamScheduledModule(nn.Module):
     """Run ``model`` with its independent branches on separate streams and its identical
-        branches batched, with outputs and gradients equal to ``model``'s own.
+    branches batched, with outputs and gradients equal to ``model``'s own.
 
-        Args:
-            model: the ``nn.Module`` to run. It stays the owner of its parameters.
-            config: a :class:`~streamsched.SchedulerConfig`; defaults suit most models.
-            **overrides: individual config fields (``num_streams=4``, ``executor="streams"``),
-                applied on top of ``config``.
+    Args:
+        model: the ``nn.Module`` to run. It stays the owner of its parameters.
+        config: a :class:`~streamsched.SchedulerConfig`; defaults suit most models.
+        **overrides: individual config fields (``num_streams=4``, ``executor="streams"``),
+            applied on top of ``config``.
 
-        Example::
+    Example::
 
-            >>> import torch, streamsched as ss
-            >>> from torch import nn
-    from torch.nn.modules import module as _nn_module
-            >>> class Heads(nn.Module):
-            ...     def __init__(self):
-            ...         super().__init__()
-            ...         self.heads = nn.ModuleList(nn.Linear(8, 2) for _ in range(4))
-            ...     def forward(self, x):
-            ...         return torch.cat([h(x) for h in self.heads], dim=1)
-            >>> model = Heads()
-            >>> sm = ss.StreamScheduledModule(model)
-            >>> x = torch.randn(3, 8)
-            >>> torch.allclose(sm(x), model(x), atol=1e-6)
-            True
-            >>> sm.plan.fused_groups[0].size
-            4
+        >>> import torch, streamsched as ss
+        >>> from torch import nn
+        >>> class Heads(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.heads = nn.ModuleList(nn.Linear(8, 2) for _ in range(4))
+        ...     def forward(self, x):
+        ...         return torch.cat([h(x) for h in self.heads], dim=1)
+        >>> model = Heads()
+        >>> sm = ss.StreamScheduledModule(model)
+        >>> x = torch.randn(3, 8)
+        >>> torch.allclose(sm(x), model(x), atol=1e-6)
+        True
+        >>> sm.plan.fused_groups[0].size
+        4
     """
 
     def __init__(

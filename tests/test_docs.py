@@ -263,3 +263,25 @@ def test_named_commands_exist():
                 wrong.append(f"{where}: python {script} (no such file)")
     assert seen > 20, seen
     assert not wrong, "\n".join(wrong)
+
+
+def test_docstring_examples_of_the_package_run(one_intra_op_thread):
+    """What ``help()`` shows: every ``>>>`` example in the package's docstrings runs and
+    prints what it says (fragments that need a model are marked ``# doctest: +SKIP``)."""
+    import doctest
+    import importlib
+    import pkgutil
+
+    import streamsched
+
+    failed, attempted = [], 0
+    for info in pkgutil.walk_packages(streamsched.__path__, "streamsched."):
+        module = importlib.import_module(info.name)
+        for test in doctest.DocTestFinder().find(module):
+            runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+            result = runner.run(test, out=lambda text: None)
+            attempted += result.attempted
+            if result.failed:
+                failed.append(f"{test.name} ({test.filename}:{test.lineno}): {result.failed} failed")
+    assert attempted >= 10, attempted
+    assert not failed, "\n".join(failed)

@@ -6,10 +6,10 @@ table, and can be compared between runs. The runnable form of a plan is a
 
 Example::
 
-    >>> sm = StreamScheduledModule(model)
-    >>> y = sm(x)
+    >>> sm = StreamScheduledModule(model)    # doctest: +SKIP
+    >>> y = sm(x)                            # doctest: +SKIP
     >>> print(sm.plan)                       # doctest: +SKIP
-    Plan for Inception (float32[1, 3, 299, 299] on cpu): executor serial
+    Plan for Inception3 (float32[1, 3, 299, 299] on cpu): executor serial [traced]
       ...
     >>> Plan.from_json(sm.plan.to_json()) == sm.plan   # doctest: +SKIP
     True
