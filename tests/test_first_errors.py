@@ -187,3 +187,42 @@ def test_a_torchscript_child_of_a_forward_run_as_written_runs_as_written():
         assert_close(sm(x), model(x))
     assert sm.plan.mode == "eager-dispatch"
     assert list(sm.nested_plans) == ["python"]  # the Python child is planned; the scripted one is not touched
+
+
+class _ValueBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.sum() > 0:  # control flow on a value, in the model's own forward
+            return self.a(x)
+        return self.b(x)
+
+
+class _ValueBranchFixed(_ValueBranch):
+    """The same model, the check moved into a @streamsched.branch method, as the message says."""
+
+    @ss.branch
+    def pick(self, x, a, b):
+        return a if x.sum() > 0 else b
+
+    def forward(self, x):
+        return self.pick(x, self.a(x), self.b(x))
+
+
+def test_the_fix_for_the_models_own_forward_is_to_move_the_code_into_a_branch():
+    model = _ValueBranch()
+    with pytest.raises(ss.TraceError) as info:
+        ss.StreamScheduledModule(model, strict=True)(torch.randn(2, 4))
+    text = str(info.value)
+    assert "cannot trace _ValueBranch.forward (the root module)" in text, text
+    assert "How to fix: move the code that does this into a function or method decorated with" in text, text
+    assert "leaf_modules" not in text, text  # the root as a leaf would leave nothing to schedule
+    fixed = _ValueBranchFixed()
+    fixed.load_state_dict(model.state_dict())
+    sm = ss.StreamScheduledModule(fixed, strict=True, executor="serial")
+    for x in (torch.randn(2, 4).abs(), -torch.randn(2, 4).abs(), torch.randn(2, 4)):
+        assert_close(sm(x), model(x))
+    assert_path(sm, "plan:serial")  # traced: the rest of the forward is scheduled

@@ -1016,11 +1016,22 @@ def _describe_trace_failure(model: torch.nn.Module, tracer: _LeafTracer, exc: Ba
             f"\n  (raised by the model's own code while traced: if {type(model).__name__} raises it when "
             "called directly too, the error is the model's, not a limit of tracing)"
         )
+    if "(the root module)" in who or "(" not in who:
+        # The model's own forward: making it one opaque task would leave nothing to schedule.
+        fix = (
+            "How to fix: move the code that does this into a function or method decorated with "
+            "@streamsched.branch (its body then runs as one opaque task and may hold any Python; the "
+            "rest of the forward is traced and scheduled around it)."
+        )
+    else:
+        fix = (
+            "How to fix: decorate the function or module class that does this with "
+            "@streamsched.branch (its body then runs as one opaque task and may hold any "
+            "Python) or name its class in leaf_modules=(...)."
+        )
     return (
         f"streamsched cannot trace {who} of {type(model).__name__}: "
         f"{type(exc).__name__}: {reason}{where}{own}\n"
-        "How to fix: decorate the function or module class that does this with "
-        "@streamsched.branch (its body then runs as one opaque task and may hold any "
-        "Python) or name its class in leaf_modules=(...). With strict=False (the default) "
+        f"{fix} With strict=False (the default) "
         "the model's own forward runs and only its @streamsched.branch calls are scheduled."
     )
