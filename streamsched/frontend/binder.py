@@ -28,6 +28,10 @@ class CallSpec:
     treedef: Any
     tensor_positions: tuple[int, ...]
     static_leaves: tuple[tuple[int, Any], ...]
+    # How many arguments the caller passed positionally: a forward rebuilt from the spec
+    # gets the same ones positionally (a decorated ``forward(*args, **kwargs)``, as
+    # transformers' checkpointing layer, treats the two differently).
+    positional: int
 
     @functools.cached_property
     def key(self) -> Hashable:
@@ -35,7 +39,7 @@ class CallSpec:
         # keyed by this holds a caller's object alive (such calls are never traced: see
         # ``has_objects``).
         static = tuple((i, v if is_plain(v) else ("object", _type_of(v))) for i, v in self.static_leaves)
-        return (str(self.treedef), self.tensor_positions, _hashable(static))
+        return (str(self.treedef), self.tensor_positions, _hashable(static), self.positional)
 
     @functools.cached_property
     def has_objects(self) -> Optional[str]:
@@ -149,24 +153,24 @@ class CallBinder:
         leaves, treedef = pytree.tree_flatten(dict(bound.arguments))
         tensor_positions = tuple(i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor))
         static = tuple((i, v) for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor))
-        return leaves, CallSpec(treedef, tensor_positions, static)
+        return leaves, CallSpec(treedef, tensor_positions, static, len(args))
 
     def rebuild(self, leaves: Sequence[Any], spec: CallSpec) -> tuple[tuple, dict]:
-        """Inverse of :meth:`bind`: positional and keyword arguments for ``forward``.
-
-        Parameters that may be passed by name are passed by name (positionally only where
-        ``*args`` follows them), as a caller naming its arguments would.
+        """Inverse of :meth:`bind`: positional and keyword arguments for ``forward``, split
+        as the caller split them (``spec.positional``): the signature read may be the one a
+        decorator's ``functools.wraps`` shows, while the function called takes
+        ``*args, **kwargs`` and tells the two apart.
         """
         given = pytree.tree_unflatten(list(leaves), spec.treedef)
         params = self.signature.parameters.values()
-        star = any(p.kind is p.VAR_POSITIONAL and given.get(p.name) for p in params)
+        positional = spec.positional
         args: list[Any] = []
         kwargs: dict[str, Any] = {}
         for p in params:
             if p.name not in given:
                 continue
             value = given[p.name]
-            if p.kind is p.POSITIONAL_ONLY or (p.kind is p.POSITIONAL_OR_KEYWORD and star):
+            if p.kind is p.POSITIONAL_ONLY or (p.kind is p.POSITIONAL_OR_KEYWORD and len(args) < positional):
                 args.append(value)
             elif p.kind is p.VAR_POSITIONAL:
                 args.extend(value)
