@@ -132,6 +132,31 @@ def test_torch_func_grad_over_functional_call():
             assert_close(got[k], expected[k], what=f"torch.func.grad of {k} (trainable={trainable})")
 
 
+def test_torch_func_transforms_keep_a_threaded_plan_on_the_callers_thread():
+    """A lane's ops would escape torch.func's wrapped tensors (its transforms are the
+    calling thread's): under grad and vmap the plan's tasks run where the transform is."""
+    torch.manual_seed(0)
+    model = Towers(4, 64)
+    sm = ss.StreamScheduledModule(model, executor="threads", num_streams=4, min_task_cost=0.0, fuse=False)
+    x = torch.randn(4, 64)
+    for _ in range(3):
+        sm(x)
+    assert_path(sm, "plan:threads")
+    assert sm.plan.num_streams > 1
+    weights = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(params, module):
+        return torch.func.functional_call(module, params, (x,)).square().sum()
+
+    got, expected = torch.func.grad(loss)(weights, sm), torch.func.grad(loss)(weights, model)
+    assert_path(sm, "plan:threads")
+    for k in weights:
+        assert_close(got[k], expected[k], what=f"torch.func.grad of {k}")
+    xs = torch.randn(3, 4, 64)
+    assert_close(torch.func.vmap(sm)(xs), torch.func.vmap(model)(xs))
+    assert_path(sm, "plan:threads")
+
+
 class NormBranches(nn.Module):
     """Two conv + BatchNorm branches on one input: fused BatchNorm stacks buffers."""
 

@@ -36,17 +36,19 @@ _top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _function_modes = torch._C._len_torch_function_stack
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _function_mode_stack = torch.overrides._get_current_function_mode_stack
+_functorch_active = torch._C._are_functorch_transforms_active
 
 
 def lanes_refused(own: tuple[type, ...] = ()) -> bool:
     """Whether the calling thread holds PyTorch state a lane cannot take along, so that
     the call's work must stay on it: saved-tensor hooks (activation checkpointing's,
-    ``save_on_cpu``), whose pack hook must see every tensor autograd saves, and Python
+    ``save_on_cpu``), whose pack hook must see every tensor autograd saves; Python
     ``TorchFunctionMode``/``TorchDispatchMode``s (``with torch.device(...)``, a profiler
-    or counting mode), which must see every op. ``own``: function modes of the caller's
+    or counting mode), which must see every op; and ``torch.func`` transforms
+    (``grad``, ``vmap``, ``jvp``), whose wrapped tensors a lane's ops would escape. ``own``: function modes of the caller's
     own that need not follow the work (eager dispatch's write guard). (Grad mode,
     inference mode and autocast are carried: :class:`_TorchState`.)"""
-    if _top_saved_tensors_hooks(False) is not None or _dispatch_modes() > 0:
+    if _top_saved_tensors_hooks(False) is not None or _dispatch_modes() > 0 or _functorch_active():
         return True
     if _function_modes() == 0:
         return False
