@@ -45,9 +45,10 @@ def lanes_refused(own: tuple[type, ...] = ()) -> bool:
     ``save_on_cpu``), whose pack hook must see every tensor autograd saves; Python
     ``TorchFunctionMode``/``TorchDispatchMode``s (``with torch.device(...)``, a profiler
     or counting mode), which must see every op; and ``torch.func`` transforms
-    (``grad``, ``vmap``, ``jvp``), whose wrapped tensors a lane's ops would escape. ``own``: function modes of the caller's
-    own that need not follow the work (eager dispatch's write guard). (Grad mode,
-    inference mode and autocast are carried: :class:`_TorchState`.)"""
+    (``grad``, ``vmap``, ``jvp``), whose wrapped tensors a lane's ops would escape.
+    ``own``: function modes of the caller's own that need not follow the work (eager
+    dispatch's write guard). (Grad mode, inference mode and autocast are carried:
+    :class:`_TorchState`.)"""
     if _top_saved_tensors_hooks(False) is not None or _dispatch_modes() > 0 or _functorch_active():
         return True
     if _function_modes() == 0:
