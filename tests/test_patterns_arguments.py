@@ -47,3 +47,57 @@ def test_an_object_holding_tensors_runs_as_written_under_every_executor(options)
         batch = Batch(torch.randn(3, D), torch.randn(3, D))
         assert_close(sm(batch), model(batch), what=f"{options}")
         assert_path(sm, "as-written")
+
+
+# --- a wrapped function that changes the list it is given ---------------------------
+
+
+def adapt_window(window: list, size: list) -> list:
+    """Shrinks ``window`` to ``size`` where it is larger, in place (torchvision's
+    ``_get_window_and_shift_size`` of Swin3D does this to lists the caller made)."""
+    for i in range(2):
+        if size[i] <= window[i]:
+            window[i] = size[i]
+    return window
+
+
+torch.fx.wrap("adapt_window")
+
+
+class AdaptsItsWindow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.window = [4, 4]
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x):
+        window = adapt_window(list(self.window), [x.shape[1], x.shape[2]])
+        opts = {"scale": 1.0}
+        scaled = scale_by(self.lin(x), opts)
+        return scaled * window[0] + window[1]
+
+
+def scale_by(x: torch.Tensor, opts: dict) -> torch.Tensor:
+    opts["scale"] = opts["scale"] * 2.0  # changes the dict it is given (the change is its own)
+    return x * opts["scale"]
+
+
+torch.fx.wrap("scale_by")
+
+
+@pytest.mark.parametrize("executor", ["serial", "threads", "auto"])
+def test_a_wrapped_function_may_change_the_list_and_dict_it_is_given(executor):
+    """A call node's list and dict arguments are new objects on every call, as the
+    forward's own code makes them: the function may change them, and the change stays
+    in that call (the recording call passed fx's immutable containers, and crashed)."""
+    model = AdaptsItsWindow()
+    sm = ss.StreamScheduledModule(model, executor=executor)
+    paths = []
+    for call, shape in enumerate([(2, 3, 5, D)] * 4 + [(2, 6, 2, D)] * 4 + [(2, 3, 5, D)] * 2):
+        x = torch.randn(*shape)
+        out = sm(x)
+        paths.append(assert_path(sm, "recorded", "plan", "as-written"))
+        assert_close(out, model(x), what=f"call {call} {shape} ({paths[-1]})")
+    assert model.window == [4, 4]
+    if executor != "auto":
+        assert paths[1].startswith("plan") and paths[-1].startswith("plan"), paths

@@ -195,7 +195,7 @@ class _RecordingRun:
         return result
 
     def _load(self, a: Any) -> Any:
-        return fx.node.map_arg(a, lambda n: self.env[n])
+        return load_argument(a, self.env)
 
     def _evaluate(self, node: fx.Node) -> Any:
         """The node's value (the output's: the call's result), its storage accesses
@@ -344,6 +344,27 @@ def _same_prefix(old: list[fx.Node], new: list[fx.Node], upto: int) -> dict[fx.N
                 f"{b.format_node()}): the call cannot go on in it"
             )
     return dict(zip(old[: upto + 1], new[: upto + 1]))
+
+
+def load_argument(a: Any, env: dict) -> Any:
+    """A node's argument with each node replaced by its value in ``env``; its lists and
+    dicts new, mutable ones on every call, as the forward's own code made them (and as
+    the compiled program renders them: literals). fx's ``map_arg`` would hand a call
+    its ``immutable_list``: a function that changes the list it is given (torchvision's
+    Swin3D window adapter) then fails on the recording call."""
+    kind = type(a)
+    if kind is fx.Node:
+        return env[a]
+    if isinstance(a, tuple):
+        items = tuple(load_argument(v, env) for v in a)
+        return kind(*items) if hasattr(a, "_fields") else items
+    if isinstance(a, list):
+        return [load_argument(v, env) for v in a]
+    if isinstance(a, dict):
+        return {k: load_argument(v, env) for k, v in a.items()}
+    if kind is slice:
+        return slice(load_argument(a.start, env), load_argument(a.stop, env), load_argument(a.step, env))
+    return a
 
 
 def fetch_attr(root: torch.nn.Module, target: str) -> Any:

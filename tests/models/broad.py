@@ -208,6 +208,14 @@ TORCHVISION: list[ModelSpec] = [
     _tv_class("r3d_18", "video.r3d_18", video(1, 4, 32), weights=None, num_classes=5),
     _tv_class("mc3_18", "video.mc3_18", video(1, 4, 32), weights=None, num_classes=5),
     _tv_class(
+        "swin3d_t",
+        "video.swin3d_t",
+        video(1, 2, 32),
+        note="a wrapped function adapts the window lists it is given, in place",
+        weights=None,
+        num_classes=5,
+    ),
+    _tv_class(
         "raft_small",
         "optical_flow.raft_small",
         image_pair(1, 128, num_flow_updates=2),
