@@ -163,3 +163,75 @@ def test_hooked_members_are_not_fused():
     fused = [name for g in sm.plan.fused_groups for name in g.members]
     assert "towers.0.inner" not in fused and fused
     assert len(log) == 2
+
+
+# --- output-capturing hooks on a leaf that returns a tuple ---------------------------
+#
+# transformers collects ``output_hidden_states`` / ``output_attentions`` through forward
+# hooks (``transformers.utils.output_capturing``) that take item ``index`` of a layer's
+# output when it is a tuple, and the whole output otherwise. The trace fires such hooks
+# on a leaf's proxy; a bare proxy is no tuple, so the hook took the whole output.
+
+_collected = None
+
+
+def _capturing_hook(index):
+    def output_capturing_hook(module, args, output):
+        if _collected is None:
+            return
+        _collected.append(output if not isinstance(output, tuple) else output[index])
+
+    # What the library recognises as a capture hook: transformers' module.
+    output_capturing_hook.__module__ = "transformers.utils.output_capturing"
+    return output_capturing_hook
+
+
+class _TupleLayer(nn.Module):
+    """Returns ``(hidden, gate)``, as the layers of an encoder-decoder MoE do."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.gate = nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))
+        return h, self.gate(h)
+
+
+class _Capturing(nn.Module):
+    def __init__(self, index):
+        super().__init__()
+        self.layers = nn.ModuleList(_TupleLayer() for _ in range(3))
+        for layer in self.layers:
+            layer.register_forward_hook(_capturing_hook(index))
+
+    def forward(self, x, collect: bool = False):
+        global _collected
+        _collected = [] if collect else None
+        try:
+            for layer in self.layers:
+                x, _ = layer(x)
+            return x, tuple(_collected) if collect else None
+        finally:
+            _collected = None
+
+
+@pytest.mark.parametrize("index", [0, -1])
+@pytest.mark.parametrize("executor", ["serial", "threads"])
+def test_capture_hooks_of_a_leaf_see_its_tuple(executor, index):
+    torch.manual_seed(0)
+    model = _Capturing(index)
+    sm = ss.StreamScheduledModule(model, executor=executor, leaf_modules=(_TupleLayer,))
+    for call in range(4):
+        x = torch.randn(4, 8)
+        out = sm(x, collect=True)
+        path = ss.testing.last_path(sm)
+        expected = model(x, collect=True)
+        captured, want = out[1], expected[1]
+        assert len(captured) == len(want) == 3
+        for i, (c, w) in enumerate(zip(captured, want)):
+            assert isinstance(c, torch.Tensor), f"call {call} ({path}): captured item {i} is a {type(c).__name__}"
+            assert_close(c, w, what=f"call {call} ({path}): captured item {i}")
+        assert_close(out[0], expected[0], what=f"call {call} ({path})")
+    assert path.startswith("plan"), path

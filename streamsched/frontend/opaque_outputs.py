@@ -38,6 +38,7 @@ from ..branch import BranchCall
 from .opaque_functions import OpaqueFunction
 
 __all__ = [
+    "mark_structure_read",
     "Skeleton",
     "OutputCheck",
     "OpaqueOutputChanged",
@@ -199,6 +200,16 @@ def leaf_label(node: fx.Node) -> Optional[str]:
     return None
 
 
+_STRUCTURE_READ = "streamsched_structure_read"
+
+
+def mark_structure_read(node: fx.Node) -> None:
+    """Note that code which branches on what a value is (``isinstance(output, tuple)`` in
+    transformers' capture hooks) read leaf call ``node``'s bare proxy: where the real
+    value is not a tensor, the proxy misled it (:func:`misleads`)."""
+    node.meta[_STRUCTURE_READ] = True
+
+
 def misleads(node: fx.Node, value: Any) -> bool:
     """Whether leaf call ``node``'s real ``value`` may have misled the trace, which saw a
     proxy: a ``None`` anywhere in a structure the tracer can hand the traced code instead
@@ -210,6 +221,8 @@ def misleads(node: fx.Node, value: Any) -> bool:
         return False
     if any(u.op == "call_function" and isinstance(u.target, OutputCheck) for u in node.users):
         return False
+    if node.meta.get(_STRUCTURE_READ):
+        return True  # code asked the proxy what it is (a capture hook's isinstance): learn it
     skeleton = skeleton_of(value)
     if skeleton is not None and skeleton.has_none():
         return True

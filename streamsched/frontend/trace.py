@@ -50,7 +50,15 @@ from .fx_fast import FastTracerMixin
 from .hooks import capture_hooks, has_hooks
 from .nodes import AUGMENTED_OPERATORS, has_children, submodule_resolver
 from .opaque_functions import OpaqueFunction, UnsafeOpaqueCall
-from .opaque_outputs import OutputCheck, Skeleton, leaf_label, learn, learned, skeleton_of
+from .opaque_outputs import (
+    OutputCheck,
+    Skeleton,
+    leaf_label,
+    learn,
+    learned,
+    mark_structure_read,
+    skeleton_of,
+)
 from .output_tree import OutputTree
 from .rank_checks import rely_on
 from .ranks import RankTracker
@@ -222,7 +230,12 @@ class _LeafTracer(FastTracerMixin, fx.Tracer):
                 out = self._known_structure(self.path_of_module(m), out)
                 # A leaf's capture hooks hand its output to the enclosing forward: fire
                 # them here, on the proxy (frontend.hooks); at run time they are no-ops.
-                for hook in capture_hooks(m):
+                hooks = capture_hooks(m)
+                if hooks and isinstance(out, fx.Proxy):
+                    # They take an item where the output is a tuple, and a bare proxy is
+                    # none: the recording call learns what the leaf returns (misleads).
+                    mark_structure_read(out.node)
+                for hook in hooks:
                     hook(m, args, out)
             return out
         except Exception as exc:

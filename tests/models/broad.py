@@ -531,6 +531,26 @@ TRANSFORMERS: list[ModelSpec] = [
         with_kwargs(_TOKENS, output_hidden_states=True, output_attentions=True),
         **_SMALL,
     ),
+    # Its blocks (opaque) return tuples: the output-capturing hooks fired on a block's
+    # proxy must take its first item, not the whole tuple.
+    _hf(
+        "switch_hidden_states",
+        "SwitchTransformersConfig",
+        "SwitchTransformersModel",
+        with_kwargs(seq2seq(2, 16, VOCAB), output_hidden_states=True),
+        note="MoE encoder-decoder; tuple-returning blocks under output capturing",
+        vocab_size=VOCAB,
+        d_model=32,
+        d_kv=8,
+        d_ff=37,
+        num_layers=2,
+        num_sparse_encoder_layers=1,
+        num_sparse_decoder_layers=1,
+        num_heads=4,
+        num_experts=4,
+        decoder_start_token_id=0,
+        router_jitter_noise=0.0,
+    ),
     # Its relative attention runs opaque and returns (h, None); the layer's
     # `if output_g is not None:` must see the None (it traced the other branch).
     _hf(
