@@ -7,6 +7,7 @@ from torch import nn
 import streamsched as ss
 from benchmarks.zoo import CriticEnsemble, MultiTaskHeads, ParallelFCN
 from streamsched.passes.fusion.kernels import FusedKernel
+from streamsched.testing import assert_path
 
 from .helpers import assert_close, assert_sgd_steps_match_the_loop, called_on, check_against_eager
 
@@ -503,3 +504,63 @@ def test_members_alike_but_for_their_inputs_shapes_are_fused_apart():
         ["deep.0", "deep.1"],
         ["flat.0", "flat.1"],
     ]
+
+
+# --- a vmap kernel never swaps tensors into the model's own modules ------------------
+
+_WATCH: list = []
+_SEEN: list = []
+
+
+class _Gate(nn.Module):
+    """A module type with no batched kernel of its own: fused by vmap(functional_call).
+    Its forward notes whether the first member still holds its own parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8))
+        self.scale = 2.0
+
+    def forward(self, x):
+        first, weight = _WATCH
+        _SEEN.append(first._parameters["weight"] is weight)
+        return x * torch.sigmoid(self.weight) * self.scale
+
+
+class _Gates(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gates = nn.ModuleList(_Gate() for _ in range(3))
+
+    def forward(self, x):
+        return sum(g(x) for g in self.gates)
+
+
+@pytest.mark.parametrize("executor", ["serial", "threads"])
+def test_a_vmap_kernel_leaves_the_members_tensors_in_place_while_it_runs(executor):
+    """functional_call swaps the stacked (vmap-batched) tensors into the module it runs:
+    run on the first member itself, the member held them for the length of the kernel,
+    where a call of it on another lane, or a second kernel with the same first member,
+    saw or put back the wrong ones (torchvision's FCOS head under ``auto``: state_dict()
+    raised, a tensor escaped from vmap). The kernel runs a stand-in; a flag set on the
+    member after planning still reaches it."""
+    torch.manual_seed(0)
+    model = _Gates()
+    _WATCH[:] = [model.gates[0], model.gates[0].weight]
+    sm = ss.StreamScheduledModule(model, executor=executor, leaf_modules=(_Gate,), min_task_cost=0.0)
+    try:
+        for call in range(6):
+            if call == 3:
+                for g in model.gates:
+                    g.scale = 3.0  # a plain attribute the kernel's stand-in must read
+            x = torch.randn(4, 8)
+            _SEEN.clear()
+            out = sm(x)
+            path = assert_path(sm, "recorded", "plan")
+            assert all(_SEEN), f"call {call} ({path}): the member held other tensors while a kernel ran: {_SEEN}"
+            assert_close(out, model(x), what=f"call {call} ({path})")
+        assert path.startswith("plan") and sm.plan.fused_groups, (path, sm.plan.fused_groups)
+        assert sm.plan.fused_groups[0].kernel == "vmap(functional_call)"
+        model.state_dict()
+    finally:
+        _WATCH.clear()

@@ -32,6 +32,7 @@ from .kernels import (
     LinearKernel,
     VmapKernel,
     WideKernel,
+    private_template,
 )
 from .layout import SHARED
 from .params import StackedTensors
@@ -311,6 +312,7 @@ def _vmap_trial(
     """Whether vmap can batch this module: one trial call on the meta device, on inputs
     of the members' recorded dtypes, giving the members' output shape and dtype."""
     n = 2
+    template, _ = private_template(template)  # the swap must not touch the member (kernels.private_template)
     try:
         params = {
             k: torch.empty((n,) + tuple(p.shape), dtype=p.dtype, device="meta") for k, p in template.named_parameters()

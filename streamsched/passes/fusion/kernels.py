@@ -736,6 +736,46 @@ def _functional(fn: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     return m
 
 
+_TABLES = frozenset({"_parameters", "_buffers", "_modules", "forward"})
+
+
+def private_template(module: nn.Module) -> tuple[nn.Module, Callable[[], None]]:
+    """A stand-in of ``module`` for ``torch.func.functional_call`` to swap tensors into,
+    and a function that refreshes it. The stand-in has parameter, buffer and child tables
+    of its own (its children stand-ins in turn) and, after each refresh, every other
+    attribute of the module (``training``, ``eps``, flags set since).
+
+    functional_call puts the tensors it is given into the module's tables for the length
+    of the call and puts the old ones back after. Run on the member itself, a vmap
+    kernel left the member holding vmap-batched tensors meanwhile: a call of that module
+    on another lane saw them, and two kernels with the same first member (one module
+    called on several inputs, as a detection head on each feature level) running at
+    once put back each other's, leaving the module holding tensors escaped from vmap
+    (``state_dict()`` then raised)."""
+    pairs: list[tuple[nn.Module, nn.Module]] = []
+
+    def stand_in(m: nn.Module) -> nn.Module:
+        shadow = object.__new__(type(m))
+        d = shadow.__dict__
+        d.update((k, v) for k, v in m.__dict__.items() if k not in _TABLES)
+        d["_parameters"] = dict(m._parameters)
+        d["_buffers"] = dict(m._buffers)
+        d["_modules"] = {k: (stand_in(c) if c is not None else None) for k, c in m._modules.items()}
+        pairs.append((shadow, m))
+        return shadow
+
+    template = stand_in(module)
+
+    def refresh() -> None:
+        for shadow, m in pairs:
+            d = shadow.__dict__
+            for k, v in m.__dict__.items():
+                if k not in _TABLES:
+                    d[k] = v
+
+    return template, refresh
+
+
 class VmapKernel(FusedKernel):
     """Any module type: ``torch.func.vmap`` over ``functional_call`` with stacked weights."""
 
@@ -753,7 +793,9 @@ class VmapKernel(FusedKernel):
     ):
         self.kind = type(members[0]).__name__
         super().__init__(len(members), names, STACK, out_shape)
-        self.template = members[0]
+        # functional_call swaps the stacked (vmap-batched) tensors into the module it
+        # runs: a stand-in of the first member, never the member itself (module.py).
+        self.template, self._attributes = private_template(members[0])
         self.param_stacks = params
         self.buffer_stacks = buffers
         self.inputs = list(inputs)
@@ -772,6 +814,7 @@ class VmapKernel(FusedKernel):
         return list(self.param_stacks.values()) + list(self.buffer_stacks.values())
 
     def run(self, *xs: torch.Tensor) -> torch.Tensor:
+        self._attributes()
         grad = _grad()
         p = {k: v.value(grad) for k, v in self.param_stacks.items()}
         b = {k: v.value(False) for k, v in self.buffer_stacks.items()}
