@@ -102,3 +102,59 @@ def test_moving_the_model_itself_after_wrapping_re_traces():
         _calls(sm, model, lambda: torch.randn(3, 8))
         model.cuda()
         _calls(sm, model, lambda: torch.randn(3, 8, device="cuda"))
+
+
+# --- a forward that caches a value in a dict it holds --------------------------------
+
+
+class CachesItsBias(nn.Module):
+    """Caches a computed bias in a dict attribute in eval, per device (LeViT's attention
+    biases, in timm and transformers)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.biases = nn.Parameter(torch.randn(D))
+        self.cache = {}
+
+    def bias(self, device):
+        if self.training:
+            return self.biases * 2
+        key = str(device)
+        if key not in self.cache:
+            self.cache[key] = self.biases * 2
+        return self.cache[key]
+
+    def forward(self, x, scale: bool = False):
+        out = self.lin(x) + self.bias(x.device)
+        return out * 3 if scale else out
+
+
+class HoldsACachingModule(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = CachesItsBias()
+        self.out = nn.Linear(D, D)
+
+    def forward(self, x, scale: bool = False):
+        return self.out(self.inner(x, scale))
+
+
+@pytest.mark.parametrize("executor", ["serial", "threads", "auto"])
+def test_a_value_cached_in_a_dict_while_tracing_does_not_stay_there(executor):
+    """A trace runs the forward once on proxies: the proxy cached in the module's dict
+    stayed there, the next trace (another signature) took that proxy of the old graph
+    (its recording failed with a KeyError), and the model itself, called as written,
+    found a proxy in its cache. The module that writes into a container it holds runs
+    as written, and its container holds what eager would."""
+    torch.manual_seed(0)
+    model = HoldsACachingModule().eval()
+    sm = ss.StreamScheduledModule(model, executor=executor)
+    with torch.no_grad():
+        for call, scale in enumerate([False, False, True, True, False]):
+            x = torch.randn(4, D)
+            out = sm(x, scale=scale)
+            path = assert_path(sm, "recorded", "plan", "as-written")
+            assert all(isinstance(v, torch.Tensor) for v in model.inner.cache.values()), model.inner.cache
+            assert_close(out, model(x, scale=scale), what=f"call {call} ({path})")
+    assert list(model.inner.cache) == ["cpu"]

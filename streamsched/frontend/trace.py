@@ -63,11 +63,14 @@ from .output_tree import OutputTree
 from .rank_checks import rely_on
 from .ranks import RankTracker
 from .trace_guard import (
+    ContainerWrittenDuringTrace,
     GradModeGuard,
     SideEffectDuringTrace,
     TraceSideEffectGuard,
     autocast_state,
     copy_fresh_constants,
+    restore_containers,
+    snapshot_containers,
 )
 
 __all__ = ["Traced", "trace_model", "is_compiled_module", "dtype_probes", "dtypes_same"]
@@ -801,9 +804,23 @@ def _trace_once(
     root.__dict__["_streamsched_spec"] = spec
     function_sites = [(namespace, name, fn) for namespace, name, fn, _ in sites.values()]
     tracer = _LeafTracer(module_types, model, functions, frozenset(opaque), known, function_sites, ranks, dtypes)
+    containers = snapshot_containers(model)
     try:
-        with TraceSideEffectGuard(model, root) as guard, GradModeGuard(tracer):
-            graph = tracer.trace(root)
+        try:
+            with TraceSideEffectGuard(model, root) as guard, GradModeGuard(tracer):
+                graph = tracer.trace(root)
+        finally:
+            written = restore_containers(containers)
+        if written:
+            # A forward stored into a container its module holds (a cache): that module
+            # runs as written, where its cache holds what eager's would.
+            module, name = written[0]
+            exc = ContainerWrittenDuringTrace(
+                f"stores into {type(module).__name__}.{name} (a {type(getattr(module, name)).__name__} it holds) "
+                "while traced: the trace would leave a proxy there"
+            )
+            exc._streamsched_failed_in = module  # type: ignore[attr-defined]
+            raise exc
         copy_fresh_constants(graph, root, guard.fresh)
     except TraceError:
         raise

@@ -45,6 +45,9 @@ from .effects import fresh_outputs, op_accesses, storage_key
 __all__ = [
     "TraceSideEffectGuard",
     "SideEffectDuringTrace",
+    "ContainerWrittenDuringTrace",
+    "snapshot_containers",
+    "restore_containers",
     "GradModeGuard",
     "autocast_state",
     "copy_fresh_constants",
@@ -296,3 +299,64 @@ def autocast_state() -> tuple:
         if torch.is_autocast_enabled(device):
             state.append((device, torch.get_autocast_dtype(device)))
     return tuple(state)
+
+
+# --- containers a module holds -----------------------------------------------------------
+
+
+# nn.Module's own attributes (parameter, buffer, child and hook tables): not the model's.
+_MODULE_TABLES = frozenset(torch.nn.Module().__dict__)
+
+
+class ContainerWrittenDuringTrace(SideEffectDuringTrace):
+    """A traced forward stored into a dict, list or set its module holds (a cache)."""
+
+
+def snapshot_containers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, Any, Any]]:
+    """``(module, name, container, copy)`` for each dict, list or set a module of
+    ``model`` holds as a plain attribute (not its tables): what a trace must leave as it
+    found it (:func:`restore_containers`)."""
+    found = []
+    for m in model.modules():
+        for name, value in m.__dict__.items():
+            if name in _MODULE_TABLES:
+                continue
+            kind = type(value)
+            if kind is dict:
+                found.append((m, name, value, dict(value)))
+            elif kind is list:
+                found.append((m, name, value, list(value)))
+            elif kind is set:
+                found.append((m, name, value, set(value)))
+    return found
+
+
+def _same(container: Any, copy: Any) -> bool:
+    if len(container) != len(copy):
+        return False
+    if type(container) is dict:
+        return all(k in copy and copy[k] is v for k, v in container.items())
+    if type(container) is list:
+        return all(a is b for a, b in zip(container, copy))
+    return container == copy
+
+
+def restore_containers(snapshots: list[tuple[torch.nn.Module, str, Any, Any]]) -> list[tuple[torch.nn.Module, str]]:
+    """Put back the contents of every snapshotted container a trace changed (a forward
+    that caches a value in a dict it holds stored a proxy there: LeViT's attention
+    biases, cached per device in eval), and return ``(module, name)`` of each. The next
+    trace would otherwise read the proxy of another graph, and the model, called as
+    written, a proxy instead of a tensor."""
+    changed = []
+    for module, name, container, copy in snapshots:
+        if _same(container, copy):
+            continue
+        container.clear()
+        if type(container) is dict:
+            container.update(copy)
+        elif type(container) is list:
+            container.extend(copy)
+        else:
+            container.update(copy)
+        changed.append((module, name))
+    return changed
