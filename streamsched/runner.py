@@ -371,7 +371,7 @@ class Runner:
                 return self.as_written(args, kwargs)
         with nested.installed():
             done = eager_dispatch.run_eager_dispatch(
-                st.dispatch.for_call(st.calls, st.observer or self.nvtx()), spec, tensors, reason
+                st.dispatch.for_call(st.calls, st.observer or self.nvtx()), spec, tensors, reason, args, kwargs
             )
         st.last = done.schedule
         st.last_path = "eager-dispatch"

@@ -101,3 +101,40 @@ def test_a_wrapped_function_may_change_the_list_and_dict_it_is_given(executor):
     assert model.window == [4, 4]
     if executor != "auto":
         assert paths[1].startswith("plan") and paths[-1].startswith("plan"), paths
+
+
+class AppendsToItsArguments(nn.Module):
+    """Branches over ``x``; the forward appends to a list it is given (a cache of past
+    outputs), stores into a dict it is given, and reads both back."""
+
+    def __init__(self):
+        super().__init__()
+        self.heads = nn.ModuleList(nn.Linear(D, D) for _ in range(3))
+        self.other = nn.Sequential(nn.Linear(D, 2 * D), nn.Tanh(), nn.Linear(2 * D, D))
+
+    def forward(self, x, past: list, seen: dict):
+        y = torch.stack([h(x) for h in self.heads] + [self.other(x)]).sum(0)
+        past.append(y.detach())
+        seen["last"] = y.detach()
+        return y + torch.stack(past).sum(0)
+
+
+@pytest.mark.parametrize("options", [{}, {"executor": "serial"}, {"executor": "threads"}], ids=str)
+def test_containers_the_forward_appends_to_are_the_callers(options):
+    # The traced forward is handed containers rebuilt from the call's leaves: an append
+    # there happened once, while tracing, into a list the caller never sees, and every
+    # later call of the same structure (an empty list, again) computed on no history.
+    model = AppendsToItsArguments()
+    sm = ss.StreamScheduledModule(model, **options)
+    past_e, past_w, seen_e, seen_w = [], [], {}, {}
+    for i in range(24):
+        if i % 6 == 0:
+            past_e, past_w, seen_e, seen_w = [], [], {}, {}
+        x = torch.randn(3, D)
+        expected = model(x, past_e, seen_e)
+        assert_close(sm(x, past_w, seen_w), expected, what=f"call {i}")
+        assert len(past_w) == len(past_e), f"call {i}: the caller's list holds {len(past_w)} items, eager {len(past_e)}"
+        assert_close(past_w, past_e, what=f"call {i}: the caller's list")
+        assert_close(seen_w["last"], seen_e["last"], what=f"call {i}: the caller's dict")
+        # No schedule keeps running in a trace that appended once.
+        assert_path(sm, "as-written", "eager-dispatch")

@@ -675,7 +675,9 @@ def _call_model(root: _TraceRoot, inputs: tuple) -> Any:
         leaves[pos] = value
     args, kwargs = binder.rebuild(leaves, spec)
     model = root._streamsched_model
+    held = _containers_held((*args, *kwargs.values()))
     out = type(model).forward(model, *args, **kwargs)
+    _refuse_changed_containers(model, held)
     # The graph returns the output's leaves; the container is rebuilt per call, with the
     # model's own types (fx would turn dicts into immutable_dict and drop dataclasses).
     tree = OutputTree.of(out)
@@ -687,6 +689,43 @@ def _call_model(root: _TraceRoot, inputs: tuple) -> Any:
             )
     root.__dict__["_streamsched_output_tree"] = tree
     return tree.leaves[0] if tree.is_plain else tuple(tree.leaves)
+
+
+def _containers_held(values: Sequence[Any]) -> list[tuple[Any, Any]]:
+    """Every list and dict among ``values`` (the arguments handed to the traced forward,
+    and the containers inside them), each with a copy of what it holds."""
+    held: list[tuple[Any, Any]] = []
+    stack = list(values)
+    while stack:
+        value = stack.pop()
+        if isinstance(value, list):
+            held.append((value, list(value)))
+            stack.extend(value)
+        elif isinstance(value, dict):
+            held.append((value, dict(value)))
+            stack.extend(value.values())
+        elif isinstance(value, tuple):
+            stack.extend(value)
+    return held
+
+
+def _refuse_changed_containers(model: torch.nn.Module, held: list[tuple[Any, Any]]) -> None:
+    """Raise :class:`SideEffectDuringTrace` if the forward changed a list or dict it was
+    passed (an append to a cache of past outputs, a key stored). The traced forward is
+    handed containers rebuilt from the call's leaves: the change would happen once, while
+    tracing, to a container the caller never sees, and the graph would read what it held
+    then on every call. Such a forward runs as written, where the caller's own containers
+    change as in eager."""
+    for container, before in held:
+        if isinstance(container, list):
+            same = len(container) == len(before) and all(a is b for a, b in zip(container, before))
+        else:
+            same = container.keys() == before.keys() and all(container[k] is v for k, v in before.items())
+        if not same:
+            raise SideEffectDuringTrace(
+                f"{type(model).__name__}.forward changes a {type(container).__name__} it was passed as an "
+                "argument: a Python side effect a trace would perform only once, on a copy the caller never sees"
+            )
 
 
 _MAX_OPAQUE_RETRIES = 64

@@ -35,25 +35,25 @@ class DispatchResult(NamedTuple):
 
 
 def run_eager_dispatch(
-    context: DispatchContext, spec: CallSpec, tensors: list[torch.Tensor], reason: BaseException
+    context: DispatchContext,
+    spec: CallSpec,
+    tensors: list[torch.Tensor],
+    reason: BaseException,
+    args: tuple,
+    kwargs: dict,
 ) -> DispatchResult:
     """Run one call of ``context.model`` by eager dispatch.
 
     ``spec`` and ``tensors`` describe the call's arguments as ``CallBinder.bind`` split
-    them; ``reason`` is the ``TraceError`` that ruled tracing out. Runs the model's own
+    them, ``args`` and ``kwargs`` are the call's own (the forward gets these: a list or
+    dict it is passed and changes is the caller's, as in eager, not a copy rebuilt from
+    the leaves); ``reason`` is the ``TraceError`` that ruled tracing out. Runs the model's own
     ``forward`` in the calling thread with every ``@streamsched.branch`` call launched
     (see the package docstring), and returns its output with every pending value
     resolved, or the exception to raise, with the call's record and SyncLog
     (:class:`DispatchResult`). Every launched branch has finished (CPU) or been joined
     into the caller's stream (CUDA) when this returns.
     """
-    leaves: list[Any] = [None] * spec.treedef.num_leaves
-    for pos, value in spec.static_leaves:
-        leaves[pos] = value
-    for pos, value in zip(spec.tensor_positions, tensors):
-        leaves[pos] = value
-    args, kwargs = context.binder.rebuild(leaves, spec)
-
     device = next((t.device for t in tensors), torch.device("cpu"))
     mode = _choose_mode(context, spec.key, device)
     log = SyncLog() if context.config.sync_log else None

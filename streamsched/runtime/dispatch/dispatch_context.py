@@ -28,7 +28,7 @@ class DispatchContext:
 
     model: torch.nn.Module
     config: SchedulerConfig
-    binder: CallBinder  # rebuilds forward's arguments from a call's leaves
+    binder: CallBinder  # the wrapper's binder of forward's arguments
     lane_histories: LRU
     leaf_calls: LRU
     call_number: int = 0  # seeds chaos delays
