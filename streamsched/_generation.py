@@ -175,6 +175,50 @@ def watch(names: Iterable[str]) -> None:
     _watched.update(names)
 
 
+# Objects a traced-through module holds (a ``config``), whose plain attributes traced code
+# may read and bake in: assigning any attribute of one moves the counter too. Their
+# classes' ``__setattr__`` is wrapped (behaviour unchanged) the first time a trace
+# watches an instance; id -> weak reference, as for tracked modules.
+_watched_objects: dict[int, weakref.ref] = {}
+
+
+def _unwatch(ref: weakref.ref, key: int) -> None:
+    if _watched_objects.get(key) is ref:
+        del _watched_objects[key]
+
+
+def watch_object(obj: Any) -> bool:
+    """Move the counter whenever an attribute of ``obj`` (not a module) is assigned;
+    False where that cannot be seen (a built-in class, an object without weak
+    references), and the caller must not rely on it."""
+    cls = type(obj)
+    if not getattr(cls.__setattr__, "_streamsched", False):
+        original = cls.__setattr__
+
+        def __setattr__(self: Any, name: str, value: Any) -> None:
+            original(self, name, value)
+            key = id(self)
+            ref = _watched_objects.get(key)
+            if ref is not None and ref() is self:
+                global _assignments
+                _assignments += 1
+                _bump()
+
+        __setattr__._streamsched = True  # type: ignore[attr-defined]
+        try:
+            cls.__setattr__ = __setattr__  # type: ignore[method-assign]
+        except (TypeError, AttributeError):  # a built-in or extension class
+            return False
+    key = id(obj)
+    ref = _watched_objects.get(key)
+    if ref is None or ref() is not obj:
+        try:
+            _watched_objects[key] = weakref.ref(obj, lambda r, key=key: _unwatch(r, key))
+        except TypeError:  # no weak references (__slots__ without __weakref__)
+            return False
+    return True
+
+
 # Moves with the generation on every watched assignment but ``training``: a mode switch
 # (``.train()`` on every step of a training loop) need not re-read fused modules'
 # configuration, an assigned plain attribute must.

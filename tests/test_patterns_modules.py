@@ -158,3 +158,59 @@ def test_a_value_cached_in_a_dict_while_tracing_does_not_stay_there(executor):
             assert all(isinstance(v, torch.Tensor) for v in model.inner.cache.values()), model.inner.cache
             assert_close(out, model(x, scale=scale), what=f"call {call} ({path})")
     assert list(model.inner.cache) == ["cpu"]
+
+
+# --- configuration read by traced code: a tuple attribute, a config object ----------
+
+
+class Settings:
+    """A configuration object modules hold (as Hugging Face models hold ``config``)."""
+
+    def __init__(self):
+        self.negate = False
+        self.scale = 1.0
+
+
+class Head(nn.Module):
+    def __init__(self, settings):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.settings = settings
+        self.window = (1, 2)  # a tuple of plain values, read by traced code
+
+    def forward(self, x):
+        y = self.lin(x) * self.window[0]
+        return -y if self.settings.negate else y
+
+
+class ReadsItsSettings(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.config = Settings()
+        self.heads = nn.ModuleList(Head(self.config) for _ in range(3))
+        self.other = nn.Sequential(nn.Linear(D, 2 * D), nn.Tanh(), nn.Linear(2 * D, D))
+
+    def forward(self, x):
+        y = torch.stack([h(x) for h in self.heads] + [self.other(x)]).sum(0)
+        return y * self.config.scale
+
+
+@pytest.mark.parametrize("executor", ["auto", "serial", "threads"])
+def test_tuple_attributes_and_config_objects_changed_between_calls_are_seen(executor):
+    # The trace baked in what it read: a tuple attribute (not one of the flag types that
+    # assigning re-traces) and attributes of an object the modules hold (assigning those
+    # goes through no module's __setattr__). Either changed, the plan computed the old value.
+    model = ReadsItsSettings()
+    sm = ss.StreamScheduledModule(model, executor=executor)
+    for call in range(24):
+        step = call // 3
+        if step % 4 == 1:
+            model.config.negate = not model.config.negate  # the object the root and heads share
+        elif step % 4 == 2:
+            model.config.scale = float(step)
+        elif step % 4 == 3:
+            model.heads[1].window = (step, 2)
+        x = torch.randn(4, D)
+        out = sm(x)
+        path = assert_path(sm, "recorded", "plan", "as-written")
+        assert_close(out, model(x), what=f"call {call} ({path})")

@@ -554,8 +554,9 @@ class Traced:
 
     def flags_unchanged(self) -> bool:
         """Whether every traced-through module still has the plain attribute values it had
-        when traced (``drop_prob``, ``use_cache``, ...). A changed one *may* have been baked
-        into the trace: :meth:`same_program` tells."""
+        when traced (``drop_prob``, ``use_cache``, ``window = (1, 2)``, ...), and every
+        object those modules hold (a ``config``) the plain attributes it had. A changed one
+        *may* have been baked into the trace: :meth:`same_program` tells."""
         return all(_flag_values(module) == values for module, values in self.flags)
 
     def same_program(self, other: Traced) -> bool:
@@ -579,12 +580,33 @@ class Traced:
 _FLAG_TYPES = (bool, int, float, str, type(None))
 
 
-def _flag_values(module: torch.nn.Module) -> tuple:
-    """The plain scalar attributes of a module (what a traced ``if self.x:`` can read),
-    ``training`` excluded (every module's flag is part of the plan key)."""
+def _flag_values(owner: Any) -> tuple:
+    """The plain attributes of a module (what a traced ``if self.x:`` or ``self.window[0]``
+    can read: scalars, and tuples and other plain values, ``binder.is_plain``), or of an
+    object a module holds (``self.config.x``); ``training`` excluded (every module's flag
+    is part of the plan key)."""
     return tuple(
-        (k, v) for k, v in module.__dict__.items() if k != "training" and type(v) in _FLAG_TYPES and k[:2] != "__"
+        (k, v)
+        for k, v in owner.__dict__.items()
+        if k != "training" and k[:2] != "__" and (type(v) in _FLAG_TYPES or is_plain(v))
     )
+
+
+def _held_objects(modules: Sequence[torch.nn.Module]) -> list[Any]:
+    """The objects ``modules`` hold as plain attributes whose own plain attributes traced
+    code may read (a ``config`` shared by every layer), each once: instances of classes
+    defined outside Python's built-ins, with an instance dict, that are not modules,
+    tensors, callables or plain values."""
+    seen: dict[int, Any] = {}
+    for m in modules:
+        for k, v in m.__dict__.items():
+            if k[:1] == "_" or id(v) in seen or is_plain(v) or callable(v):
+                continue
+            if isinstance(v, (torch.nn.Module, torch.Tensor, list, dict, set)) or type(v).__module__ == "builtins":
+                continue
+            if getattr(v, "__dict__", None) is not None:
+                seen[id(v)] = v
+    return list(seen.values())
 
 
 def _type_name(cls: type) -> str:
@@ -886,8 +908,10 @@ def _trace_once(
             module_ids[node.target] = id(resolve(node.target))
         elif node.op == "call_function" and getattr(node.target, "owner", None) is not None:
             module_ids[node.target.owner_path] = id(node.target.owner)
-    flags = tuple((m, _flag_values(m)) for m in tracer.traced_through.values())
+    modules = tuple(tracer.traced_through.values())
+    flags = tuple((m, _flag_values(m)) for m in modules)
     _generation.watch(k for _, values in flags for k, _ in values)
+    flags += tuple((o, _flag_values(o)) for o in _held_objects(modules) if _generation.watch_object(o))
     traced = Traced(
         graph,
         root,
