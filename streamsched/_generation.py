@@ -27,16 +27,31 @@ from typing import Any, Callable, Iterable
 from torch.nn.modules import module as _module
 
 _generation = 0
+# Moves with the generation on every change but a module's ``training`` assigned: plans
+# are keyed by every module's mode, so a wrapper that sees only the mode switched
+# (``.train()`` / ``.eval()`` before every call) re-keys it and checks nothing else.
+_changes = 0
 
 
 def current() -> int:
     return _generation
 
 
+def changes() -> int:
+    """A counter of every generation move but ``training`` assignments."""
+    return _changes
+
+
 def _bump(*_args, **_kwargs) -> None:
+    global _generation, _changes
+    _generation += 1
+    _changes += 1
+    return None
+
+
+def _bump_mode() -> None:
     global _generation
     _generation += 1
-    return None
 
 
 # Every module of every wrapped model's tree: id -> weak reference (identity, not hash:
@@ -232,8 +247,10 @@ def assignments() -> int:
 
 def _setattr(self, name: str, value: Any) -> None:
     if name in _watched and tracked(self):
-        _bump()
-        if name != "training":
+        if name == "training":
+            _bump_mode()
+        else:
+            _bump()
             global _assignments
             _assignments += 1
     if _on_setattr:

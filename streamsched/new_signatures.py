@@ -262,6 +262,10 @@ def revalidate(runner: Runner) -> bool:
     st, module = runner.st, runner.module
     st.mode_id = st.mode_of(module)
     st.hot = None
+    if st.changes == _generation.changes():
+        # Only modules' modes were switched (train() / eval()): plans are keyed by them.
+        st.generation = _generation.current()
+        return False
     if st.nested is not None:
         st.nested.refresh()  # a child swapped: nest the new one
     # A module hook registered since: a hooked module runs as a call of its own.
@@ -288,6 +292,7 @@ def revalidate(runner: Runner) -> bool:
         # A parameter may have been re-assigned: re-stack whatever no longer aliases.
         st.fusion.check_all(full=True)
     st.generation = _generation.current()
+    st.changes = _generation.changes()
     return stale
 
 

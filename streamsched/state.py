@@ -260,6 +260,7 @@ class WrapperState:
         self.settled: Optional[SettledCalls] = None
         self.lock = threading.RLock()
         self.generation = _generation.current()
+        self.changes = _generation.changes()  # the same, less modules' modes switched
         # The model's first parameter (or buffer) and its (dtype, device) when traces were
         # made: ``model.to(...)``, ``.half()``, ``.cuda()`` on the model itself (not the
         # wrapper) moves no generation, and traced code may have read them as constants
@@ -312,6 +313,7 @@ class WrapperState:
         if self.nested is not None:
             self.nested.invalidate()
         self.generation = _generation.current()
+        self.changes = _generation.changes()
         self.probe, self.probed = placement_probe(model)
         self.dtype_guarded = []
         self.dtype_probes = ()

@@ -294,3 +294,45 @@ def test_a_call_settled_as_written_reports_its_own_plan_and_path():
     assert out.requires_grad
     out.sum().backward()
     assert xg.grad is not None
+
+
+class NormedTowers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.towers = nn.ModuleList(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4)) for _ in range(3))
+        self.norm = nn.BatchNorm1d(4)
+        self.drop = nn.Dropout(0.0)
+        self.scale = 1.0
+
+    def forward(self, x):
+        return self.drop(self.norm(torch.stack([t(x) for t in self.towers]).sum(0))) * self.scale
+
+
+def test_switching_train_and_eval_every_call_only_re_keys_the_mode(monkeypatch):
+    # train()/eval() before every call (a rollout in eval, an update in train) moves the
+    # generation; plans are keyed by every module's mode, so nothing else needs checking.
+    # Each switch used to walk every trace's modules and flags (and re-read every fused
+    # module's configuration): the calls ran at less than half the model's own speed.
+    from streamsched.frontend.trace import Traced
+
+    model = NormedTowers()
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    walks = []
+    for name in ("modules_unchanged", "flags_unchanged"):
+        original = getattr(Traced, name)
+        monkeypatch.setattr(Traced, name, lambda self, original=original: (walks.append(1), original(self))[1])
+    for call in range(12):
+        sm.train(call % 2 == 0)
+        x = torch.randn(5, 4)
+        sm(x)
+        assert_path(sm, "recorded", "plan")
+        if call >= 2:
+            assert walks == [], f"call {call}: a mode switch walked the traces' modules or flags"
+    # Anything else still does: a flag of a traced-through module set.
+    model.scale = 2.0
+    sm(torch.randn(5, 4))
+    assert walks, "a watched flag set no longer re-checks the traces"
+    model.eval()
+    x = torch.randn(5, 4)
+    assert_close(sm(x), model(x))
+    assert_path(sm, "recorded", "plan")

@@ -34,6 +34,7 @@ import sys
 import threading
 import traceback
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Optional, Sequence
 
@@ -588,8 +589,15 @@ def _flag_values(owner: Any) -> tuple:
     return tuple(
         (k, v)
         for k, v in owner.__dict__.items()
-        if k != "training" and k[:2] != "__" and (type(v) in _FLAG_TYPES or is_plain(v))
+        if k != "training"
+        and k[:2] != "__"
+        and (type(v) in _FLAG_TYPES or (type(v) not in _NOT_FLAG_TYPES and is_plain(v)))
     )
+
+
+# What a module's __dict__ mostly holds besides flags (its registries and hook tables):
+# answered without asking is_plain.
+_NOT_FLAG_TYPES = frozenset({dict, OrderedDict, list, set})
 
 
 def _held_objects(modules: Sequence[torch.nn.Module]) -> list[Any]:
