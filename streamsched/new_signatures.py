@@ -80,7 +80,7 @@ def new_signature(runner: Runner, key: Any, spec: Any, tensors: list[torch.Tenso
     trace_key = (spec.key, st.mode_id, autocast_state(), ranks, dtypes)
     traced = _trace(runner, trace_key, spec, ranks, dtypes)
     if isinstance(traced, TraceError):
-        return runner.eager_dispatch(spec, tensors, traced, trace_key, args, kwargs)
+        return runner.eager_dispatch(key, spec, tensors, traced, trace_key, args, kwargs)
     compiled, out = compile_signature(runner, traced, key, tensors)
     _join_structure(runner, compiled, structure_key, structure, shapes, time.perf_counter() - start)
     return out

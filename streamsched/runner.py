@@ -357,18 +357,29 @@ class Runner:
         return None
 
     def eager_dispatch(
-        self, spec: Any, tensors: list[torch.Tensor], reason: TraceError, trace_key: Any, args: tuple, kwargs: dict
+        self,
+        key: Any,
+        spec: Any,
+        tensors: list[torch.Tensor],
+        reason: TraceError,
+        trace_key: Any,
+        args: tuple,
+        kwargs: dict,
     ) -> Any:
         """A forward that cannot be traced: its ``@streamsched.branch`` calls dispatched
-        as it runs, or, once it launched none a few calls in a row, the model as written."""
+        as it runs, or, once it launched none a few calls in a row, the model as written,
+        its children nested, as a call passing an object runs (``key``, the call's
+        signature, then goes straight there, and settles once the children are quiet)."""
         st = self.st
         quiet = st.quiet.get_fresh(trace_key)
         automatic = self.automatic()
         nested = self.nesting()
         if automatic and isinstance(quiet, AsWritten):
+            quiet.nests = True
             st.last = quiet
-            with nested.installed():
-                return self.as_written(args, kwargs)
+            st.written.put(key, quiet)
+            st.hot = (key, quiet)
+            return self.forward_nesting(spec, args, kwargs)
         with nested.installed():
             done = eager_dispatch.run_eager_dispatch(
                 st.dispatch.for_call(st.calls, st.observer or self.nvtx()), spec, tensors, reason, args, kwargs
