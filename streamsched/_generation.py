@@ -27,9 +27,10 @@ from typing import Any, Callable, Iterable
 from torch.nn.modules import module as _module
 
 _generation = 0
-# Moves with the generation on every change but a module's ``training`` assigned: plans
-# are keyed by every module's mode, so a wrapper that sees only the mode switched
-# (``.train()`` / ``.eval()`` before every call) re-keys it and checks nothing else.
+# Moves with the generation on every change but a module's ``training`` assigned and a
+# module hook registered or removed: plans are keyed by every module's mode and hooks,
+# so a wrapper that sees only those changed (``.train()`` / ``.eval()`` before every
+# call, a hook held for one call) re-keys them and checks nothing else.
 _changes = 0
 
 
@@ -38,7 +39,8 @@ def current() -> int:
 
 
 def changes() -> int:
-    """A counter of every generation move but ``training`` assignments."""
+    """A counter of every generation move but ``training`` assignments and module hooks
+    registered or removed."""
     return _changes
 
 
@@ -112,9 +114,12 @@ def hook_registrations() -> int:
 
 
 def _hook_changed() -> None:
+    # Not one of the changes() either: plans are keyed by the hooks modules hold
+    # (``WrapperState.mode_of``), so the plans made without a hook stay valid for when
+    # it is gone.
     global _hook_registrations
     _hook_registrations += 1
-    _bump()
+    _bump_mode()
 
 
 def _count_removal(handle: Any) -> None:

@@ -68,6 +68,15 @@ def new_signature(runner: Runner, key: Any, spec: Any, tensors: list[torch.Tenso
                 st.last.every_size = structure.as_written_at_every_size()
                 runner.settle_as_written(args, kwargs, st.last)
             return runner.as_written(args, kwargs)
+    if structure is None and st.mode_id in st.hooked_modes and runner.automatic():
+        # Modules hold hooks this structure has not met (a hook held for one call to log
+        # activations): the model as written, hooks firing as in eager; the structure is
+        # traced and planned if it comes back with the same hooks.
+        if st.hooked_seen.get_fresh(structure_key) is None:
+            st.hooked_seen.put(structure_key, True)
+            why = "modules hold hooks this call structure has not met: planned if it comes back with them"
+            st.last = AsWritten(make=lambda: _as_written_plan(runner, why))
+            return runner.as_written(args, kwargs)
     start = time.perf_counter()
     count_unsettled()
     # A trace bakes in the training flags of the modules it traced through, and is
@@ -263,8 +272,10 @@ def revalidate(runner: Runner) -> bool:
     st.mode_id = st.mode_of(module)
     st.hot = None
     if st.changes == _generation.changes():
-        # Only modules' modes were switched (train() / eval()): plans are keyed by them.
+        # Only modules' modes were switched (train() / eval()) or hooks registered or
+        # removed: plans are keyed by both (``WrapperState.mode_of``).
         st.generation = _generation.current()
+        st.hook_registrations = _generation.hook_registrations()
         return False
     if st.nested is not None:
         st.nested.refresh()  # a child swapped: nest the new one

@@ -18,6 +18,7 @@ from ._lru import LRU
 from .config import SchedulerConfig
 from .errors import ConfigError
 from .frontend.binder import CallBinder, ShapeCachedBinder
+from .frontend.hooks import hook_ids
 from .frontend.trace import Traced, is_compiled_module
 from .nesting import NestedPlans
 from .planning.choice import Trial
@@ -284,6 +285,11 @@ class WrapperState:
         # Every module's training flag, interned as a small int for the plan key;
         # recomputed only when the generation moved (``.train()``, ``.eval()``).
         self.modes: dict[tuple, int] = {}
+        self.mode_ids = itertools.count()
+        # The modes in which some module holds a hook, and the call structures of such
+        # modes met once (``new_signatures``: a hook held for a call or two runs as written).
+        self.hooked_modes: set[int] = set()
+        self.hooked_seen: LRU = LRU(max(16, config.plan_cache_size))
         self.mode_id = self.mode_of(model)
         self.warned_untraceable = False
         # How errors name a module: (path prefix, model name); a nested child's wrapper
@@ -304,6 +310,7 @@ class WrapperState:
         self.plans.clear()
         self.written.clear()
         self.structures.clear()
+        self.hooked_seen.clear()
         self.last = None
         self.hot = None
         self.settled = None
@@ -326,11 +333,32 @@ class WrapperState:
         return f"module '{full}' of {root}" if full else f"the forward of {root}"
 
     def mode_of(self, model: nn.Module) -> int:
-        flags = tuple(m.training for m in model.modules())
+        """Every module's training flag and the hooks it holds (by handle id, never
+        reused), interned as a small int for the plan key: a hooked module runs as a
+        call of its own, so a trace with a hook differs from one without, and the plans
+        without it serve again once it is removed."""
+        flags = tuple(
+            (m.training, hook_ids(m))
+            if (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks) and hook_ids(m)
+            else m.training
+            for m in model.modules()
+        )
         mode = self.modes.get(flags)
         if mode is None:
-            mode = self.modes[flags] = len(self.modes)
+            if len(self.modes) >= _MAX_MODES:
+                # A hook registered afresh every few calls makes a new mode each time:
+                # forget the old ones (ids are never handed out twice, so a plan cached
+                # under a forgotten id is never taken for another mode's).
+                self.modes.clear()
+                self.hooked_modes.clear()
+            mode = self.modes[flags] = next(self.mode_ids)
+            if any(type(f) is tuple for f in flags):
+                self.hooked_modes.add(mode)
         return mode
+
+
+# How many modes (train/eval and hook states) a wrapper keeps ids for at most.
+_MAX_MODES = 1024
 
 
 class AttachedForward:

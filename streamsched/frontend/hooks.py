@@ -22,7 +22,15 @@ from typing import Any, Callable
 from torch import nn
 from torch.nn.modules import module as _module
 
-__all__ = ["has_hooks", "global_hooks", "capture_hooks", "is_capture_hook", "is_counting_hook", "COUNTING_HOOK"]
+__all__ = [
+    "has_hooks",
+    "hook_ids",
+    "global_hooks",
+    "capture_hooks",
+    "is_capture_hook",
+    "is_counting_hook",
+    "COUNTING_HOOK",
+]
 
 # Modules whose forward hooks only hand outputs to the enclosing forward (see above).
 _CAPTURE_HOOK_MODULES = frozenset({"transformers.utils.output_capturing"})
@@ -61,6 +69,20 @@ def has_hooks(m: nn.Module) -> bool:
         or m._backward_hooks
         or getattr(m, "_backward_pre_hooks", None)
     )
+
+
+def hook_ids(m: nn.Module) -> tuple:
+    """The handle ids of ``m``'s forward, forward-pre, backward and backward-pre hooks
+    (the leaf-call counter's left out; ``()`` where none is left): PyTorch never hands
+    an id out twice, so equal ids mean the very same hooks."""
+    pre = m._forward_pre_hooks
+    ids = (
+        tuple(m._forward_hooks),
+        tuple(k for k, h in pre.items() if not is_counting_hook(h)) if pre else (),
+        tuple(m._backward_hooks),
+        tuple(getattr(m, "_backward_pre_hooks", None) or ()),
+    )
+    return ids if any(ids) else ()
 
 
 def global_hooks() -> bool:
