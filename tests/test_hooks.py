@@ -317,3 +317,30 @@ def test_a_hook_held_for_one_call_runs_as_written_under_auto_and_a_kept_one_is_p
         assert_path(sm, "as-written" if call == 0 else "recorded" if call == 1 else "plan", "as-written")
     assert traced == [1]
     handle.remove()
+
+
+class UnpacksWhatAHookReturns(Towers):
+    def forward(self, x):
+        first = self.towers[0](x)
+        if isinstance(first, tuple):  # a hook on towers[0] returns (output, extra)
+            first = first[0] + first[1]
+        return torch.stack([first] + [t(x) for t in self.towers[1:]]).sum(0) + self.head(x)
+
+
+@pytest.mark.parametrize("executor", ["serial", "threads"])
+def test_a_hook_that_returns_a_tuple_reaches_the_traced_code_as_one(executor):
+    # The hooked module is one call, whose value the trace sees as a proxy:
+    # ``isinstance(first, tuple)`` was false while tracing, and the graph handed the
+    # tuple to torch.stack, which raised on every call while the hook was on.
+    from streamsched.testing import assert_path
+
+    model = UnpacksWhatAHookReturns()
+    sm = ss.StreamScheduledModule(model, executor=executor)
+    handle = model.towers[0].register_forward_hook(lambda m, a, o: (o, o * 2))
+    for call in range(4):
+        x = torch.randn(4, 8)
+        assert_close(sm(x), model(x), what=f"call {call}")
+        assert_path(sm, "recorded", "plan")
+    handle.remove()
+    x = torch.randn(4, 8)
+    assert_close(sm(x), model(x), what="hook removed")

@@ -233,8 +233,11 @@ def consistent(node: fx.Node, value: Any) -> bool:
     """Whether the graph reads ``node``'s real ``value`` only in ways a proxy stood for
     correctly: a tensor any way; a container as it is (passed on, returned) or item by
     item through ``getitem`` / ``getattr`` with a constant key, each item consistent in
-    turn; a number as data; ``None`` only as part of the model's output, as eager returns
-    it (any other reader used it as a tensor, or the code branched on it as one)."""
+    turn, but never as an item of an operation's list argument (``torch.stack([value,
+    ...])``) nor as the object of a tensor method: there the code took it for a tensor
+    (a hook made the module return a tuple, which ``isinstance`` on the proxy missed);
+    a number as data; ``None`` only as part of the model's output, as eager returns it
+    (any other reader used it as a tensor, or the code branched on it as one)."""
     if isinstance(value, torch.Tensor):
         return True
     users = list(node.users)
@@ -243,6 +246,12 @@ def consistent(node: fx.Node, value: Any) -> bool:
     if type(value) in _CONSTANTS:
         return True  # a number used as data: the graph computes with it as eager does
     for user in users:
+        if user.op == "call_method" and user.args and user.args[0] is node:
+            return False  # a tensor method called on a container: the code took it for a tensor
+        if user.op in ("call_function", "call_method") and _item_of_an_argument(user, node):
+            # An item of a list or tuple argument (``torch.stack([value, ...])``): an
+            # operation taking tensors there was handed a container.
+            return False
         if user.op != "call_function" or user.target not in (operator.getitem, getattr):
             continue  # the container itself, passed on as eager passes it
         if len(user.args) != 2 or user.args[0] is not node or user.kwargs or isinstance(user.args[1], fx.Node):
@@ -255,6 +264,20 @@ def consistent(node: fx.Node, value: Any) -> bool:
         if not consistent(user, item):
             return False
     return True
+
+
+def _item_of_an_argument(user: fx.Node, node: fx.Node) -> bool:
+    """Whether ``node`` is an item of a list, tuple or dict that ``user`` takes as an
+    argument (not an argument itself)."""
+
+    def inside(value: Any) -> bool:
+        if isinstance(value, (list, tuple)):
+            return any(v is node or inside(v) for v in value)
+        if isinstance(value, dict):
+            return any(v is node or inside(v) for v in value.values())
+        return False
+
+    return any(inside(a) for a in user.args) or any(inside(v) for v in user.kwargs.values())
 
 
 # model -> {(call structure key, module path, call index): skeleton}. Weak: a model
