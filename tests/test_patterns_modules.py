@@ -214,3 +214,42 @@ def test_tuple_attributes_and_config_objects_changed_between_calls_are_seen(exec
         out = sm(x)
         path = assert_path(sm, "recorded", "plan", "as-written")
         assert_close(out, model(x), what=f"call {call} ({path})")
+
+
+# --- a module-level global read by traced code ----------------------------------------
+
+NEGATE_HEADS = False  # a module-level switch a forward reads (debugging, ablations)
+HEAD_SCALE = (1.0, 2.0)
+
+
+class ReadsAGlobal(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.heads = nn.ModuleList(nn.Linear(D, D) for _ in range(3))
+        self.other = nn.Sequential(nn.Linear(D, 2 * D), nn.Tanh(), nn.Linear(2 * D, D))
+
+    def forward(self, x):
+        ys = [h(x) * HEAD_SCALE[0] for h in self.heads]  # read inside a comprehension
+        y = torch.stack(ys + [self.other(x)]).sum(0)
+        return -y if NEGATE_HEADS else y
+
+
+@pytest.mark.parametrize("executor", ["auto", "serial", "threads"])
+def test_module_level_globals_changed_between_calls_are_seen(executor):
+    # The trace baked in the values the forward read from its module's globals; the plan
+    # went on computing with them after they changed.
+    global NEGATE_HEADS, HEAD_SCALE
+    model = ReadsAGlobal()
+    sm = ss.StreamScheduledModule(model, executor=executor)
+    try:
+        for call in range(18):
+            if call % 3 == 2:
+                NEGATE_HEADS = not NEGATE_HEADS
+            if call % 6 == 4:  # alone: no other change re-checks the trace then
+                HEAD_SCALE = (HEAD_SCALE[0] + 1.0, 2.0)
+            x = torch.randn(4, D)
+            out = sm(x)
+            path = assert_path(sm, "recorded", "plan", "as-written")
+            assert_close(out, model(x), what=f"call {call} ({path})")
+    finally:
+        NEGATE_HEADS, HEAD_SCALE = False, (1.0, 2.0)

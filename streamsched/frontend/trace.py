@@ -33,6 +33,7 @@ import os
 import sys
 import threading
 import traceback
+import types
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -501,6 +502,10 @@ class Traced:
         it (a submodule cast on its own after tracing: ``model.encoder.half()``), and
         every tensor attribute whose rank it relied on that rank."""
         for owner, name, expected in self.dtype_guards:
+            if type(expected) is GlobalValue:
+                if not expected.holds(owner):
+                    return False
+                continue
             tensor = _guarded_table(owner, name).get(name)
             if not isinstance(tensor, torch.Tensor) or not _holds(tensor, expected):
                 return False
@@ -935,7 +940,7 @@ def _trace_once(
         inlined_leaf_calls=tracer.inlined_leaf_calls,
         ranks=ranks,
         dtypes=dtypes,
-        dtype_guards=_assumptions(tracer.ranks.assumed),
+        dtype_guards=_assumptions(tracer.ranks.assumed) + _global_flags(modules),
     )
     # The recording call re-traces through this where a leaf call misled the trace.
     root.__dict__["_streamsched_traced"] = weakref.ref(traced)
@@ -971,6 +976,9 @@ def dtype_probes(traces: Sequence[Traced]) -> tuple:
     probes: dict[tuple[int, str, Any], tuple] = {}
     for traced in traces:
         for owner, name, expected in traced.dtype_guards:
+            if type(expected) is GlobalValue:
+                probes[(id(owner), name, expected.value)] = (owner, name, expected)
+                continue
             table = _guarded_table(owner, name)
             if isinstance(table.get(name), torch.Tensor):
                 probes[(id(table), name, expected)] = (table, name, expected)
@@ -981,6 +989,10 @@ def dtypes_same(probes: tuple) -> bool:
     """Whether the tensor each probe (:func:`dtype_probes`) names still has its dtype
     (or rank)."""
     for table, name, expected in probes:
+        if type(expected) is GlobalValue:
+            if not expected.holds(table):
+                return False
+            continue
         tensor = table.get(name)
         if tensor is None:
             return False
@@ -990,6 +1002,50 @@ def dtypes_same(probes: tuple) -> bool:
         elif tensor.dtype is not expected:
             return False
     return True
+
+
+class GlobalValue:
+    """What a trace expects of a module-level global that a traced forward read: the
+    value it had (a flag, a number, a string, a tuple of such), which the trace baked in.
+    A guard ``(globals, name, GlobalValue)`` holds while the name still has it."""
+
+    __slots__ = ("name", "value")
+
+    def __init__(self, name: str, value: Any):
+        self.name = name
+        self.value = value
+
+    def holds(self, namespace: dict) -> bool:
+        now = namespace.get(self.name, GlobalValue)
+        return type(now) is type(self.value) and now == self.value
+
+
+def _global_flags(modules: Sequence[torch.nn.Module]) -> tuple:
+    """A guard for each module-level global that the ``forward`` of a traced-through
+    module reads by name (in its own code or a comprehension's, lambda's or nested
+    function's in it) and that holds a plain value: the trace baked in what it read."""
+    guards = []
+    seen: set[int] = set()
+    for m in modules:
+        fn = getattr(type(m), "forward", None)
+        if not isinstance(fn, types.FunctionType) or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        namespace = fn.__globals__
+        for name in _global_names(fn.__code__):
+            value = namespace.get(name, GlobalValue)
+            if type(value) in _FLAG_TYPES or (type(value) is tuple and is_plain(value)):
+                guards.append((namespace, name, GlobalValue(name, value)))
+    return tuple(guards)
+
+
+@functools.lru_cache(maxsize=4096)
+def _global_names(code: types.CodeType) -> tuple[str, ...]:
+    names = {i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")}
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names.update(_global_names(const))
+    return tuple(sorted(n for n in names if isinstance(n, str)))
 
 
 def _assumptions(assumed: set) -> tuple:
