@@ -291,6 +291,7 @@ class WrapperState:
         self.hooked_modes: set[int] = set()
         self.hooked_seen: LRU = LRU(max(16, config.plan_cache_size))
         self.mode_id = self.mode_of(model)
+        self.hooked_modes.discard(self.mode_id)  # hooks held when wrapped: planned at once
         self.warned_untraceable = False
         # How errors name a module: (path prefix, model name); a nested child's wrapper
         # names its modules by their paths in the outermost model.
