@@ -286,12 +286,14 @@ class WrapperState:
         # recomputed only when the generation moved (``.train()``, ``.eval()``).
         self.modes: dict[tuple, int] = {}
         self.mode_ids = itertools.count()
-        # The modes in which some module holds a hook, and the call structures of such
-        # modes met once (``new_signatures``: a hook held for a call or two runs as written).
+        # The modes in which a module holds a hook registered after wrapping, and the call
+        # structures of such modes met once (``new_signatures``: a hook held for a call or
+        # two runs as written).
         self.hooked_modes: set[int] = set()
         self.hooked_seen: LRU = LRU(max(16, config.plan_cache_size))
+        # The hooks the model held when wrapped (planned at once, in every mode).
+        self.wrapped_hooks = _hooks_in(_mode_flags(model))
         self.mode_id = self.mode_of(model)
-        self.hooked_modes.discard(self.mode_id)  # hooks held when wrapped: planned at once
         self.warned_untraceable = False
         # How errors name a module: (path prefix, model name); a nested child's wrapper
         # names its modules by their paths in the outermost model.
@@ -338,12 +340,7 @@ class WrapperState:
         reused), interned as a small int for the plan key: a hooked module runs as a
         call of its own, so a trace with a hook differs from one without, and the plans
         without it serve again once it is removed."""
-        flags = tuple(
-            (m.training, hook_ids(m))
-            if (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks) and hook_ids(m)
-            else m.training
-            for m in model.modules()
-        )
+        flags = _mode_flags(model)
         mode = self.modes.get(flags)
         if mode is None:
             if len(self.modes) >= _MAX_MODES:
@@ -353,13 +350,29 @@ class WrapperState:
                 self.modes.clear()
                 self.hooked_modes.clear()
             mode = self.modes[flags] = next(self.mode_ids)
-            if any(type(f) is tuple for f in flags):
-                self.hooked_modes.add(mode)
+            hooks = _hooks_in(flags)
+            if hooks and hooks != self.wrapped_hooks:
+                self.hooked_modes.add(mode)  # hooks registered since the model was wrapped
         return mode
 
 
 # How many modes (train/eval and hook states) a wrapper keeps ids for at most.
 _MAX_MODES = 1024
+
+
+def _mode_flags(model: nn.Module) -> tuple:
+    """Per module, its training flag, or (flag, hook ids) where it holds hooks."""
+    return tuple(
+        (m.training, hook_ids(m))
+        if (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks) and hook_ids(m)
+        else m.training
+        for m in model.modules()
+    )
+
+
+def _hooks_in(flags: tuple) -> tuple:
+    """The hooks part of :func:`_mode_flags`: (module index, hook ids) where any."""
+    return tuple((i, f[1]) for i, f in enumerate(flags) if type(f) is tuple)
 
 
 class AttachedForward:
