@@ -216,6 +216,10 @@ def watch_object(obj: Any) -> bool:
         original = cls.__setattr__
 
         def __setattr__(self: Any, name: str, value: Any) -> None:
+            if _on_setattr:
+                callback = _on_setattr.get(threading.get_ident())
+                if callback is not None:
+                    callback(self, name)
             original(self, name, value)
             key = id(self)
             ref = _watched_objects.get(key)

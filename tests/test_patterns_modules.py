@@ -253,3 +253,39 @@ def test_module_level_globals_changed_between_calls_are_seen(executor):
             assert_close(out, model(x), what=f"call {call} ({path})")
     finally:
         NEGATE_HEADS, HEAD_SCALE = False, (1.0, 2.0)
+
+
+class Tally:
+    """An object a model holds and updates in its forward (running counts for logging)."""
+
+    def __init__(self):
+        self.calls = 0
+        self.rows = 0
+
+
+class KeepsATally(ReadsItsSettings):
+    def __init__(self):
+        super().__init__()
+        self.tally = Tally()
+
+    def forward(self, x):
+        self.tally.calls += 1
+        self.tally.rows = self.tally.rows + x.shape[0]
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("executor", ["auto", "serial", "threads"])
+def test_an_object_the_forward_updates_is_updated_on_every_call(executor):
+    # The trace ran the updates once, on proxies: the object was left holding an fx
+    # Proxy (``rows``), which the next read outside the trace raised on, and the count
+    # stopped. Assigning an attribute of an object a module holds is a side effect the
+    # trace refuses, as assigning a module's own attribute is.
+    model = KeepsATally()
+    sm = ss.StreamScheduledModule(model, executor=executor)
+    for call in range(12):
+        x = torch.randn(3 + call % 2, D)
+        expected = model(x)
+        assert_close(sm(x), expected, what=f"call {call}")
+        assert type(model.tally.rows) is int and type(model.tally.calls) is int
+        assert model.tally.calls == 2 * (call + 1)
+    assert model.tally.rows == sum(2 * (3 + c % 2) for c in range(12))

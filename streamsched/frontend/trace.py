@@ -71,6 +71,7 @@ from .trace_guard import (
     TraceSideEffectGuard,
     autocast_state,
     copy_fresh_constants,
+    held_objects,
     restore_containers,
     snapshot_containers,
 )
@@ -605,23 +606,6 @@ def _flag_values(owner: Any) -> tuple:
 _NOT_FLAG_TYPES = frozenset({dict, OrderedDict, list, set})
 
 
-def _held_objects(modules: Sequence[torch.nn.Module]) -> list[Any]:
-    """The objects ``modules`` hold as plain attributes whose own plain attributes traced
-    code may read (a ``config`` shared by every layer), each once: instances of classes
-    defined outside Python's built-ins, with an instance dict, that are not modules,
-    tensors, callables or plain values."""
-    seen: dict[int, Any] = {}
-    for m in modules:
-        for k, v in m.__dict__.items():
-            if k[:1] == "_" or id(v) in seen or is_plain(v) or callable(v):
-                continue
-            if isinstance(v, (torch.nn.Module, torch.Tensor, list, dict, set)) or type(v).__module__ == "builtins":
-                continue
-            if getattr(v, "__dict__", None) is not None:
-                seen[id(v)] = v
-    return list(seen.values())
-
-
 def _type_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
@@ -924,7 +908,7 @@ def _trace_once(
     modules = tuple(tracer.traced_through.values())
     flags = tuple((m, _flag_values(m)) for m in modules)
     _generation.watch(k for _, values in flags for k, _ in values)
-    flags += tuple((o, _flag_values(o)) for o in _held_objects(modules) if _generation.watch_object(o))
+    flags += tuple((o, _flag_values(o)) for o in held_objects(modules) if _generation.watch_object(o))
     traced = Traced(
         graph,
         root,

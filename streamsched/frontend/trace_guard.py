@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import random
 import threading
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.utils._pytree as pytree
@@ -39,6 +39,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import _generation
+from .binder import is_plain
 from .checkpointing import checkpoint_refused
 from .effects import fresh_outputs, op_accesses, storage_key
 
@@ -52,6 +53,7 @@ __all__ = [
     "autocast_state",
     "copy_fresh_constants",
     "FACTORIES",
+    "held_objects",
 ]
 
 # Torch functions that make a new tensor from plain arguments: called with no graph value
@@ -94,6 +96,23 @@ FACTORIES = frozenset(
 _SEEDED = getattr(torch.Tag, "nondeterministic_seeded", None)
 
 
+def held_objects(modules: Sequence[torch.nn.Module]) -> list[Any]:
+    """The objects ``modules`` hold as plain attributes whose own plain attributes traced
+    code may read (a ``config`` shared by every layer), each once: instances of classes
+    defined outside Python's built-ins, with an instance dict, that are not modules,
+    tensors, callables or plain values."""
+    seen: dict[int, Any] = {}
+    for m in modules:
+        for k, v in m.__dict__.items():
+            if k[:1] == "_" or id(v) in seen or is_plain(v) or callable(v):
+                continue
+            if isinstance(v, (torch.nn.Module, torch.Tensor, list, dict, set)) or type(v).__module__ == "builtins":
+                continue
+            if getattr(v, "__dict__", None) is not None:
+                seen[id(v)] = v
+    return list(seen.values())
+
+
 class SideEffectDuringTrace(RuntimeError):
     """A traced forward tried to change real state; raised where it tried."""
 
@@ -106,6 +125,9 @@ class TraceSideEffectGuard(TorchDispatchMode):
         super().__init__()
         self.fresh: set[int] = set()
         self.modules = {id(m) for m in model.modules()}
+        # Objects the modules hold (a config, a tally): assigning their attributes is a
+        # side effect too (their classes' __setattr__ reports to _on_setattr once watched).
+        self.objects = {id(o) for o in held_objects(list(model.modules())) if _generation.watch_object(o)}
         self.trace_root = trace_root
         self.thread = threading.get_ident()
 
@@ -135,6 +157,11 @@ class TraceSideEffectGuard(TorchDispatchMode):
         return out
 
     def _on_setattr(self, module: Any, name: str) -> None:
+        if id(module) in self.objects:
+            raise SideEffectDuringTrace(
+                f"the forward assigns {type(module).__name__}.{name}, an attribute of an object a module holds, while "
+                "running: a Python side effect a trace would perform only once (and on graph values)"
+            )
         if module is self.trace_root or id(module) not in self.modules:
             return
         if name.endswith("()"):
