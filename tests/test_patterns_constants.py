@@ -118,3 +118,30 @@ def test_tensors_made_from_plain_values_are_made_every_call(name, executor):
         assert "plan:serial" in paths or "plan:threads" in paths
     if name == "returns_constant":
         assert len({id(out[1]) for out in returned}) == len(returned)
+
+
+class SeedsItsNoise(nn.Module):
+    """Reseeds the generator in its forward, then draws (a fixed noise pattern per call)."""
+
+    def __init__(self):
+        super().__init__()
+        self.left = nn.Linear(8, 8)
+        self.right = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+
+    def forward(self, x):
+        torch.manual_seed(1234)
+        return self.left(x) + self.right(x) + torch.rand(x.shape[0], 8)
+
+
+@pytest.mark.parametrize("executor", ["auto", "serial", "threads"])
+def test_a_forward_that_reseeds_the_generator_reseeds_it_every_call(executor):
+    # The trace ran torch.manual_seed once: later calls drew on from wherever the
+    # generator was, not from the seed (and left it elsewhere than eager leaves it).
+    model = SeedsItsNoise()
+    sm = ss.StreamScheduledModule(model, executor=executor)
+    for call in range(6):
+        x = torch.randn(3, 8)
+        expected, after_eager = model(x), torch.rand(2)
+        out, after = sm(x), torch.rand(2)
+        assert_close(out, expected, what=f"call {call}")
+        assert torch.equal(after, after_eager), f"call {call}: the generator is not where eager leaves it"

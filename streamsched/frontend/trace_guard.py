@@ -29,6 +29,7 @@ refuses any grad-mode switch while a trace runs; :func:`autocast_state` and
 from __future__ import annotations
 
 import random
+import sys
 import threading
 from typing import Any, Optional, Sequence
 
@@ -247,14 +248,36 @@ _RANDOM_FUNCTIONS = (
     "betavariate",
     "expovariate",
 )
+# Setting a generator's state while tracing would happen once, not on every call: a
+# forward that reseeds (``torch.manual_seed(0)`` before drawing a fixed noise pattern)
+# would draw on from wherever the generator was. Refused the same way.
+_SEEDING = (
+    ("torch", "manual_seed"),
+    ("torch", "seed"),
+    ("torch", "set_rng_state"),
+    ("torch.random", "manual_seed"),
+    ("torch.random", "seed"),
+    ("torch.random", "set_rng_state"),
+    ("torch.cuda", "manual_seed"),
+    ("torch.cuda", "manual_seed_all"),
+    ("torch.cuda", "set_rng_state"),
+    ("torch.cuda", "set_rng_state_all"),
+    ("random", "seed"),
+    ("random", "setstate"),
+)
 _random_lock = threading.Lock()
 _random_tracing: dict[int, int] = {}
-_random_originals: dict[str, Any] = {}
+_random_originals: dict[tuple[Any, str], Any] = {}
 
 
-def _refusing(name: str, fn: Any) -> Any:
+def _refusing(name: str, fn: Any, seeds: bool = False) -> Any:
     def draw(*args: Any, **kwargs: Any) -> Any:
         if _random_tracing.get(threading.get_ident()):
+            if seeds:
+                raise SideEffectDuringTrace(
+                    f"{name}() sets a random number generator's state while tracing: it would be set once, not on "
+                    "every call"
+                )
             raise SideEffectDuringTrace(
                 f"random.{name}() draws a Python random number while tracing: it would be drawn once and every "
                 "call would reuse it"
@@ -274,8 +297,14 @@ def _python_random_refused(on: bool) -> None:
                 for name in _RANDOM_FUNCTIONS:
                     fn = getattr(random, name, None)
                     if fn is not None:
-                        _random_originals[name] = fn
+                        _random_originals[(random, name)] = fn
                         setattr(random, name, _refusing(name, fn))
+                for module_name, name in _SEEDING:
+                    namespace = sys.modules.get(module_name)
+                    fn = getattr(namespace, name, None)
+                    if fn is not None:
+                        _random_originals[(namespace, name)] = fn
+                        setattr(namespace, name, _refusing(f"{module_name}.{name}", fn, seeds=True))
             return
         left = _random_tracing.get(thread, 0) - 1
         if left > 0:
@@ -283,8 +312,8 @@ def _python_random_refused(on: bool) -> None:
         else:
             _random_tracing.pop(thread, None)
         if not _random_tracing:
-            for name, fn in _random_originals.items():
-                setattr(random, name, fn)
+            for (namespace, name), fn in _random_originals.items():
+                setattr(namespace, name, fn)
             _random_originals.clear()
 
 
