@@ -4,6 +4,8 @@ updated in place, on the model itself and on a submodule."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from torch import nn
@@ -289,3 +291,28 @@ def test_an_object_the_forward_updates_is_updated_on_every_call(executor):
         assert type(model.tally.rows) is int and type(model.tally.calls) is int
         assert model.tally.calls == 2 * (call + 1)
     assert model.tally.rows == sum(2 * (3 + c % 2) for c in range(12))
+
+
+class ReadsANamespace(ReadsItsSettings):
+    def __init__(self):
+        super().__init__()
+        self.options = types.SimpleNamespace(negate=False)  # a built-in class: assignments unseen
+
+    def forward(self, x):
+        y = super().forward(x)
+        return -y if self.options.negate else y
+
+
+@pytest.mark.parametrize("executor", ["serial", "threads"])
+def test_a_simple_namespace_the_model_holds_is_compared_every_call(executor):
+    # Its class is built in, so assigning its attributes cannot move the generation:
+    # its plain attributes are compared on every call instead, as globals are.
+    model = ReadsANamespace()
+    sm = ss.StreamScheduledModule(model, executor=executor)
+    for call in range(10):
+        if call % 3 == 2:
+            model.options.negate = not model.options.negate
+        x = torch.randn(4, D)
+        out = sm(x)
+        path = assert_path(sm, "recorded", "plan")
+        assert_close(out, model(x), what=f"call {call} ({path})")

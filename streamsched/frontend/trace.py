@@ -908,7 +908,12 @@ def _trace_once(
     modules = tuple(tracer.traced_through.values())
     flags = tuple((m, _flag_values(m)) for m in modules)
     _generation.watch(k for _, values in flags for k, _ in values)
-    flags += tuple((o, _flag_values(o)) for o in held_objects(modules) if _generation.watch_object(o))
+    held = held_objects(modules)
+    watched = [_generation.watch_object(o) for o in held]
+    flags += tuple((o, _flag_values(o)) for o, w in zip(held, watched) if w)
+    # An object whose assignments cannot be seen (a types.SimpleNamespace: its class is
+    # built in) has its plain attributes compared on every call, as globals are.
+    unseen = tuple((vars(o), k, GlobalValue(k, v)) for o, w in zip(held, watched) if not w for k, v in _flag_values(o))
     traced = Traced(
         graph,
         root,
@@ -924,7 +929,7 @@ def _trace_once(
         inlined_leaf_calls=tracer.inlined_leaf_calls,
         ranks=ranks,
         dtypes=dtypes,
-        dtype_guards=_assumptions(tracer.ranks.assumed) + _global_flags(modules),
+        dtype_guards=_assumptions(tracer.ranks.assumed) + _global_flags(modules) + unseen,
     )
     # The recording call re-traces through this where a leaf call misled the trace.
     root.__dict__["_streamsched_traced"] = weakref.ref(traced)
