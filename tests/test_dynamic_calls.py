@@ -598,3 +598,44 @@ def test_one_slow_call_of_the_model_as_written_does_not_drop_it_from_a_trial():
         trial.add("serial", 1e-3)
         trial.add("eager", 10e-3)
     assert trial.live == ["serial"]
+
+
+def test_no_collection_lands_in_a_timed_trial_call(monkeypatch):
+    # A full collection (4 ms on a loaded 2-core machine) landing in the schedule's first
+    # trial call made it 5 ms against the model's 0.25 ms: the schedule was dropped on
+    # that one call (about one run in four of a branchy model 1.4x faster planned). The
+    # cyclic collector waits while a trial call is timed.
+    import gc
+
+    from streamsched.runner import Runner
+
+    timing = []
+    landed = []
+    original = Runner._timed
+
+    def timed(self, *args, **kwargs):
+        timing.append(True)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            timing.pop()
+
+    def callback(phase, info):
+        if phase == "start" and timing:
+            landed.append(info["generation"])
+
+    monkeypatch.setattr(Runner, "_timed", timed)
+    thresholds = gc.get_threshold()
+    gc.callbacks.append(callback)
+    gc.set_threshold(1, 1, 1)  # a collection on (almost) every allocation of a container
+    try:
+        model = Chain()
+        sm = ss.StreamScheduledModule(model)
+        for _ in range(12):
+            x = torch.randn(4, 16)
+            assert_close(sm(x), model(x))
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.callbacks.remove(callback)
+    assert sm.plan.trial is not None, "no trial ran"
+    assert landed == [], f"{len(landed)} collections ran inside timed trial calls"
