@@ -4,6 +4,7 @@ registered before or after the first calls, and on the wrapped model itself."""
 from __future__ import annotations
 
 import copy
+import sys
 import warnings
 
 import pytest
@@ -344,3 +345,90 @@ def test_a_hook_that_returns_a_tuple_reaches_the_traced_code_as_one(executor):
     handle.remove()
     x = torch.randn(4, 8)
     assert_close(sm(x), model(x), what="hook removed")
+
+
+# --- output-capturing hooks inside a module run as one call ---------------------------
+
+
+class _Collector:
+    """Stands for transformers' ``_active_collector``: what the decorated forward sets
+    while it collects outputs."""
+
+    def __init__(self):
+        self.value = None
+
+    def get(self):
+        return self.value
+
+
+def _attention_capture_hook(collector):
+    def output_capturing_hook(module, args, output):
+        collected = collector.get()
+        if collected is not None:
+            collected.append(output)
+
+    output_capturing_hook.__module__ = "transformers.utils.output_capturing"
+    return output_capturing_hook
+
+
+class _Block(nn.Module):
+    """A block whose inner ``attn`` holds the capture hook (transformers records
+    attentions on attention modules inside each layer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.Linear(8, 8)
+        self.mlp = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + self.mlp(torch.relu(self.attn(x)))
+
+
+# Module-level, as transformers' context variable is (not held by the model).
+_COLLECTOR = _Collector()
+
+
+class _CollectsInsideBlocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block() for _ in range(3))
+        for block in self.blocks:
+            block.attn.register_forward_hook(_attention_capture_hook(_COLLECTOR))
+
+    def forward(self, x, collect: bool = False):
+        previous = _COLLECTOR.value
+        _COLLECTOR.value = [] if collect else None
+        try:
+            for block in self.blocks:
+                x = block(x)
+            return x, tuple(_COLLECTOR.value) if collect else ()
+        finally:
+            _COLLECTOR.value = previous
+
+
+@pytest.mark.parametrize("executor", ["serial", "threads"])
+def test_outputs_collected_inside_a_module_run_as_one_call_reach_the_output(monkeypatch, executor):
+    """A block run as one call (a leaf here; an opaque class in transformers' models) would
+    run its inner capture hooks where nothing collects: the outputs its attention layers
+    hand over were silently missing (SwitchTransformers' output_attentions after an
+    output_hidden_states call). While outputs are collected, such a block's caller runs
+    as written."""
+    import types
+
+    stub = types.ModuleType("transformers.utils.output_capturing")
+    stub._active_collector = _COLLECTOR
+    monkeypatch.setitem(sys.modules, "transformers.utils.output_capturing", stub)
+    torch.manual_seed(0)
+    model = _CollectsInsideBlocks()
+    sm = ss.StreamScheduledModule(model, executor=executor, leaf_modules=(_Block,))
+    for call in range(4):
+        x = torch.randn(4, 8)
+        collect = call % 2 == 1
+        out, expected = sm(x, collect=collect), model(x, collect=collect)
+        path = ss.testing.last_path(sm)
+        assert len(out[1]) == len(expected[1]) == (3 if collect else 0), f"call {call} ({path})"
+        for got, want in zip(out[1], expected[1]):
+            assert_close(got, want, what=f"call {call} ({path})")
+        assert_close(out[0], expected[0], what=f"call {call} ({path})")
+    sm(torch.randn(4, 8), collect=False)
+    assert ss.testing.last_path(sm).startswith("plan"), "calls collecting nothing are still planned"

@@ -12,11 +12,16 @@ capturing: ``output_hidden_states=True`` collects each layer's output through fo
 hooks into a context the decorated ``forward`` reads back). Run at call time inside an
 opaque module, its output would never reach the traced forward that returns it. Such
 hooks are traced: they fire at trace time on the proxies, so what they hand over is a
-graph value, and run as no-ops at run time (their context is unset there).
+graph value, and run as no-ops at run time (their context is unset there). A module run
+as one call (a leaf, an opaque class) cannot have its inner modules' capture hooks fired
+on proxies: while outputs are collected (:func:`capture_collecting`), a trace meeting
+such a module (:func:`captures_below`) makes its caller run as written instead, where
+the hooks fire in the collecting context (``frontend.trace``: ``CaptureInsideLeaf``).
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable
 
 from torch import nn
@@ -27,6 +32,8 @@ __all__ = [
     "hook_ids",
     "global_hooks",
     "capture_hooks",
+    "capture_collecting",
+    "captures_below",
     "is_capture_hook",
     "is_counting_hook",
     "COUNTING_HOOK",
@@ -44,6 +51,23 @@ def is_capture_hook(hook: Callable[..., Any]) -> bool:
 def capture_hooks(m: nn.Module) -> list[Callable[..., Any]]:
     """The capture hooks among ``m``'s forward hooks, in registration order."""
     return [h for h in m._forward_hooks.values() if is_capture_hook(h)]
+
+
+def capture_collecting() -> bool:
+    """Whether a capture context is set on this thread now (transformers' decorated
+    forward is collecting outputs: ``output_hidden_states`` / ``output_attentions``)."""
+    for name in _CAPTURE_HOOK_MODULES:
+        collector = getattr(sys.modules.get(name), "_active_collector", None)
+        if collector is not None and collector.get() is not None:
+            return True
+    return False
+
+
+def captures_below(m: nn.Module) -> bool:
+    """Whether a module inside ``m`` (not ``m`` itself) has a capture hook. Run as one
+    call, ``m`` would run those hooks at call time, where no context collects: what they
+    hand over would never reach the traced forward."""
+    return any(capture_hooks(sub) for sub in m.modules() if sub is not m)
 
 
 def is_counting_hook(hook: Callable[..., Any]) -> bool:

@@ -49,7 +49,7 @@ from ..errors import TraceError
 from . import opaque_functions
 from .binder import CallBinder, CallSpec, is_plain
 from .fx_fast import FastTracerMixin
-from .hooks import capture_hooks, has_hooks
+from .hooks import capture_collecting, capture_hooks, captures_below, has_hooks
 from .nodes import AUGMENTED_OPERATORS, has_children, submodule_resolver
 from .opaque_functions import OpaqueFunction, UnsafeOpaqueCall
 from .opaque_outputs import (
@@ -77,6 +77,12 @@ from .trace_guard import (
 )
 
 __all__ = ["Traced", "trace_model", "is_compiled_module", "dtype_probes", "dtypes_same"]
+
+
+class CaptureInsideLeaf(SideEffectDuringTrace):
+    """A module run as one call holds modules whose outputs the forward collects while
+    tracing (transformers' output capturing): the calling module runs as written, where
+    the hooks fire in the collecting context."""
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(__file__)
@@ -231,6 +237,11 @@ class _LeafTracer(FastTracerMixin, fx.Tracer):
                 # plan's (``frontend.leafcalls``).
                 self.inlined_leaf_calls += 1
         try:
+            if leaf and m is not self.model and capture_collecting() and captures_below(m):
+                raise CaptureInsideLeaf(
+                    f"{type(m).__name__} holds modules whose outputs the forward collects (output capturing: "
+                    "output_attentions / output_hidden_states); run as one call, they would hand over nothing"
+                )
             out = super().call_module(m, forward, args, kwargs)
             if leaf and m is not self.model:
                 out = self._known_structure(self.path_of_module(m), out)
