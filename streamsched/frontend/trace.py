@@ -84,6 +84,7 @@ class CaptureInsideLeaf(SideEffectDuringTrace):
     tracing (transformers' output capturing): the calling module runs as written, where
     the hooks fire in the collecting context."""
 
+
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(__file__)
 
