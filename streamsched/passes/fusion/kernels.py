@@ -739,6 +739,11 @@ def _functional(fn: Any) -> Callable[[torch.Tensor], torch.Tensor]:
 _TABLES = frozenset({"_parameters", "_buffers", "_modules", "forward"})
 
 
+def _is_compiled(m: nn.Module) -> bool:
+    """``torch.compile``'s module wrapper (read by name: importing dynamo costs a second)."""
+    return any(c.__name__ == "OptimizedModule" and c.__module__.startswith("torch._dynamo") for c in type(m).__mro__)
+
+
 def private_template(module: nn.Module) -> tuple[nn.Module, Callable[[], None]]:
     """A stand-in of ``module`` for ``torch.func.functional_call`` to swap tensors into,
     and a function that refreshes it. The stand-in has parameter, buffer and child tables
@@ -761,6 +766,10 @@ def private_template(module: nn.Module) -> tuple[nn.Module, Callable[[], None]]:
         d["_parameters"] = dict(m._parameters)
         d["_buffers"] = dict(m._buffers)
         d["_modules"] = {k: (stand_in(c) if c is not None else None) for k, c in m._modules.items()}
+        if "forward" in m.__dict__ and _is_compiled(m):
+            # torch.compile's wrapper calls its compiled original (an instance
+            # ``forward``): the stand-in calls the stand-in of that original.
+            d["forward"] = d["_modules"]["_orig_mod"].__call__
         pairs.append((shadow, m))
         return shadow
 
