@@ -639,3 +639,22 @@ def test_no_collection_lands_in_a_timed_trial_call(monkeypatch):
         gc.callbacks.remove(callback)
     assert sm.plan.trial is not None, "no trial ran"
     assert landed == [], f"{len(landed)} collections ran inside timed trial calls"
+
+
+def test_sizes_that_come_back_after_many_others_are_known_again():
+    """97 batch sizes cycled (a loader whose last batches differ, bucketed lengths): each
+    size comes back after 96 others. A table of sizes seen smaller than that forgot every
+    size before it returned, so every call was a new size, paid the full path and was
+    never planned nor settled (0.77x eager on a small branchy model)."""
+    model = Towers()
+    sm = ss.StreamScheduledModule(model)
+    sizes = [1 + i % 97 for i in range(3 * 97)]
+    reasons = []
+    for n in sizes:
+        x = torch.randn(n, 16)
+        assert_close(sm(x), model(x))
+        reasons.append(sm.plan.reason)
+    last_cycle = reasons[-97:]
+    assert not any("new to this call structure" in r for r in last_cycle), [
+        r for r in last_cycle if "new to this call structure" in r
+    ][:3]

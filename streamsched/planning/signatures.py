@@ -137,8 +137,10 @@ class Structure:
 
     def __init__(self, plan_cache_size: int):
         self.capacity = plan_cache_size
-        # Sizes called but not planned yet: how often.
-        self.seen: LRU = LRU(max(64, 4 * plan_cache_size))
+        # Sizes called but not planned yet: how often. Large, as its entries are small: a
+        # size must still be here when it comes back (sizes cycled through a loader or a
+        # bucketing scheme come back after all the others), else it is new every time.
+        self.seen: LRU = LRU(max(1024, 4 * plan_cache_size))
         # Sizes planned before, to tell a re-plan (the plan was evicted) from a new size.
         self.planned: LRU = LRU(max(128, 8 * plan_cache_size))
         self.replans = 0
