@@ -52,6 +52,22 @@ def called_on(sm: ss.StreamScheduledModule, path: str, *args: Any, **kwargs: Any
     return out
 
 
+def saving(module: Any, *args: Any, **kwargs: Any) -> tuple[Any, int]:
+    """``module(*args, **kwargs)``, and how many tensors autograd saved for backward
+    through this thread's saved-tensor hooks (a checkpointed region's own saves go to
+    its innermost hooks; a CPU lane's would escape these)."""
+    count = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal count
+        count += 1
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = module(*args, **kwargs)
+    return out, count
+
+
 def grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 

@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 import streamsched as ss
 from streamsched.testing import assert_path, last_path
 
-from .helpers import assert_close
+from .helpers import assert_close, saving
 
 
 class CheckpointedBranches(nn.Module):
@@ -58,21 +58,6 @@ class _Member(nn.Module):
         return checkpoint(self.body, x, use_reentrant=False)
 
 
-def _saving(module, x) -> tuple[torch.Tensor, int]:
-    """``module(x)``, and how many tensors autograd saved for backward outside any
-    checkpointed region (a region's own saves go to its innermost hooks)."""
-    count = 0
-
-    def pack(t):
-        nonlocal count
-        count += 1
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = module(x)
-    return out, count
-
-
 def _train_alongside(sm, model, ref, make_input, steps: int, planned: str) -> list[str]:
     """SGD steps of the wrapper and of an eager copy on the same inputs; every output,
     input gradient, parameter gradient and parameter compared. Returns the paths."""
@@ -84,7 +69,7 @@ def _train_alongside(sm, model, ref, make_input, steps: int, planned: str) -> li
         x_ref = x.detach().clone().requires_grad_(x.requires_grad)
         opt.zero_grad()
         opt_ref.zero_grad()
-        (out, saved), (expected, saved_ref) = _saving(sm, x), _saving(ref, x_ref)
+        (out, saved), (expected, saved_ref) = saving(sm, x), saving(ref, x_ref)
         paths.append(last_path(sm))
         # What autograd keeps outside the checkpointed regions: as eager's (a region
         # traced through would keep its activations).

@@ -25,7 +25,7 @@ from streamsched.runtime.dispatch import EagerDispatchError, PendingValue
 from streamsched.runtime.dispatch.launch import _Launch
 from streamsched.testing import check_happens_before
 
-from .helpers import Towers, assert_close, check_against_eager, flatten, grads
+from .helpers import Towers, assert_close, check_against_eager, flatten, grads, saving
 
 CPU_EXECUTORS = ["threads", "streams", "serial", "auto"]
 # Long enough for a broken schedule to fail loudly rather than hang the suite.
@@ -424,15 +424,9 @@ def test_saved_tensor_hooks_keep_branches_on_the_callers_thread():
     sm = wrap(model, executor="threads")
     x = positive(4, 8)
     sm(x)
-    saved = {"wrapped": 0, "eager": 0}
+    saved = {}
     for name, module in (("wrapped", sm), ("eager", model)):
-
-        def pack(t, name=name):
-            saved[name] += 1
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = module(x)
+        out, saved[name] = saving(module, x)
         out.sum().backward()
     assert saved["wrapped"] == saved["eager"] > 0, saved
 

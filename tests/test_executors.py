@@ -13,7 +13,16 @@ from streamsched import _native
 from streamsched.runtime import SimulatedBackend, StreamExecutor, SyncLog, check_happens_before
 from streamsched.testing import assert_path
 
-from .helpers import ConvTowers, RandomDag, Towers, assert_close, called_on, check_against_eager, random_dag_spec
+from .helpers import (
+    ConvTowers,
+    RandomDag,
+    Towers,
+    assert_close,
+    called_on,
+    check_against_eager,
+    random_dag_spec,
+    saving,
+)
 
 EXECUTORS = ["serial", "threads", "streams"]
 
@@ -138,15 +147,10 @@ def test_state_a_lane_cannot_carry_keeps_the_call_on_the_callers_thread():
     sm(x)
     assert_close(called_on(sm, "plan:threads", x), model(x))
     assert sm.plan.num_streams > 1
-    saved = {"wrapped": 0, "eager": 0}
+    saved = {}
     for name, module in (("wrapped", sm), ("eager", model)):
-
-        def pack(t, name=name):
-            saved[name] += 1
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            module(x).sum().backward()
+        out, saved[name] = saving(module, x)
+        out.sum().backward()
     assert saved["wrapped"] == saved["eager"] > 0, saved
     counted = {}
     for name, module in (("wrapped", sm), ("eager", model)):

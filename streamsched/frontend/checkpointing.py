@@ -29,14 +29,15 @@ call to call (the recording call, a trial, a plan).
 
 from __future__ import annotations
 
-import threading
 import types
 from typing import Any, Optional
 
 import torch
 import torch.utils.checkpoint as _ckpt
 
-__all__ = ["CheckpointDuringTrace", "checkpoint_refused", "checkpoint_site", "in_checkpoint_region", "ENTRY_POINTS"]
+from .trace_patches import PatchWhileTracing
+
+__all__ = ["CheckpointDuringTrace", "CHECKPOINT_REFUSAL", "checkpoint_site", "in_checkpoint_region", "ENTRY_POINTS"]
 
 # What a forward calls to checkpoint a region (``checkpoint_sequential`` calls
 # ``checkpoint`` for each segment).
@@ -63,11 +64,6 @@ def in_checkpoint_region() -> bool:
     return hooks is not None and getattr(hooks[0], "__module__", None) == _ckpt.__name__
 
 
-_lock = threading.Lock()
-_tracing: dict[int, int] = {}  # thread id -> traces running on it
-_originals: dict[str, Any] = {}
-
-
 class _RefusingFunction:
     """Stands for ``CheckpointFunction`` while traces run: ``apply`` raises on a tracing
     thread and is the original's elsewhere; every other attribute is the original's."""
@@ -76,7 +72,7 @@ class _RefusingFunction:
         self._original = original
 
     def apply(self, *args: Any, **kwargs: Any) -> Any:
-        if _tracing.get(threading.get_ident()):
+        if CHECKPOINT_REFUSAL.tracing():
             raise CheckpointDuringTrace(_MESSAGE)
         return self._original.apply(*args, **kwargs)
 
@@ -86,7 +82,7 @@ class _RefusingFunction:
 
 def _refusing_generator(original: Any) -> Any:
     def generator(*args: Any, **kwargs: Any) -> Any:
-        if _tracing.get(threading.get_ident()):
+        if CHECKPOINT_REFUSAL.tracing():
             raise CheckpointDuringTrace(_MESSAGE)
         return original(*args, **kwargs)
 
@@ -94,33 +90,23 @@ def _refusing_generator(original: Any) -> Any:
     return generator
 
 
-def checkpoint_refused(on: bool) -> None:
-    """Begin (``on``) or end refusing checkpointing on this thread; the module's globals
-    are patched while any thread refuses."""
-    thread = threading.get_ident()
-    namespace = vars(_ckpt)
-    with _lock:
-        if on:
-            _tracing[thread] = _tracing.get(thread, 0) + 1
-            if not _originals:
-                function = namespace.get("CheckpointFunction")
-                if function is not None:
-                    _originals["CheckpointFunction"] = function
-                    namespace["CheckpointFunction"] = _RefusingFunction(function)
-                # (``_checkpoint_without_reentrant_generator``; ``..._impl`` in later torch.)
-                for name, generator in list(namespace.items()):
-                    if name.startswith("_checkpoint_without_reentrant_generator") and callable(generator):
-                        _originals[name] = generator
-                        namespace[name] = _refusing_generator(generator)
-            return
-        left = _tracing.get(thread, 0) - 1
-        if left > 0:
-            _tracing[thread] = left
-        else:
-            _tracing.pop(thread, None)
-        if not _tracing:
-            namespace.update(_originals)
-            _originals.clear()
+def _install() -> dict[tuple[Any, str], Any]:
+    originals: dict[tuple[Any, str], Any] = {}
+    function = getattr(_ckpt, "CheckpointFunction", None)
+    if function is not None:
+        originals[(_ckpt, "CheckpointFunction")] = function
+        _ckpt.CheckpointFunction = _RefusingFunction(function)
+    # (``_checkpoint_without_reentrant_generator``; ``..._impl`` in later torch.)
+    for name, generator in list(vars(_ckpt).items()):
+        if name.startswith("_checkpoint_without_reentrant_generator") and callable(generator):
+            originals[(_ckpt, name)] = generator
+            setattr(_ckpt, name, _refusing_generator(generator))
+    return originals
+
+
+# Begun and ended around every trace (``trace_guard.GradModeGuard``): while any thread
+# traces, the module's globals are patched; the stand-ins refuse on tracing threads.
+CHECKPOINT_REFUSAL = PatchWhileTracing(_install)
 
 
 def checkpoint_site(caller_globals: dict) -> Optional[tuple[dict, str, Any]]:

@@ -41,8 +41,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import _generation
 from .binder import is_plain
-from .checkpointing import checkpoint_refused
+from .checkpointing import CHECKPOINT_REFUSAL
 from .effects import fresh_outputs, op_accesses, storage_key
+from .trace_patches import PatchWhileTracing
 
 __all__ = [
     "TraceSideEffectGuard",
@@ -196,21 +197,21 @@ class GradModeGuard(TorchFunctionMode):
         self.tracer = tracer
 
     def __enter__(self) -> GradModeGuard:
-        _python_random_refused(True)
-        checkpoint_refused(True)
+        _RANDOM_REFUSAL.begin()
+        CHECKPOINT_REFUSAL.begin()
         try:
             return super().__enter__()
         except BaseException:
-            checkpoint_refused(False)
-            _python_random_refused(False)
+            CHECKPOINT_REFUSAL.end()
+            _RANDOM_REFUSAL.end()
             raise
 
     def __exit__(self, *exc: Any) -> Any:
         try:
             return super().__exit__(*exc)
         finally:
-            checkpoint_refused(False)
-            _python_random_refused(False)
+            CHECKPOINT_REFUSAL.end()
+            _RANDOM_REFUSAL.end()
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         if func is torch._C._set_grad_enabled:
@@ -265,14 +266,11 @@ _SEEDING = (
     ("random", "seed"),
     ("random", "setstate"),
 )
-_random_lock = threading.Lock()
-_random_tracing: dict[int, int] = {}
-_random_originals: dict[tuple[Any, str], Any] = {}
 
 
 def _refusing(name: str, fn: Any, seeds: bool = False) -> Any:
     def draw(*args: Any, **kwargs: Any) -> Any:
-        if _random_tracing.get(threading.get_ident()):
+        if _RANDOM_REFUSAL.tracing():
             if seeds:
                 raise SideEffectDuringTrace(
                     f"{name}() sets a random number generator's state while tracing: it would be set once, not on "
@@ -288,33 +286,23 @@ def _refusing(name: str, fn: Any, seeds: bool = False) -> Any:
     return draw
 
 
-def _python_random_refused(on: bool) -> None:
-    thread = threading.get_ident()
-    with _random_lock:
-        if on:
-            _random_tracing[thread] = _random_tracing.get(thread, 0) + 1
-            if not _random_originals:
-                for name in _RANDOM_FUNCTIONS:
-                    fn = getattr(random, name, None)
-                    if fn is not None:
-                        _random_originals[(random, name)] = fn
-                        setattr(random, name, _refusing(name, fn))
-                for module_name, name in _SEEDING:
-                    namespace = sys.modules.get(module_name)
-                    fn = getattr(namespace, name, None)
-                    if fn is not None:
-                        _random_originals[(namespace, name)] = fn
-                        setattr(namespace, name, _refusing(f"{module_name}.{name}", fn, seeds=True))
-            return
-        left = _random_tracing.get(thread, 0) - 1
-        if left > 0:
-            _random_tracing[thread] = left
-        else:
-            _random_tracing.pop(thread, None)
-        if not _random_tracing:
-            for (namespace, name), fn in _random_originals.items():
-                setattr(namespace, name, fn)
-            _random_originals.clear()
+def _install_random_refusals() -> dict[tuple[Any, str], Any]:
+    originals: dict[tuple[Any, str], Any] = {}
+    for name in _RANDOM_FUNCTIONS:
+        fn = getattr(random, name, None)
+        if fn is not None:
+            originals[(random, name)] = fn
+            setattr(random, name, _refusing(name, fn))
+    for module_name, name in _SEEDING:
+        namespace = sys.modules.get(module_name)
+        fn = getattr(namespace, name, None)
+        if fn is not None:
+            originals[(namespace, name)] = fn
+            setattr(namespace, name, _refusing(f"{module_name}.{name}", fn, seeds=True))
+    return originals
+
+
+_RANDOM_REFUSAL = PatchWhileTracing(_install_random_refusals)
 
 
 def _has_proxy(args: tuple, kwargs: dict) -> bool:

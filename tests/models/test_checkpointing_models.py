@@ -14,20 +14,9 @@ import torch
 import streamsched as ss
 from streamsched.testing import last_path
 
+from ..helpers import saving
+
 VOCAB = 96
-
-
-def _saving(module, *args):
-    count = 0
-
-    def pack(t):
-        nonlocal count
-        count += 1
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = module(*args)
-    return out, count
 
 
 def _logits(out):
@@ -41,7 +30,7 @@ def _check(model: torch.nn.Module, make_input, steps: int = 4) -> list[str]:
     paths = []
     for step in range(steps):
         x = make_input(step)
-        (out, kept), (expected, kept_ref) = _saving(sm, x), _saving(ref, x)
+        (out, kept), (expected, kept_ref) = saving(sm, x), saving(ref, x)
         paths.append(last_path(sm))
         torch.testing.assert_close(_logits(out), _logits(expected), atol=1e-5, rtol=1e-4)
         assert kept <= kept_ref, f"step {step}: {kept} tensors kept for backward, eager keeps {kept_ref}"
