@@ -110,6 +110,7 @@ class Runner:
         work on each call"). ``inside_model_call``: made by the model's own ``__call__``
         (``sm.attach()``), whose hooks fired already."""
         st = self.st
+        # (The hooks are read here first: the common call, with none, pays no frame.)
         if _saved_tensors_hooks(False) is not None and in_checkpoint_region():
             # Its recomputation must save what this call saves: the way every call has.
             return self.as_written(args, kwargs)

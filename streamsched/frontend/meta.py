@@ -125,25 +125,12 @@ def run_and_record(
     ref = root.__dict__.get("_streamsched_traced")
     traced = ref() if ref is not None else None
     if traced is None:
-        return _run(graph, root, inputs, on_error, record, effects, None, None)
+        return _RecordingRun(graph, root, inputs, on_error, record, effects, None, None).run()
     counter = recording_counter(traced)
     with counter:
-        result = _run(graph, root, inputs, on_error, record, effects, traced, counter)
+        result = _RecordingRun(graph, root, inputs, on_error, record, effects, traced, counter).run()
     store_counts(counter, list(traced.graph.nodes))
     return result
-
-
-def _run(
-    graph: fx.Graph,
-    root: torch.nn.Module,
-    inputs: list[Any],
-    on_error: Callable[[BaseException, fx.Node], None],
-    record: Optional[dict[fx.Node, ValueMeta]],
-    effects: Any,
-    traced: Any,
-    counter: Any,
-) -> Any:
-    return _RecordingRun(graph, root, inputs, on_error, record, effects, traced, counter).run()
 
 
 class _RecordingRun:
