@@ -11,6 +11,7 @@ caught by both.
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -308,8 +309,12 @@ def test_the_recorders_weak_references_hold_storage_ids_apart_until_released():
     del ys
     rec.release()
     assert not rec._ids
-    kept = []  # (freed, a new storage would take the address just freed)
-    for _ in range(500):
+    # (freed, a new storage would take the address just freed; how soon depends on
+    # what the allocator met before, which in a whole test run can be a lot: a leaked
+    # reference keeps the address taken however long the loop runs)
+    gc.collect()
+    kept = []
+    for _ in range(20000):
         kept.append(torch.empty(256))
         if kept[-1].untyped_storage()._cdata == address:
             break
