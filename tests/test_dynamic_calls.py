@@ -126,7 +126,7 @@ def test_churn_through_the_plan_cache_stops_planning_new_sizes():
 
 
 def test_the_trial_decides_once_per_size_bucket(monkeypatch):
-    """A planted slow schedule: the first size's trial drops it after its first call; every
+    """A planted slow schedule: the first size's trial drops it after its second call; every
     other size of the bucket takes the verdict (as written) without a trial of its own."""
     from streamsched.runtime.serial import SerialExecutor
     from streamsched.runtime.threads import ThreadExecutor
@@ -146,9 +146,9 @@ def test_the_trial_decides_once_per_size_bucket(monkeypatch):
             x = torch.randn(n, 16)
             assert_close(sm(x), model(x))
             slow_calls += last_path(sm).startswith("plan")
-    # The bound: a candidate 4x slower than the leader runs once in the bucket's trial
+    # The bound: a candidate twice as slow as the leader runs twice in the bucket's trial
     # (the plan's executor, and serial where that is another).
-    assert 1 <= slow_calls <= 2
+    assert 2 <= slow_calls <= 4
     assert_path(sm, "as-written")
     assert "size bucket 32x16 was decided for the model as written" in sm.plan.reason
 
@@ -190,7 +190,7 @@ def test_a_structure_with_nothing_to_schedule_is_decided_once_for_every_size(mon
             assert_close(sm(x), model(x))
             paths.append(last_path(sm))
     assert paths.count("recorded") == 1, paths
-    assert sum(p.startswith("plan") for p in paths) == 1, paths  # the slow schedule: once in all
+    assert sum(p.startswith("plan") for p in paths) == 2, paths  # the slow schedule: twice in all
     for n in (5, 100, 100):  # sizes no call had: no recording, no trial
         x = torch.randn(n, 16)
         assert_close(sm(x), model(x))
@@ -243,8 +243,10 @@ def test_a_stalled_trial_of_a_size_bucket_hands_over_to_a_size_that_comes_back(m
             x = torch.randn(n, 16)
             assert_close(sm(x), model(x))
             paths.append(last_path(sm))
-    assert paths.count("recorded") == 1, paths  # the size that took the trial over
-    assert 1 <= sum(p.startswith("plan") for p in paths) <= 2, paths  # the slow schedule, dropped
+    # The size that took the trial over (and, where its own trial stalled in turn while
+    # it waited for a second call of the slow schedule, the one after it).
+    assert 1 <= paths.count("recorded") <= signatures.MAX_HANDOFFS, paths
+    assert 2 <= sum(p.startswith("plan") for p in paths) <= 4, paths  # the slow schedule, dropped
     assert "size bucket 32x16 was decided for the model as written" in sm.plan.reason
     x = torch.randn(17, 16)  # the first trial's size: it takes the bucket's verdict
     assert_close(sm(x), model(x))
@@ -598,6 +600,26 @@ def test_one_slow_call_of_the_model_as_written_does_not_drop_it_from_a_trial():
         trial.add("serial", 1e-3)
         trial.add("eager", 10e-3)
     assert trial.live == ["serial"]
+
+
+def test_one_slow_call_of_the_schedule_does_not_drop_it_from_a_trial():
+    """The schedule's first trial call slowed twenty times by another process: the way
+    that is faster on every later call stays in the trial and wins it."""
+    from streamsched.planning.choice import Trial
+
+    trial = Trial("threads", as_written=True)
+    trial.add("threads", 20e-3)  # one spike
+    trial.add("serial", 20e-3)  # and another
+    trial.add("eager", 2e-3)
+    assert trial.live == ["threads", "serial", "eager"]
+    for _ in range(trial.rounds):
+        trial.add("threads", 1e-3)
+        trial.add("serial", 1.5e-3)
+        trial.add("eager", 2e-3)
+    assert trial.done()
+    plan = ss.Plan.as_written("M", "planted")
+    decided, eager = trial.decide(plan)
+    assert eager is False and decided.trial.chosen == "threads"
 
 
 def test_no_collection_lands_in_a_timed_trial_call(monkeypatch):

@@ -154,16 +154,18 @@ def test_a_slower_schedule_falls_back_to_the_models_own_forward(monkeypatch):
     assert ss.Plan.from_json(plan.to_json()) == plan
 
 
-def test_a_far_slower_schedule_is_dropped_after_one_call(monkeypatch):
+def test_a_far_slower_schedule_is_dropped_after_two_calls(monkeypatch):
     model = Heads()
     sm = ss.StreamScheduledModule(model)
     x = torch.randn(5, 16)
     sm(x)
     _slow_serial(monkeypatch, seconds=0.05)
     calls, _ = _calls_until_decided(sm, x)
-    # One call each: 50 ms against well under 1 ms is decided without more rounds.
-    assert calls == 2
-    assert sm.plan.executor == "eager" and sm.plan.trial.calls == {"serial": 1, "eager": 1}
+    # 50 ms against well under 1 ms is decided without more rounds: the schedule after
+    # its second call (one slow call may be another process's doing), the model as
+    # written after its first.
+    assert calls == 3
+    assert sm.plan.executor == "eager" and sm.plan.trial.calls == {"serial": 2, "eager": 1}
 
 
 def test_a_faster_schedule_is_kept(monkeypatch):

@@ -101,10 +101,10 @@ class Trial:
     streams or lanes should pay and the schedule whether tracing pays at all; this checks
     both on the real machine. Calls take the candidates in turn and each keeps its fastest
     time (the best of ``rounds``: robust to bursts of machine noise and to a cold first
-    call); a candidate more than ``_DROP`` times slower than the leader is dropped at once
-    (the model as written after its second call: one call slowed by something else must
-    not cost the way that is always right), so that a trial costs little even where one
-    way is ten times slower. Where the
+    call); a candidate more than ``_DROP`` times slower than the leader is dropped after
+    its second call (not its first: one call slowed by something else, another process on
+    a shared machine, must not cost a way that is right for every later call of this
+    signature), so that a trial costs little even where one way is ten times slower. Where the
     schedule and the model's forward come out within ``close`` of each other, they take
     more calls, up to ``max_rounds`` each (those calls cost nothing: both ways run at
     about the same speed). The schedule stays unless the model's own forward is more than
@@ -122,9 +122,8 @@ class Trial:
     forwards only.
     """
 
-    # A candidate slower than the leader by this factor is dropped: after its first call
-    # (which may be cold), and after two or more.
-    _DROP_FIRST = 4.0
+    # A candidate whose fastest of two or more calls is slower than the leader by this
+    # factor is dropped.
     _DROP = 2.0
     # Calls whose time is not the candidate's own (a nested child's wrapper planning or in
     # its own trial inside it) are left out, this many at most per trial: about as many
@@ -195,7 +194,7 @@ class Trial:
                 if name not in self.warmed:
                     # A candidate's first backward pays for warming up (the engine's
                     # first pass over new autograd nodes, a fused group's first gather):
-                    # several times a warm one, past even the first call's drop factor.
+                    # several times a warm one.
                     self.warmed.add(name)
                 elif name in self.live:
                     self.add(name, forward_s + backward_s)
@@ -254,12 +253,10 @@ class Trial:
             return
         leader = min(min(self.samples[c]) for c in self.live)
         for c in list(self.live):
-            if c == "eager" and len(self.samples[c]) < 2:
-                # The model as written is the way that is always right: one call slowed
-                # by something else (another process, a collection) does not drop it.
-                continue
-            factor = self._DROP_FIRST if len(self.samples[c]) < 2 else self._DROP
-            if min(self.samples[c]) > factor * leader:
+            # One call decides nothing: a spike of another process (10x is common on a
+            # shared machine) would drop a way for good, the schedule's first call
+            # included (its 1.5x lost for every later call of the signature).
+            if len(self.samples[c]) >= 2 and min(self.samples[c]) > self._DROP * leader:
                 self.live.remove(c)
 
     def done(self) -> bool:
