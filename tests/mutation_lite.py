@@ -159,9 +159,9 @@ MUTANTS = [
         "mode-key-ignores-submodules",
         "the plan key reads only the wrapped model's own training flag",
         replace(
-            "streamsched/module.py",
-            "flags = tuple(m.training for m in model.modules())",
-            "flags = (model.training,)",
+            "streamsched/state.py",
+            "        flags = _mode_flags(model)\n",
+            "        flags = (model.training,)\n",
         ),
         ["tests/test_plan_key.py", "tests/test_semantics.py"],
     ),
