@@ -217,9 +217,10 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     plan = commands.add_parser(
         "plan",
         help="plan a model and print the plan",
-        description="Build the model, wrap it, call it twice on random inputs of the given shapes (the first "
-        "call traces and plans, the second runs the plan) and print sm.plan: the executor and why, the tasks "
-        "in issue order with their streams, waits and estimated costs, and the fused groups.",
+        description="Build the model, wrap it, call it on random inputs of the given shapes (the first call "
+        "traces and plans; under executor=auto the next calls are the trial that times the plan against the "
+        "model as written, until it decides) and print sm.plan: the executor and why, what the trial measured, "
+        "the tasks in issue order with their streams, waits and estimated costs, and the fused groups.",
         epilog=_MODEL_EPILOG.format(prog=PROG, command="plan", extra=""),
         formatter_class=_HelpFormatter,
     )
@@ -337,12 +338,28 @@ class _Prepared:
                 raise RunError(f"{what} {self.describe()} failed: {type(exc).__name__}: {exc}") from None
 
 
+# Calls ``plan`` makes at most for an ``auto`` trial to decide (it takes 5 to 15 of each way).
+_TRIAL_CALLS = 64
+
+
+def _in_trial(sm: StreamScheduledModule) -> bool:
+    """Whether the signature of the last call is still under the executor trial."""
+    compiled = sm._ss.last
+    return compiled is not None and getattr(compiled, "trial", None) is not None
+
+
 def _cmd_plan(ns: argparse.Namespace) -> int:
     prepared = _Prepared(ns)
     sm = prepared.sm
     with prepared.running("planning"):
         sm(*prepared.inputs())  # records shapes and plans
         sm(*prepared.inputs())  # runs the plan
+        # Under executor="auto" the calls after planning are a trial of the ways to run
+        # the plan (docs/design.md): the plan printed is the one the trial decided on.
+        for _ in range(_TRIAL_CALLS):
+            if not _in_trial(sm):
+                break
+            sm(*prepared.inputs())
     plan = sm.plan
     if ns.json:
         print(plan.to_json())

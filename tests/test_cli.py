@@ -186,6 +186,19 @@ def test_plan_json_of_a_small_model_honours_the_options(capsys):
     assert plan.executor == "threads" and plan.stream_bound == 2
 
 
+def test_plan_under_auto_prints_the_trials_decision(capsys):
+    """The calls after planning are the executor trial: the plan printed is the decided one,
+    with what the trial measured, not the plan still under trial."""
+    code, out, err = run(capsys, "plan", *TOWERS, "--json")
+    assert code == 0, err
+    plan = Plan.from_json(out)
+    assert plan.trial is not None and plan.trial.chosen in plan.trial.best_us
+    assert plan.trial.calls and min(plan.trial.calls.values()) >= 1
+    code, out, err = run(capsys, "plan", *TOWERS)
+    assert code == 0, err
+    assert "measured (fastest of the first calls)" in out
+
+
 class RecordsMode(nn.Module):
     """Remembers the train flag and grad mode of every call it gets."""
 
