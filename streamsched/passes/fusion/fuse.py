@@ -19,6 +19,7 @@ from ...frontend.trace_guard import autocast_state
 from ...ir.cost import DeviceModel
 from .builders import BUILDERS, Group
 from .kernels import FusedKernel
+from .member_use import link_member_use
 from .propose import FusionSupport, StaticSignatures, propose
 from .report import FusedGroupInfo, UnfusedGroup
 from .rewrite import Rewriter, resort
@@ -107,6 +108,7 @@ def fuse_graph(
         return FuseResult([], [], [], unfused, reuse=reuse)
     rw.rewrite_consumers()
     rw.erase_members()
+    link_member_use(graph)
     resort(graph, rw.position)
     graph.lint()
     return FuseResult(rw.groups, [], rw.kernels, unfused, fused_modules, proposals.structures, reuse)

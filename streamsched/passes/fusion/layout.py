@@ -59,17 +59,29 @@ def aligned_stack(x: torch.Tensor, layout: Layout, n: int, shape: tuple[int, ...
     return s
 
 
-def unstack(x: torch.Tensor, layout: Layout, n: int, shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
-    """The N member values (views)."""
-    return to_stack(x, layout, n, shape).unbind(0)
+def unstack(
+    x: torch.Tensor, layout: Layout, n: int, shape: tuple[int, ...], use: Any = None
+) -> tuple[torch.Tensor, ...]:
+    """The N member values (views). ``use``: a
+    :class:`~streamsched.passes.fusion.member_use.MemberUse` that records which of them a
+    backward reaches."""
+    parts = to_stack(x, layout, n, shape).unbind(0)
+    if use is not None:
+        use.watch(parts[0])
+    return parts
 
 
-def member_copy(x: torch.Tensor, layout: Layout, n: int, shape: tuple[int, ...], index: int) -> torch.Tensor:
+def member_copy(
+    x: torch.Tensor, layout: Layout, n: int, shape: tuple[int, ...], index: int, use: Any = None
+) -> torch.Tensor:
     """Member ``index``'s value in storage of its own, for a consumer that writes it in
     place. A view would not do under autograd: the views of one ``unbind`` may not be
     written at all, and writing a ``select`` view moves the version counter that every
     other member's view shares, failing the backward of whatever saved one of them."""
-    return to_stack(x, layout, n, shape)[index].clone()
+    value = to_stack(x, layout, n, shape)[index].clone()
+    if use is not None:
+        use.watch(value)
+    return value
 
 
 def eager_strides(x: torch.Tensor) -> torch.Tensor:
@@ -82,10 +94,13 @@ def eager_strides(x: torch.Tensor) -> torch.Tensor:
     return x.clone(memory_format=torch.preserve_format)
 
 
-def split_member_copy(x: torch.Tensor, sizes: tuple[int, ...], dim: int, index: int) -> torch.Tensor:
+def split_member_copy(x: torch.Tensor, sizes: tuple[int, ...], dim: int, index: int, use: Any = None) -> torch.Tensor:
     """Member ``index`` of a ``("split", dim)`` value (a wide kernel's output) in storage
     of its own (see :func:`member_copy`)."""
-    return x.narrow(dim, sum(sizes[:index]), sizes[index]).clone()
+    value = x.narrow(dim, sum(sizes[:index]), sizes[index]).clone()
+    if use is not None:
+        use.watch(value)
+    return value
 
 
 def cat_members(x: torch.Tensor, layout: Layout, n: int, shape: tuple[int, ...], dim: int) -> torch.Tensor:

@@ -41,6 +41,7 @@ from torch import nn
 
 from ... import _generation
 from ..._native import native
+from .member_use import UseCell
 
 __all__ = ["GatherStacked", "HandOffStacked", "StackedTensors"]
 
@@ -51,8 +52,13 @@ class GatherStacked(torch.autograd.Function):
     """``stack`` as a differentiable function of the member tensors it aliases."""
 
     @staticmethod
-    def forward(ctx, stack: torch.Tensor, sizes: Optional[tuple[int, ...]], *members: torch.Tensor):
+    def forward(
+        ctx, stack: torch.Tensor, sizes: Optional[tuple[int, ...]], cell: Optional[UseCell], *members: torch.Tensor
+    ):
         ctx.sizes = sizes
+        ctx.cell = cell
+        if cell is not None:
+            ctx.members = members
         return stack.view_as(stack)
 
     @staticmethod
@@ -63,7 +69,27 @@ class GatherStacked(torch.autograd.Function):
         if grad.is_contiguous():
             grad = grad.view(grad.shape)
         parts = grad.unbind(0) if ctx.sizes is None else grad.split(ctx.sizes, 0)
-        return (None, None, *parts)
+        cell = ctx.cell
+        if cell is not None:
+            used = cell.used()
+            if used is not None:
+                # Members whose output no gradient reached get none, as in eager, except
+                # those with gradient hooks: autograd would still call their hooks (with
+                # None), which eager never calls; they get zeros, as before.
+                members = ctx.members
+                return (
+                    None,
+                    None,
+                    None,
+                    *[p if i in used or _hooked(members[i]) else None for i, p in enumerate(parts)],
+                )
+        return (None, None, None, *parts)
+
+
+def _hooked(t: torch.Tensor) -> bool:
+    """Whether ``t`` has gradient hooks of its own (``register_hook``,
+    ``register_post_accumulate_grad_hook``)."""
+    return bool(t._backward_hooks) or bool(getattr(t, "_post_accumulate_grad_hooks", None))
 
 
 class HandOffStacked(torch.autograd.Function):
@@ -80,15 +106,43 @@ class HandOffStacked(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, stack: torch.Tensor, canary: torch.Tensor, handoff: Any):
+    def forward(
+        ctx,
+        stack: torch.Tensor,
+        canary: torch.Tensor,
+        handoff: Any,
+        cell: Optional[UseCell] = None,
+        members: Sequence[torch.Tensor] = (),
+        sink: Optional[torch.Tensor] = None,
+    ):
         ctx.handoff = handoff
-        ctx.canary_shape = canary.shape
+        ctx.canary = canary
+        ctx.cell = cell
+        ctx.members = members
+        ctx.sink = sink is not None
         return stack.view_as(stack)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        ctx.handoff.accumulate(grad)
-        return None, grad.new_zeros(()).expand(ctx.canary_shape), None
+        cell = ctx.cell
+        used = cell.used() if cell is not None else None
+        canary = ctx.canary
+        to_canary: Optional[torch.Tensor] = grad.new_zeros(()).expand(canary.shape)
+        if used is None:
+            ctx.handoff.accumulate(grad)
+        else:
+            # Members whose output no gradient reached get none, as in eager: the hand-off
+            # adds zeros to a .grad they have (no change) and gives one to those without,
+            # which is taken back. The canary's edge carries nothing then; the sink's
+            # (an empty leaf) orders this node's stream before the caller's instead.
+            unset = [m for i, m in enumerate(ctx.members) if i not in used and m.grad is None]
+            ctx.handoff.accumulate(grad)
+            for m in unset:
+                m.grad = None
+                if m is canary:
+                    to_canary = None
+        sink = grad.new_zeros((0,)) if ctx.sink else None
+        return None, to_canary, None, None, None, sink
 
 
 _data_ptr = torch.Tensor.data_ptr
@@ -134,6 +188,13 @@ class StackedTensors:
         # The StackedParameter the kernels read while fused_parameters() is on (see
         # streamsched.passes.fusion.stacked): a leaf whose .grad the members' .grad are views of.
         self.param: Any = None
+        # Member tracking (see streamsched.passes.fusion.member_use): None until a plan
+        # links this stack's kernels to their exits, then True while every kernel reading
+        # it has only understood consumers (False for good once one has not); ``cell``:
+        # the UseCell of the latest differentiable read.
+        self.track: Optional[bool] = None
+        self.cell: Optional[UseCell] = None
+        self._sink: Optional[torch.Tensor] = None  # an empty leaf (the direct hand-off's, see HandOffStacked)
         self.rebuilds = 0
         # Views of the stack the kernels take on every call (a transpose, an unsqueeze),
         # kept per (op, arguments) with the stack they were taken of: see view_of.
@@ -258,6 +319,9 @@ class StackedTensors:
 
     def value(self, grad: bool) -> torch.Tensor:
         if not self.live:
+            # Copy mode, or tensors swapped in (torch.func.functional_call, where a Python
+            # autograd Function may be refused): autograd's own stack, which hands every
+            # member its slice.
             current = [getattr(m, n) for m, n in self.owners]
             return torch.cat(current, 0) if self.concat else torch.stack(current, 0)
         stack = self.stack
@@ -270,9 +334,19 @@ class StackedTensors:
             return stack
         first, last = self.tensors[0], self.tensors[-1]
         if grad and (first.requires_grad or last.requires_grad):
+            cell = None
+            if self.track:
+                cell = self.cell = UseCell()
             if self._handoff is not None and not self._handoff.hooked():
-                return HandOffStacked.apply(stack, first if first.requires_grad else last, self._handoff)
-            return GatherStacked.apply(stack, self.sizes, *self.tensors)
+                canary = first if first.requires_grad else last
+                if cell is None:
+                    return HandOffStacked.apply(stack, canary, self._handoff)
+                sink = self._sink
+                if sink is None or sink.device != stack.device:
+                    with torch.inference_mode(False):
+                        sink = self._sink = torch.zeros(0, device=stack.device, requires_grad=True)
+                return HandOffStacked.apply(stack, canary, self._handoff, cell, self.tensors, sink)
+            return GatherStacked.apply(stack, self.sizes, cell, *self.tensors)
         return stack
 
     def view_of(self, grad: bool, op: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:

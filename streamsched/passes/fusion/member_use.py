@@ -1,0 +1,212 @@
+"""Which members of a fused group a backward reached: only those get a gradient.
+
+A fused kernel reads its members' parameters as one stacked tensor
+(:class:`~streamsched.passes.fusion.params.GatherStacked`), and the stacked gradient
+reaching it holds a slice for every member, zeros for a member whose output reaches no
+loss. Eager leaves such a member's ``.grad`` as ``None`` (autograd never reaches its
+parameters), and optimizers treat the two differently: ``SGD`` with weight decay or
+momentum, ``Adam`` and ``AdamW`` step a parameter whose gradient is zeros and skip one
+whose gradient is ``None``.
+
+So each *exit* of a fused group (where members' values leave the stacked layout: the
+``unbind`` or ``split`` that hands each member its part, a member's own copy) watches its
+backward: its autograd node's pre-hook sees ``None`` for every part no gradient reached.
+It records the members it saw in a :class:`UseCell` of every gather upstream of it (the
+cell that gather made on this call), and the gather's backward, which the engine runs
+after every exit downstream of it, hands a gradient to those members only.
+
+Which exits are downstream of which kernels is worked out once per plan
+(:func:`link_member_use`): from each kernel through the kernels reading its output
+(member ``i`` stays member ``i``; a member selection maps them) to the exits. A kernel
+whose output reaches anything else (a ``torch.cat`` / ``torch.stack`` of the whole group
+folded into a view of the output, which reaches every member as eager's does) keeps
+handing every member its slice, and so does any stacked tensor such a kernel reads.
+
+Several backward passes through one forward (``retain_graph``) record per pass; a gather
+reached in a pass whose exits recorded nothing (the second backward of a gradient
+penalty, through the graph the first one made) or after a backward with
+``create_graph=True`` uses every member any pass through this call saw.
+"""
+
+from __future__ import annotations
+
+import operator
+from functools import partial
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import fx
+
+__all__ = ["UseCell", "MemberUse", "link_member_use", "split_parts"]
+
+_task_id = torch._C._current_graph_task_id
+_is_none = partial(operator.is_, None)
+_grad_enabled = torch.is_grad_enabled
+
+
+class UseCell:
+    """What the exits downstream of one gather, on one call, saw in the backward.
+
+    ``now``: the members seen in the latest backward pass (``task``); ``ever``: in every
+    pass so far. ``True`` stands for every member."""
+
+    __slots__ = ("task", "now", "ever", "higher")
+
+    def __init__(self) -> None:
+        self.task: Optional[int] = None
+        self.now: Any = None
+        self.ever: Any = None
+        self.higher = False
+
+    def record(self, seen: Any) -> None:
+        """``seen``: ``True`` (every member) or a set of member indices."""
+        task = _task_id()
+        if task != self.task:
+            self.task = task
+            self.now = seen if seen is True else set(seen)
+        elif self.now is not True:
+            if seen is True:
+                self.now = True
+            else:
+                self.now |= seen
+        ever = self.ever
+        if ever is None:
+            self.ever = seen if seen is True else set(seen)
+        elif ever is not True:
+            if seen is True:
+                self.ever = True
+            else:
+                ever |= seen
+        if _grad_enabled():  # backward(create_graph=True): later passes may come through its graph
+            self.higher = True
+
+    def used(self) -> Optional[set[int]]:
+        """The members to hand a gradient in the running backward pass; ``None``: all."""
+        if self.task is None:
+            return None
+        seen = self.now if (self.task == _task_id() and not self.higher) else self.ever
+        return None if seen is True else seen
+
+
+class MemberUse:
+    """The link from one exit of fused values to the stacked tensors upstream of it
+    (a constant argument of the exit's node in the plan).
+
+    ``ups``: ``(stacked tensors, mapping)`` pairs, ``mapping[j]`` the member of that
+    group that the exit's part ``j`` is (``None``: the same index). ``index``: for an exit
+    that hands out one member's value (a member's own copy), which one."""
+
+    __slots__ = ("ups", "index")
+
+    def __init__(self, ups: Sequence[tuple[Any, Optional[tuple[int, ...]]]], index: Optional[int] = None):
+        self.ups = tuple(ups)
+        self.index = index
+
+    def watch(self, value: torch.Tensor) -> None:
+        """Record, in the backward of ``value``'s autograd node (the exit), which parts
+        a gradient reached, in the cell each upstream gather made on this call."""
+        node = value.grad_fn
+        if node is None:
+            return
+        cells = [(st.cell, m) for st, m in self.ups if st.cell is not None]
+        if not cells:
+            return
+        index = self.index
+
+        def seen(grads: tuple) -> None:
+            if index is not None:
+                if grads[0] is None:
+                    return
+                for cell, m in cells:
+                    cell.record({index if m is None else m[index]})
+                return
+            if any(map(_is_none, grads)):
+                parts = [j for j, g in enumerate(grads) if g is not None]
+                for cell, m in cells:
+                    cell.record(set(parts) if m is None else {m[j] for j in parts})
+            else:
+                for cell, m in cells:
+                    cell.record(True if m is None else set(m))
+
+        node.register_prehook(seen)
+
+    def __repr__(self) -> str:
+        return f"MemberUse({len(self.ups)} stacked tensors{'' if self.index is None else f', member {self.index}'})"
+
+
+def split_parts(x: torch.Tensor, sizes: list[int], dim: int, use: Optional[MemberUse] = None) -> tuple:
+    """``torch.split(x, sizes, dim)`` (a wide kernel's members), watched by ``use``."""
+    parts = torch.split(x, sizes, dim)
+    if use is not None:
+        use.watch(parts[0])
+    return parts
+
+
+def link_member_use(graph: fx.Graph) -> int:
+    """Give every exit of fused values downstream of a kernel its :class:`MemberUse`, and
+    turn on the member tracking of each stacked tensor read by kernels whose every
+    consumer is understood (:attr:`StackedTensors.track`). Returns how many exits."""
+    from .kernels import FusedKernel
+    from .layout import member_copy, select_members, split_member_copy, unstack
+
+    kernels = [n for n in graph.nodes if n.op == "call_function" and isinstance(n.target, FusedKernel)]
+    links: dict[fx.Node, list[tuple[Any, Optional[tuple[int, ...]]]]] = {}
+    for k in kernels:
+        stacks = list(k.target.params)
+        exits: list[tuple[fx.Node, Optional[tuple[int, ...]]]] = []
+        complete = True
+        todo: list[tuple[fx.Node, Optional[tuple[int, ...]]]] = [(k, None)]
+        seen: set[tuple[fx.Node, Optional[tuple[int, ...]]]] = set()
+        while todo and complete:
+            node, mapping = todo.pop()
+            for u in node.users:
+                t = u.target
+                if u.op != "call_function":
+                    complete = False
+                elif isinstance(t, FusedKernel):
+                    step = (u, mapping)
+                    if step not in seen:
+                        seen.add(step)
+                        todo.append(step)
+                elif t is select_members and u.args[0] is node:
+                    index = tuple(int(i) for i in u.args[4].tolist())
+                    step = (u, index if mapping is None else tuple(mapping[i] for i in index))
+                    if step not in seen:
+                        seen.add(step)
+                        todo.append(step)
+                elif t in (unstack, member_copy, split_member_copy, split_parts) and u.args[0] is node:
+                    exits.append((u, mapping))
+                elif t is torch.split and u.args[0] is node and _inserted(u):
+                    exits.append((u, mapping))
+                else:
+                    complete = False
+                    break
+        for st in stacks:
+            st.track = bool(st.track is not False and complete and exits)
+        if not complete or not exits:
+            continue
+        for node, mapping in exits:
+            links.setdefault(node, []).extend((st, mapping) for st in stacks)
+    for node, ups in links.items():
+        t = node.target
+        ups = [(st, m) for st, m in ups if st.track]
+        if not ups:
+            continue
+        if t is torch.split:
+            node.target = split_parts
+            node.args = tuple(node.args[:3]) + (MemberUse(ups),)
+        elif t is unstack:
+            node.args = tuple(node.args[:4]) + (MemberUse(ups),)
+        elif t is member_copy:
+            node.args = tuple(node.args[:5]) + (MemberUse(ups, int(node.args[4])),)
+        elif t is split_member_copy:
+            node.args = tuple(node.args[:4]) + (MemberUse(ups, int(node.args[3])),)
+        elif t is split_parts:
+            node.args = tuple(node.args[:3]) + (MemberUse(ups),)
+    return len(links)
+
+
+def _inserted(node: fx.Node) -> bool:
+    from ...frontend import node_meta
+
+    return bool(node_meta.is_inserted_glue(node))
