@@ -71,17 +71,15 @@ def unstack(
     return parts
 
 
-def member_copy(
-    x: torch.Tensor, layout: Layout, n: int, shape: tuple[int, ...], index: int, use: Any = None
-) -> torch.Tensor:
-    """Member ``index``'s value in storage of its own, for a consumer that writes it in
-    place. A view would not do under autograd: the views of one ``unbind`` may not be
-    written at all, and writing a ``select`` view moves the version counter that every
-    other member's view shares, failing the backward of whatever saved one of them."""
-    value = to_stack(x, layout, n, shape)[index].clone()
-    if use is not None:
-        use.watch(value)
-    return value
+def member_copy(parts: tuple[torch.Tensor, ...], index: int) -> torch.Tensor:
+    """Member ``index``'s value (of its group's ``unstack`` / ``split`` parts) in storage of
+    its own, for a consumer that writes it in place, or the caller, who may. A view would
+    not do under autograd: the views of one ``unbind`` may not be written at all, and
+    writing a ``select`` view moves the version counter that every other member's view
+    shares, failing the backward of whatever saved one of them. Copied from the parts
+    every other member reads, so that one autograd node hands out every member's value
+    (see :mod:`streamsched.passes.fusion.member_use`)."""
+    return parts[index].clone()
 
 
 def eager_strides(x: torch.Tensor) -> torch.Tensor:
@@ -92,15 +90,6 @@ def eager_strides(x: torch.Tensor) -> torch.Tensor:
     if x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last):
         return x
     return x.clone(memory_format=torch.preserve_format)
-
-
-def split_member_copy(x: torch.Tensor, sizes: tuple[int, ...], dim: int, index: int, use: Any = None) -> torch.Tensor:
-    """Member ``index`` of a ``("split", dim)`` value (a wide kernel's output) in storage
-    of its own (see :func:`member_copy`)."""
-    value = x.narrow(dim, sum(sizes[:index]), sizes[index]).clone()
-    if use is not None:
-        use.watch(value)
-    return value
 
 
 def cat_members(x: torch.Tensor, layout: Layout, n: int, shape: tuple[int, ...], dim: int) -> torch.Tensor:

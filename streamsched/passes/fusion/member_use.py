@@ -9,8 +9,9 @@ momentum, ``Adam`` and ``AdamW`` step a parameter whose gradient is zeros and sk
 whose gradient is ``None``.
 
 So each *exit* of a fused group (where members' values leave the stacked layout: the
-``unbind`` or ``split`` that hands each member its part, a member's own copy) watches its
-backward: its autograd node's pre-hook sees ``None`` for every part no gradient reached.
+one ``unbind`` or ``split`` that hands every member its part, from which members'
+own copies are made too) watches its backward: one pre-hook on its autograd node sees
+``None`` for every part no gradient reached.
 It records the members it saw in a :class:`UseCell` of every gather upstream of it (the
 cell that gather made on this call), and the gather's backward, which the engine runs
 after every exit downstream of it, hands a gradient to those members only.
@@ -19,13 +20,17 @@ Which exits are downstream of which kernels is worked out once per plan
 (:func:`link_member_use`): from each kernel through the kernels reading its output
 (member ``i`` stays member ``i``; a member selection maps them) to the exits. A kernel
 whose output reaches anything else (a ``torch.cat`` / ``torch.stack`` of the whole group
-folded into a view of the output, which reaches every member as eager's does) keeps
-handing every member its slice, and so does any stacked tensor such a kernel reads.
+folded into a view of the output, or a kernel reading that view as one shared input:
+either reaches every member, as eager's ``cat`` does) keeps handing every member its
+slice, and so does any stacked tensor such a kernel reads.
 
 Several backward passes through one forward (``retain_graph``) record per pass; a gather
 reached in a pass whose exits recorded nothing (the second backward of a gradient
 penalty, through the graph the first one made) or after a backward with
-``create_graph=True`` uses every member any pass through this call saw.
+``create_graph=True`` uses every member any pass through this call saw. A member with
+gradient hooks of its own is always handed its slice: autograd calls the hooks of a
+parameter it reaches even with no gradient (with ``None``), where eager would not reach
+it at all.
 """
 
 from __future__ import annotations
@@ -89,41 +94,33 @@ class UseCell:
 
 
 class MemberUse:
-    """The link from one exit of fused values to the stacked tensors upstream of it
-    (a constant argument of the exit's node in the plan).
+    """The link from one exit of fused values (the node handing every member its part)
+    to the stacked tensors upstream of it: a constant argument of the exit's node.
 
     ``ups``: ``(stacked tensors, mapping)`` pairs, ``mapping[j]`` the member of that
-    group that the exit's part ``j`` is (``None``: the same index). ``index``: for an exit
-    that hands out one member's value (a member's own copy), which one."""
+    group that the exit's part ``j`` is (``None``: the same index)."""
 
-    __slots__ = ("ups", "index")
+    __slots__ = ("ups",)
 
-    def __init__(self, ups: Sequence[tuple[Any, Optional[tuple[int, ...]]]], index: Optional[int] = None):
+    def __init__(self, ups: Sequence[tuple[Any, Optional[tuple[int, ...]]]]):
         self.ups = tuple(ups)
-        self.index = index
 
-    def watch(self, value: torch.Tensor) -> None:
-        """Record, in the backward of ``value``'s autograd node (the exit), which parts
-        a gradient reached, in the cell each upstream gather made on this call."""
-        node = value.grad_fn
+    def watch(self, part: torch.Tensor) -> None:
+        """Record, in the backward of ``part``'s autograd node (the exit, whose outputs
+        are every member's part), which parts a gradient reached, in the cell each
+        upstream gather made on this call."""
+        node = part.grad_fn
         if node is None:
             return
         cells = [(st.cell, m) for st, m in self.ups if st.cell is not None]
         if not cells:
             return
-        index = self.index
 
         def seen(grads: tuple) -> None:
-            if index is not None:
-                if grads[0] is None:
-                    return
-                for cell, m in cells:
-                    cell.record({index if m is None else m[index]})
-                return
             if any(map(_is_none, grads)):
-                parts = [j for j, g in enumerate(grads) if g is not None]
+                parts = {j for j, g in enumerate(grads) if g is not None}
                 for cell, m in cells:
-                    cell.record(set(parts) if m is None else {m[j] for j in parts})
+                    cell.record(parts if m is None else {m[j] for j in parts})
             else:
                 for cell, m in cells:
                     cell.record(True if m is None else set(m))
@@ -131,7 +128,7 @@ class MemberUse:
         node.register_prehook(seen)
 
     def __repr__(self) -> str:
-        return f"MemberUse({len(self.ups)} stacked tensors{'' if self.index is None else f', member {self.index}'})"
+        return f"MemberUse({len(self.ups)} stacked tensors)"
 
 
 def split_parts(x: torch.Tensor, sizes: list[int], dim: int, use: Optional[MemberUse] = None) -> tuple:
@@ -147,7 +144,7 @@ def link_member_use(graph: fx.Graph) -> int:
     turn on the member tracking of each stacked tensor read by kernels whose every
     consumer is understood (:attr:`StackedTensors.track`). Returns how many exits."""
     from .kernels import FusedKernel
-    from .layout import member_copy, select_members, split_member_copy, unstack
+    from .layout import select_members, unstack
 
     kernels = [n for n in graph.nodes if n.op == "call_function" and isinstance(n.target, FusedKernel)]
     links: dict[fx.Node, list[tuple[Any, Optional[tuple[int, ...]]]]] = {}
@@ -164,6 +161,9 @@ def link_member_use(graph: fx.Graph) -> int:
                 if u.op != "call_function":
                     complete = False
                 elif isinstance(t, FusedKernel):
+                    if not _reads_members(u, node, len(mapping) if mapping is not None else k.target.n):
+                        complete = False  # reads the group whole (as one shared tensor)
+                        break
                     step = (u, mapping)
                     if step not in seen:
                         seen.add(step)
@@ -174,7 +174,7 @@ def link_member_use(graph: fx.Graph) -> int:
                     if step not in seen:
                         seen.add(step)
                         todo.append(step)
-                elif t in (unstack, member_copy, split_member_copy, split_parts) and u.args[0] is node:
+                elif t in (unstack, split_parts) and u.args[0] is node:
                     exits.append((u, mapping))
                 elif t is torch.split and u.args[0] is node and _inserted(u):
                     exits.append((u, mapping))
@@ -197,13 +197,31 @@ def link_member_use(graph: fx.Graph) -> int:
             node.args = tuple(node.args[:3]) + (MemberUse(ups),)
         elif t is unstack:
             node.args = tuple(node.args[:4]) + (MemberUse(ups),)
-        elif t is member_copy:
-            node.args = tuple(node.args[:5]) + (MemberUse(ups, int(node.args[4])),)
-        elif t is split_member_copy:
-            node.args = tuple(node.args[:4]) + (MemberUse(ups, int(node.args[3])),)
         elif t is split_parts:
             node.args = tuple(node.args[:3]) + (MemberUse(ups),)
     return len(links)
+
+
+def _reads_members(user: fx.Node, node: fx.Node, n: int) -> bool:
+    """Whether kernel ``user`` reads ``node`` (``n`` members' values) member by member:
+    its member ``j`` reads member ``j`` only (an input in a stacked or folded layout),
+    rather than every member of it (a shared input)."""
+    from .kernels import ElementwiseKernel, VmapKernel, WideKernel
+    from .layout import SHARED
+
+    kernel = user.target
+    if isinstance(kernel, WideKernel) or kernel.n != n or user.kwargs:
+        return False
+    if isinstance(kernel, ElementwiseKernel):
+        layouts = [op[1] for op in kernel.operands if op[0] == "t"]
+    elif isinstance(kernel, VmapKernel):
+        layouts = [layout for layout, _ in kernel.inputs]
+    else:
+        layout = getattr(kernel, "in_layout", None)
+        layouts = [layout] if layout is not None else []
+    if len(layouts) != len(user.args):
+        return False
+    return all(layout != SHARED for a, layout in zip(user.args, layouts) if a is node)
 
 
 def _inserted(node: fx.Node) -> bool:

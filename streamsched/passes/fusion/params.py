@@ -11,7 +11,9 @@ stacked tensor (``alias`` mode): ``stack[i]`` *is* member ``i``'s weight. So:
   to member ``i``, so each original parameter's ``.grad`` is filled as in the loop; or,
   with ``grad_handoff="direct"``, through :class:`HandOffStacked`, whose backward fills
   every member's ``.grad`` in one native call (``csrc/grad_handoff.cpp``) instead of
-  one autograd edge and one ``AccumulateGrad`` per member.
+  one autograd edge and one ``AccumulateGrad`` per member. Either way only members
+  whose output a gradient reached get one, as in eager
+  (:mod:`streamsched.passes.fusion.member_use`).
 
 Anything that gives a member new storage (``.to()``, ``p.data = ...``, re-assigning the
 attribute) breaks the alias; :meth:`StackedTensors.check` notices and re-stacks before
@@ -41,6 +43,7 @@ from torch import nn
 
 from ... import _generation
 from ..._native import native
+from ...backward_timing import BackwardSample
 from .member_use import UseCell
 
 __all__ = ["GatherStacked", "HandOffStacked", "StackedTensors"]
@@ -87,9 +90,13 @@ class GatherStacked(torch.autograd.Function):
 
 
 def _hooked(t: torch.Tensor) -> bool:
-    """Whether ``t`` has gradient hooks of its own (``register_hook``,
-    ``register_post_accumulate_grad_hook``)."""
-    return bool(t._backward_hooks) or bool(getattr(t, "_post_accumulate_grad_hooks", None))
+    """Whether ``t`` has gradient hooks (``register_hook``,
+    ``register_post_accumulate_grad_hook``) other than the ``auto`` trial's backward
+    timing (:class:`~streamsched.backward_timing.BackwardSample`, which takes ``None``)."""
+    hooks = t._backward_hooks
+    if hooks and any(type(getattr(h, "__self__", None)) is not BackwardSample for h in hooks.values()):
+        return True
+    return bool(getattr(t, "_post_accumulate_grad_hooks", None))
 
 
 class HandOffStacked(torch.autograd.Function):
@@ -103,6 +110,13 @@ class HandOffStacked(torch.autograd.Function):
     ``AccumulateGrad`` is a leaf of the engine, so the engine orders this node's stream
     (whose kernels wrote the gradients) before the caller's when ``backward()`` returns,
     as it does for every gradient on CUDA.
+
+    With member tracking (``cell``, see :mod:`streamsched.passes.fusion.member_use`),
+    members no gradient reached get no ``.grad``: the hand-off writes every member, and
+    the ``.grad`` it gave those that had none is taken back. When the canary is one of
+    them its edge carries nothing (zeros would give it a ``.grad``), so the node also has
+    an edge to ``sink``, an empty leaf that always receives an empty gradient: the leaf
+    that keeps this node's stream waited for.
     """
 
     @staticmethod

@@ -42,7 +42,6 @@ from .layout import (
     fold,
     member_copy,
     select_members,
-    split_member_copy,
     stack_members,
     unstack,
 )
@@ -364,18 +363,14 @@ class Rewriter:
             if not outside:
                 continue
             s = self.stacked_of[m]
-            if m in written:
-                if s.sizes is not None:
-                    args = (s.kernel_node, tuple(s.sizes), s.layout[1], s.index)
-                    item = self._insert(split_member_copy, args, m)
-                else:
-                    item = self._insert(member_copy, (s.kernel_node, s.layout, s.n, s.shape, s.index), m)
-                self.position[item] = self.position[s.kernel_node] + 0.2
-                m.replace_all_uses_with(item, delete_user_cb=lambda u: u not in self.members)
-                continue
             parts = unstacked.get(s.kernel_node)
             if parts is None:
                 parts = unstacked[s.kernel_node] = self._unstack(s)
+            if m in written:
+                item = self._insert(member_copy, (parts, s.index), m)
+                self.position[item] = self.position[s.kernel_node] + 0.2
+                m.replace_all_uses_with(item, delete_user_cb=lambda u: u not in self.members)
+                continue
             item = self._insert(operator.getitem, (parts, s.index), m)
             self.position[item] = self.position[s.kernel_node] + 0.2
             if self._needs_eager_strides(m):
