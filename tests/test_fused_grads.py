@@ -418,3 +418,57 @@ def test_fused_parameters_step_an_unused_member_with_its_group():
     assert torch.equal(unused_ref, before)
     assert not torch.equal(unused, before)  # weight decay moved it
     assert_close(model.heads[1][0].weight, ref.heads[1][0].weight)
+
+
+def _train_used_heads(sm: ss.StreamScheduledModule, model: nn.Module, ref: nn.Module, what: str) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.05)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9, weight_decay=0.05)
+    for step, used in enumerate(USED):
+        opt.zero_grad()
+        opt_ref.zero_grad()
+        x = torch.randn(5, D)
+        out, expected = sm(x), ref(x)
+        assert_path(sm, "recorded" if step == 0 else "plan")
+        assert_close(out, expected, what=f"{what} step {step}: outputs")
+        loss, loss_ref = loss_of(out, used), loss_of(expected, used)
+        if loss_ref is not None:
+            loss_ref.backward()
+            loss.backward()
+        assert_grads_as_eager(model, ref, f"{what} step {step} (outputs {used})")
+        opt.step()
+        opt_ref.step()
+        assert_params_as_eager(model, ref, f"{what} step {step}")
+
+
+@pytest.mark.parametrize("first", ["kept", "dropped"])
+def test_a_model_wrapped_again_gives_unused_members_no_gradient(first):
+    """The first wrapper moved the members' storage into its stack, so the second one
+    stacks them per call (copy mode): its gather hands out gradients as the aliased one does."""
+    torch.manual_seed(0)
+    model = Heads()
+    ref = copy.deepcopy(model)
+    earlier = ss.StreamScheduledModule(model, executor="serial")
+    earlier(torch.randn(5, D))
+    if first == "dropped":
+        del earlier
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    _train_used_heads(sm, model, ref, f"wrapped again, the first wrapper {first}")
+    assert fused_members(sm)
+
+
+class TiedHeads(Heads):
+    """Heads 0 and 1 share their first layer's weight: no stack can alias it (copy mode)."""
+
+    def __init__(self):
+        super().__init__()
+        self.heads[1][0].weight = self.heads[0][0].weight
+
+
+def test_tied_members_get_a_gradient_when_either_use_is_reached():
+    torch.manual_seed(0)
+    model = TiedHeads()
+    ref = copy.deepcopy(model)
+    assert ref.heads[1][0].weight is ref.heads[0][0].weight
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    _train_used_heads(sm, model, ref, "tied weights")
+    assert fused_members(sm)

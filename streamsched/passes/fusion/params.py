@@ -50,6 +50,8 @@ __all__ = ["GatherStacked", "HandOffStacked", "StackedTensors"]
 
 log = logging.getLogger(__name__)
 
+_functorch_active = torch._C._are_functorch_transforms_active
+
 
 class GatherStacked(torch.autograd.Function):
     """``stack`` as a differentiable function of the member tensors it aliases."""
@@ -333,11 +335,21 @@ class StackedTensors:
 
     def value(self, grad: bool) -> torch.Tensor:
         if not self.live:
-            # Copy mode, or tensors swapped in (torch.func.functional_call, where a Python
-            # autograd Function may be refused): autograd's own stack, which hands every
-            # member its slice.
             current = [getattr(m, n) for m, n in self.owners]
-            return torch.cat(current, 0) if self.concat else torch.stack(current, 0)
+            if self.alias or not (grad and self.track) or _functorch_active():
+                # Tensors swapped in (torch.func.functional_call, where a Python autograd
+                # Function may be refused), or nothing to track: autograd's own stack,
+                # which hands every member its slice.
+                return torch.cat(current, 0) if self.concat else torch.stack(current, 0)
+            # Copy mode (members aliased into another stack: tied weights, a model
+            # wrapped again), tracked: the same stack, through the gather whose backward
+            # hands a gradient only to members a gradient reached, as eager does.
+            with torch.no_grad():
+                stack = torch.cat(current, 0) if self.concat else torch.stack(current, 0)
+            if not any(t.requires_grad for t in current):
+                return stack
+            cell = self.cell = UseCell()
+            return GatherStacked.apply(stack, self.sizes, cell, *current)
         stack = self.stack
         assert stack is not None
         param = self.param
