@@ -32,7 +32,6 @@ from .passes.fusion import FusionContext
 from .planning.plan import Plan
 from .runner import Runner
 from .runtime.synclog import SyncLog
-from .settled_calls import shapes_of
 from .state import AttachedForward, WrapperState, check_wrappable
 
 __all__ = ["StreamScheduledModule"]
@@ -187,7 +186,7 @@ class StreamScheduledModule(nn.Module):
         previous = st.observer
         st.observer = observer
         st.hot = None  # observed calls run schedules: no as-written shortcut
-        st.settled = None
+        st.unsettle()
         try:
             yield observer
         finally:
@@ -265,11 +264,14 @@ class StreamScheduledModule(nn.Module):
         ):
             st = self._ss
             settled = st.settled
-            if (
-                settled is not None
-                and settled.generation == _generation._generation
-                and settled.admits(args, kwargs, settled.sizes)
-            ):
+            generation = _generation._generation
+            found = None
+            if settled is not None and settled.generation == generation:
+                found = settled.admits(args, kwargs, settled.sizes)
+            if not found and st.settled_more:
+                # Another settled layout (autocast or the grad mode switched around each call).
+                settled, found = st.other_settled(args, kwargs, generation)
+            if found:
                 settled.left -= 1
                 if settled.left <= 0:
                     st.settled = None  # the nested children's retry is due next call
@@ -277,8 +279,7 @@ class StreamScheduledModule(nn.Module):
                 nested = settled.nested
                 if nested is not None:
                     nested.calls += 1  # counted as NestedPlans.all_quiet counts a call
-                sizes = settled.sizes
-                st.last = settled.reported if sizes is None else sizes[shapes_of(args, kwargs)]
+                st.last = settled.reported if found is True else found
                 st.last_path = "as-written"
                 module = self.module
                 try:
@@ -313,14 +314,16 @@ class StreamScheduledModule(nn.Module):
 
     def _entry(self, args: tuple, kwargs: dict, inside_model_call: bool) -> Any:
         st = self._ss
-        settled = st.settled
-        if (
-            inside_model_call
-            and settled is not None
-            and settled.generation == _generation._generation
-            and settled.admits(args, kwargs, settled.sizes)
-        ):
-            return self._runner.settled(settled, args, kwargs)
+        if inside_model_call:
+            settled = st.settled
+            generation = _generation._generation
+            found = None
+            if settled is not None and settled.generation == generation:
+                found = settled.admits(args, kwargs, settled.sizes)
+            if not found and st.settled_more:
+                settled, found = st.other_settled(args, kwargs, generation)
+            if found:
+                return self._runner.settled(settled, found, args, kwargs)
         with st.lock:
             try:
                 if st.observer is None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
@@ -64,9 +64,13 @@ def new_signature(runner: Runner, key: Any, spec: Any, tensors: list[torch.Tenso
             )
             if verdict.settled:
                 # Later calls with this signature run as written without asking again.
-                st.written.put(key, st.last)
-                st.last.every_size = structure.as_written_at_every_size()
-                runner.settle_as_written(args, kwargs, st.last)
+                st.written.put(key, written)
+                written.every_size = structure.as_written_at_every_size()
+                bucket = None
+                if verdict.whole_bucket and not written.every_size:
+                    # And so do the bucket's other sizes, which its verdict stands for.
+                    bucket = _bucket_plans(runner, why, like, sizes, tensors, args, kwargs)
+                runner.settle_as_written(args, kwargs, written, bucket)
             return runner.as_written(args, kwargs)
     if structure is None and st.mode_id in st.hooked_modes and runner.automatic():
         # Modules hold hooks this structure has not met (a hook held for one call to log
@@ -93,6 +97,28 @@ def new_signature(runner: Runner, key: Any, spec: Any, tensors: list[torch.Tenso
     compiled, out = compile_signature(runner, traced, key, tensors)
     _join_structure(runner, compiled, structure_key, structure, shapes, time.perf_counter() - start)
     return out
+
+
+def _bucket_plans(
+    runner: Runner, why: Any, like: Any, sizes: tuple, tensors: list, args: tuple, kwargs: dict
+) -> Optional[Callable[[tuple], Plan]]:
+    """What ``sm.plan`` reports for a call of another size of a size bucket decided for
+    the model as written, given its shapes in ``settled_calls.shapes_of``'s order: this
+    call's plan at those shapes (the signature names the plan key's tensors in its order).
+    ``None`` where a tensor is not an argument itself (no layout settles there)."""
+    ordered = [a for a in args if type(a) is torch.Tensor]
+    ordered += [kwargs[k] for k in sorted(kwargs) if type(kwargs[k]) is torch.Tensor]
+    first = {id(t): i for i, t in reversed(list(enumerate(ordered)))}
+    where = [first.get(id(t)) for t in tensors]
+    if None in where:
+        return None
+    metas = [m[1:] for m in sizes]
+
+    def plan_for(shapes: tuple) -> Plan:
+        signature = signature_text_of([(tuple(shapes[i]), *meta) for i, meta in zip(where, metas)])
+        return _as_written_plan(runner, why(), like, signature)
+
+    return plan_for
 
 
 def _object_call(runner: Runner, key: Any, spec: Any, args: tuple, kwargs: dict) -> Any:

@@ -204,7 +204,7 @@ class Runner:
         module = self.module
         return type(module).forward(module, *args, **kwargs)
 
-    def settled(self, settled: SettledCalls, args: tuple, kwargs: dict) -> Any:
+    def settled(self, settled: SettledCalls, found: Any, args: tuple, kwargs: dict) -> Any:
         """A call in the layout of one settled to run as written (passing an object, its
         nested children quiet; or of a structure run as written at every size), at the
         generation it settled at: the forward itself (settled_calls.py). The caller
@@ -223,8 +223,7 @@ class Runner:
         st.calls += 1
         if settled.nested is not None:
             settled.nested.calls += 1  # counted as NestedPlans.all_quiet counts a call
-        sizes = settled.sizes
-        st.last = settled.reported if sizes is None else sizes[shapes_of(args, kwargs)]
+        st.last = settled.reported if found is True else found  # what admits(...) returned
         st.last_path = "as-written"
         module = self.module
         try:
@@ -233,29 +232,29 @@ class Runner:
             self.annotate(exc)
             raise
 
-    def settle_as_written(self, args: tuple, kwargs: dict, written: Any) -> None:
+    def settle_as_written(self, args: tuple, kwargs: dict, written: Any, bucket: Any = None) -> None:
         """A call of tensors and plain values settled to run as written (``written``): at
-        every size of its structure, or at its sizes. Later calls of its layout (at those
-        sizes) skip binding and keys (settled_calls.py)."""
+        every size of its structure, or at its sizes; ``bucket``: where its size bucket was
+        decided for the model as written (each of its sizes runs as written), what
+        ``sm.plan`` reports for a call of another of its sizes (``bucket(shapes)``, the
+        shapes as ``shapes_of`` gives them). Later calls of its layout (at those sizes)
+        skip binding and keys (settled_calls.py)."""
         st = self.st
         if st.observer is not None or not settles(args, kwargs):
             return
-        settled = st.settled
-        if settled is not None and settled.generation == st.generation and settled.admits(args, kwargs, settled.sizes):
+        settled = st.settled_layout(args, kwargs)
+        if settled is not None and (settled.sizes is None or settled.admits(args, kwargs, settled.sizes)):
             return  # settled already (this call came another way: a hook on the wrapper)
         if written.every_size:
-            st.settled = SettledCalls(st.generation, args, kwargs, written, tensors=True)
+            st.settle(SettledCalls(st.generation, args, kwargs, written, tensors=True))
             return
         shapes = shapes_of(args, kwargs)
-        if (
-            settled is not None
-            and settled.sizes is not None
-            and settled.generation == st.generation
-            and settled.admits(args, kwargs, None)
-        ):
-            settled.add_size(shapes, written)
-        else:
-            st.settled = SettledCalls(st.generation, args, kwargs, None, tensors=True, sizes={shapes: written})
+        if settled is None:
+            settled = SettledCalls(st.generation, args, kwargs, None, tensors=True, sizes={})
+        settled.add_size(shapes, written)
+        if bucket is not None:
+            settled.add_bucket(shapes, bucket)
+        st.settle(settled)
 
     def run_as_written(self, written: Any, spec: Any, args: tuple, kwargs: dict) -> Any:
         """A signature settled to run the model as written (a trial's verdict, an object
@@ -326,7 +325,7 @@ class Runner:
         if counted.get(spec.key) is not None and nested.all_quiet():
             if st.observer is None:
                 # Later calls of this layout skip binding and keys (settled_calls.py).
-                st.settled = SettledCalls(st.generation, args, kwargs, st.last, nested, nested.quiet_calls_ahead())
+                st.settle(SettledCalls(st.generation, args, kwargs, st.last, nested, nested.quiet_calls_ahead()))
             return self.as_written(args, kwargs)
         # A child that settles to run as written stops being nested at once: every call
         # passes the object (a decoding step), and a child nested for nothing costs each

@@ -38,8 +38,9 @@ import torch
 
 from .frontend.binder import is_plain
 from .frontend.trace_guard import autocast_state
+from .planning.signatures import size_bucket
 
-__all__ = ["SettledCalls", "settles", "shapes_of", "tensor_meta", "value_entry"]
+__all__ = ["BucketCall", "SettledCalls", "SizeTable", "settles", "shapes_of", "tensor_meta", "value_entry"]
 
 _MISSING = object()
 
@@ -49,6 +50,47 @@ _NEVER = 1 << 62
 # Sizes a layout settled size by size remembers (the full path's own table of settled
 # signatures holds every one).
 MAX_SETTLED_SIZES = 256
+# Size buckets it remembers (a structure keeps the verdicts of as many).
+MAX_SETTLED_BUCKETS = 64
+
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
+
+
+class BucketCall:
+    """What ``sm.plan`` reports for a call a settled size bucket admitted: the bucket's
+    verdict (``plan_for``, kept in ``SizeTable.buckets``) for the call's own shapes, made
+    when read. Read by the call path as an as-written signature's record."""
+
+    __slots__ = ("plan_for", "shapes")
+
+    as_written = True
+    alias_pattern = None
+    trial = None
+    nests = False
+    every_size = False
+
+    def __init__(self, plan_for: Callable[[tuple], Any], shapes: tuple):
+        self.plan_for = plan_for
+        self.shapes = shapes
+
+    @property
+    def plan(self) -> Any:
+        return self.plan_for(self.shapes)
+
+
+class SizeTable(dict):
+    """A tensor layout's settled shapes (``shapes_of``) -> what ``sm.plan`` reports for
+    them, and ``buckets``: size buckets (``planning.signatures.size_bucket`` of those
+    shapes) decided for the model as written, each of whose sizes runs as written (each
+    with how ``sm.plan`` reports a call of given shapes: ``BucketCall``; a
+    decoding loop meets each length of a decided bucket once: a table of sizes alone would
+    send each length through the full path first)."""
+
+    __slots__ = ("buckets",)
+
+    def __init__(self, *args: Any):
+        super().__init__(*args)
+        self.buckets: dict = {}
 
 
 def tensor_meta(t: torch.Tensor) -> tuple:
@@ -78,7 +120,8 @@ class SettledCalls:
         metadata, or a plain value, checked by value); otherwise an object layout, checked
         by types alone. ``sizes``:
         for a tensor layout settled size by size, ``{(each tensor's shape, ...): what sm.plan
-        reports}`` (more are added as they settle); ``None``: every size."""
+        reports}`` (more are added as they settle, and size buckets: ``SizeTable``);
+        ``None``: every size."""
         self.generation = generation
         if tensors:
             check = _tensor_layout_check(
@@ -90,12 +133,13 @@ class SettledCalls:
         else:
             check = _object_layout_check(tuple(type(a) for a in args), tuple((k, type(v)) for k, v in kwargs.items()))
         # ``admits(args, kwargs, sizes)``: whether a call has the settled call's layout
-        # (and, for a tensor layout with ``sizes``, one of its shapes).
-        self.admits: Callable[[tuple, dict, Optional[dict]], bool] = check
+        # (and, for a tensor layout with ``sizes``, one of its shapes or size buckets: then
+        # what ``sm.plan`` reports for the call, else ``None``).
+        self.admits: Callable[[tuple, dict, Optional[dict]], Any] = check
         self.left = _NEVER if left is None else left
         self.reported = reported
         self.nested = nested
-        self.sizes = sizes
+        self.sizes = None if sizes is None else SizeTable(sizes)
 
     def add_size(self, shapes: tuple, reported: Any) -> None:
         """Another size of the layout settled to run as written (up to a bound: the table
@@ -104,8 +148,16 @@ class SettledCalls:
         if sizes is not None and len(sizes) < MAX_SETTLED_SIZES:
             sizes[shapes] = reported
 
+    def add_bucket(self, shapes: tuple, plan_for: Callable[[tuple], Any]) -> None:
+        """The size bucket of ``shapes`` was decided for the model as written: each of its
+        sizes runs as written (``plan_for(shapes)``: what ``sm.plan`` says for a call of
+        such shapes, ``BucketCall``)."""
+        sizes = self.sizes
+        if sizes is not None and len(sizes.buckets) < MAX_SETTLED_BUCKETS:
+            sizes.buckets[size_bucket(shapes)] = plan_for
 
-def _compiled_check(lines: list[str], names: dict[str, Any]) -> Callable[[tuple, dict, Optional[dict]], bool]:
+
+def _compiled_check(lines: list[str], names: dict[str, Any]) -> Callable[[tuple, dict, Optional[dict]], Any]:
     """``check(args, kwargs, sizes)`` with ``lines`` as its body, over ``names``."""
     # Written out for the layout, no loop: it runs before anything else on every such
     # call, whose whole budget is a microsecond or two. Made once per layout (the callers
@@ -116,7 +168,7 @@ def _compiled_check(lines: list[str], names: dict[str, Any]) -> Callable[[tuple,
 
 
 @functools.lru_cache(maxsize=256)
-def _object_layout_check(arg_types: tuple, kw_types: tuple) -> Callable[[tuple, dict, Optional[dict]], bool]:
+def _object_layout_check(arg_types: tuple, kw_types: tuple) -> Callable[[tuple, dict, Optional[dict]], Any]:
     """``check(args, kwargs, sizes)``: the same number of positional arguments and keywords,
     each positional argument of its type, each keyword present with its type (``sizes`` is
     not read: an object call runs as written at every size)."""
@@ -166,20 +218,30 @@ def shapes_of(args: tuple, kwargs: dict) -> tuple:
 @functools.lru_cache(maxsize=256)
 def _tensor_layout_check(
     arg_entries: tuple, kw_entries: tuple, grad: bool, autocast: tuple
-) -> Callable[[tuple, dict, Optional[dict]], bool]:
-    """``check(args, kwargs, sizes)``: as many positional arguments and the same keywords,
-    each tensor plain with the settled one's dtype, device, grad flag and number of
-    dimensions, each plain value of the settled one's type and equal to it, the grad mode
-    and autocast state of the settled call (a structure's key holds both), and, unless
-    ``sizes`` is ``None``, the tensors' shapes (``shapes_of``) among its keys."""
+) -> Callable[[tuple, dict, Optional[dict]], Any]:
+    """``check(args, kwargs, sizes)``: the grad mode and autocast state of the settled call
+    (a structure's key holds both; read first: they are what a wrapper's settled layouts
+    most often differ by), as many positional arguments and the same keywords, each
+    tensor plain with the settled one's dtype, device, grad flag and number of dimensions,
+    each plain value of the settled one's type and equal to it; then ``True`` where
+    ``sizes`` is ``None``, else what the table holds for the tensors' shapes
+    (``shapes_of``), or a ``BucketCall`` where it holds their size bucket (``None`` where
+    it holds neither)."""
     names: dict[str, Any] = {
         "_Tensor": torch.Tensor,
         "_grad": torch.is_grad_enabled,
         "_autocast": autocast_state,
+        "_any_autocast": _any_autocast,
         "_AC": autocast,
         "_MISSING": _MISSING,
+        "_bucket": size_bucket,
+        "_BucketCall": BucketCall,
     }
-    lines = [f"if len(args) != {len(arg_entries)} or len(kwargs) != {len(kw_entries)}: return False"]
+    if autocast == () and _any_autocast is not None:
+        lines = [f"if _grad() is not {grad} or _any_autocast(): return False"]  # one call, autocast off
+    else:
+        lines = [f"if _grad() is not {grad} or _autocast() != _AC: return False"]
+    lines.append(f"if len(args) != {len(arg_entries)} or len(kwargs) != {len(kw_entries)}: return False")
     shapes = []
     entries = [(f"args[{i}]", e) for i, e in enumerate(arg_entries)]
     entries += [(f"kwargs.get({name!r}, _MISSING)", e) for name, e in sorted(kw_entries, key=lambda x: x[0])]
@@ -196,6 +258,11 @@ def _tensor_layout_check(
         else:
             names[f"_T{i}"], names[f"_X{i}"] = entry[1], entry[2]
             lines.append(f"if type(v{i}) is not _T{i} or not (v{i} == _X{i}): return False")
-    lines.append(f"if _grad() is not {grad} or _autocast() != _AC: return False")
-    lines.append(f"return sizes is None or ({''.join(shapes)}) in sizes")
+    lines.append("if sizes is None: return True")
+    lines.append(f"key = ({''.join(shapes)})")
+    lines.append("found = sizes.get(key)")
+    lines.append("if found is None and sizes.buckets:")
+    lines.append("    plan_for = sizes.buckets.get(_bucket(key))")
+    lines.append("    return None if plan_for is None else _BucketCall(plan_for, key)")
+    lines.append("return found")
     return _compiled_check(lines, names)

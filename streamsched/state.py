@@ -257,8 +257,11 @@ class WrapperState:
         self.hot: Optional[tuple] = None
         # Calls settled to run as written whatever their sizes (passing an object, or of
         # a structure run as written at every size): their layout, checked before
-        # anything else (settled_calls.py).
+        # anything else (settled_calls.py); the most recently called one first, then up
+        # to MAX_SETTLED_LAYOUTS - 1 others (autocast or the grad mode switched around
+        # every call, an optional argument passed every other call).
         self.settled: Optional[SettledCalls] = None
+        self.settled_more: tuple = ()
         self.lock = threading.RLock()
         self.generation = _generation.current()
         self.changes = _generation.changes()  # the same, less modules' modes switched
@@ -302,6 +305,51 @@ class WrapperState:
         # An untraceable forward's children, scheduled by plans of their own (nesting.py).
         self.nested: Optional[NestedPlans] = None
 
+    def settle(self, record: SettledCalls) -> None:
+        """Make ``record`` the settled layout checked first. The one it replaces is kept
+        among the others (the most recent first, ``MAX_SETTLED_LAYOUTS`` in all), as long
+        as its generation holds (records of an older one never admit a call again); a
+        record of ``record``'s own layout is dropped (its check function is shared)."""
+        current = self.settled
+        generation = record.generation
+        more = self.settled_more
+        if current is not None or more:
+            kept = [r for r in (current, *more) if r is not None and r is not record and r.generation == generation]
+            kept = [r for r in kept if r.admits is not record.admits]
+            self.settled_more = tuple(kept[: MAX_SETTLED_LAYOUTS - 1])
+        self.settled = record
+
+    def other_settled(self, args: tuple, kwargs: dict, generation: int) -> tuple:
+        """``(record, found)``: the settled layout other than the first that admits this
+        call (at its sizes), at ``generation``, and what its check returned
+        (``SettledCalls.admits``); it becomes the first. ``(None, None)`` where none does."""
+        more = self.settled_more
+        for i, record in enumerate(more):
+            if record.generation != generation:
+                continue
+            found = record.admits(args, kwargs, record.sizes)
+            if found:
+                current = self.settled
+                rest = more[:i] + more[i + 1 :]
+                self.settled_more = rest if current is None else (current, *rest)
+                self.settled = record
+                return record, found
+        return None, None
+
+    def settled_layout(self, args: tuple, kwargs: dict) -> Optional[SettledCalls]:
+        """The settled record, first or other, of this call's layout (at any size), at the
+        wrapper's generation."""
+        generation = self.generation
+        for record in (self.settled, *self.settled_more):
+            if record is not None and record.generation == generation and record.admits(args, kwargs, None):
+                return record
+        return None
+
+    def unsettle(self) -> None:
+        """Forget every settled layout: the next calls take the full path."""
+        self.settled = None
+        self.settled_more = ()
+
     def _nested_site(self) -> Optional[str]:
         return self.nested.current_path() if self.nested is not None else None
 
@@ -316,7 +364,7 @@ class WrapperState:
         self.hooked_seen.clear()
         self.last = None
         self.hot = None
-        self.settled = None
+        self.unsettle()
         if self.fusion is not None:
             self.fusion.invalidate()
         self.executors.forget_graphs()
@@ -355,6 +403,11 @@ class WrapperState:
                 self.hooked_modes.add(mode)  # hooks registered since the model was wrapped
         return mode
 
+
+# How many settled layouts a wrapper keeps (``WrapperState.settle``): a call that misses
+# the first checks the others in turn, so a few: as many as the states real code switches
+# between around its calls (three grad modes, autocast on and off, an optional mask).
+MAX_SETTLED_LAYOUTS = 4
 
 # How many modes (train/eval and hook states) a wrapper keeps ids for at most.
 _MAX_MODES = 1024

@@ -252,7 +252,7 @@ def test_sizes_settled_one_by_one_skip_the_full_path_at_those_sizes(monkeypatch,
         assert_close(sm(x), model(x))
         assert_path(sm, "as-written")
         assert sm.plan.executor == "eager"
-        assert sm._ss.last is sm._ss.settled.sizes[(x.shape,)]  # this size's own record
+        assert sm.plan.signature == f"float32[{n}, 16]"  # this call's own signature
     assert full_calls == []
     x = torch.randn(100, 16)  # another bucket: its own trial, through the full path
     assert_close(sm(x), model(x))
@@ -353,3 +353,91 @@ def test_settling_keeps_no_argument_tensor_alive(monkeypatch):
     assert sm._ss.settled is not None
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+def _grad_and_autocast_states() -> list:
+    """What real code switches around its calls: the three grad modes, CPU autocast."""
+    return [
+        torch.no_grad,
+        torch.enable_grad,
+        torch.inference_mode,
+        lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+    ]
+
+
+def test_layouts_switched_around_every_call_each_stay_settled(monkeypatch, full_calls):
+    """Grad modes and autocast are part of a settled layout's check: code that switches
+    them around every call keeps one settled layout per state (up to
+    MAX_SETTLED_LAYOUTS), each call taking the shortcut, not the full path."""
+    _slow_schedules(monkeypatch)
+    model = Chain()
+    sm = ss.StreamScheduledModule(model)
+    states = _grad_and_autocast_states()
+    for state in states:
+        with state():
+            _settle_every_size(sm, model)
+    full_calls.clear()
+    for i in range(24):
+        x = torch.randn(1 + i, 16)
+        with states[i % len(states)]():
+            got, want = sm(x), model(x)
+            assert_path(sm, "as-written")
+        assert_close(got, want)
+        assert got.dtype == want.dtype and got.requires_grad == want.requires_grad
+    assert full_calls == []
+
+
+def test_a_layout_beyond_those_kept_takes_the_full_path(monkeypatch, full_calls):
+    """Settled layouts are kept up to a bound: a fifth pushes the oldest out, whose next
+    call takes the full path (and settles again)."""
+    _slow_schedules(monkeypatch)
+    model = Chain()
+    sm = ss.StreamScheduledModule(model)
+    with torch.no_grad():  # the oldest
+        _settle_every_size(sm, model)
+    with torch.enable_grad():
+        _settle_every_size(sm, model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _settle_every_size(sm, model)
+        with torch.no_grad():
+            _settle_every_size(sm, model)
+    full_calls.clear()
+    with torch.no_grad():
+        x = torch.randn(5, 16)
+        assert_close(sm(x), model(x))
+    assert full_calls == []  # four layouts: all kept
+    for _rep in range(6):  # a fifth: inputs of another rank
+        for n in (3, 6, 12, 24, 48):
+            x = torch.randn(2, n, 16)
+            assert_close(sm(x), model(x))
+    full_calls.clear()
+    with torch.enable_grad():  # the oldest now, since the no_grad call above
+        x = torch.randn(5, 16)
+        assert_close(sm(x), model(x))
+    assert len(full_calls) == 1
+
+
+def test_a_bucket_decided_as_written_admits_its_sizes_never_called(monkeypatch, full_calls):
+    """Once a size bucket is decided for the model as written, each of its sizes runs as
+    written: sizes of the bucket never called before take the shortcut too (a decoding
+    loop meets each length once), sm.plan naming their own signature; a size of another
+    bucket still takes the full path."""
+    _slow_schedules(monkeypatch)
+    model = Towers()
+    sm = ss.StreamScheduledModule(model)
+    for _rep in range(6):
+        for n in (17, 20, 24, 29, 32):  # one size bucket: 32
+            x = torch.randn(n, 16)
+            assert_close(sm(x), model(x))
+    assert "was decided for the model as written" in sm.plan.reason
+    full_calls.clear()
+    for n in (18, 19, 21, 25, 30, 31):
+        x = torch.randn(n, 16)
+        assert_close(sm(x), model(x))
+        assert_path(sm, "as-written")
+        assert sm.plan.executor == "eager" and "was decided for the model as written" in sm.plan.reason
+        assert sm.plan.signature == f"float32[{n}, 16]"
+    assert full_calls == []
+    x = torch.randn(40, 16)  # the bucket 64
+    assert_close(sm(x), model(x))
+    assert len(full_calls) == 1

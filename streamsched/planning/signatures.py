@@ -232,6 +232,7 @@ class Structure:
                 f"{_bucket_text(bucket)} was decided for the model as written "
                 f"(at sizes {sizes_text(decision.sizes)}: {decision.why})"
             ),
+            True,
         )
 
     def admit(self, sizes: tuple, bucket: tuple) -> Optional[AsWritten]:
@@ -300,6 +301,10 @@ class AsWritten(NamedTuple):
     # The reason as text, made only when someone reads the plan: building it on every
     # call would cost more than the as-written call saves.
     why: Callable[[], str]
+    # Whether it stands for every size of the call's size bucket (the bucket was decided
+    # for the model as written), not only for these sizes (churn, a schedule that would
+    # not repay its plan: the bucket's planned sizes keep their plans).
+    whole_bucket: bool = False
 
 
 def _bucket_text(bucket: tuple) -> str:
