@@ -49,9 +49,9 @@ def new_signature(runner: Runner, key: Any, spec: Any, tensors: list[torch.Tenso
     if spec.has_objects is not None:
         return _object_call(runner, key, spec, args, kwargs)
     sizes = key[1]
-    structure_key = (spec.key, tuple(m[1:] + (len(m[0]),) for m in sizes), *key[2:])
+    structure_key = (spec.key, tuple([m[1:] + (len(m[0]),) for m in sizes]), *key[2:])
     structure = st.structures.get_fresh(structure_key)
-    shapes = tuple(tuple(m[0]) for m in sizes)
+    shapes = tuple([tuple(m[0]) for m in sizes])
     if structure is not None and runner.automatic():
         verdict = structure.admit(shapes, structure.bucket_of(shapes))
         if verdict is not None:

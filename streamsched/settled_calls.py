@@ -215,6 +215,14 @@ def shapes_of(args: tuple, kwargs: dict) -> tuple:
     return tuple(shapes)
 
 
+def _device_test(value: str, device: torch.device, name: str) -> str:
+    """The expression that is true where tensor ``value`` is not on ``device`` (``name``):
+    ``is_cpu`` (a flag) for the CPU, cheaper than making and comparing a device."""
+    if device.type == "cpu":
+        return f"not {value}.is_cpu"
+    return f"{value}.device != {name}"
+
+
 @functools.lru_cache(maxsize=256)
 def _tensor_layout_check(
     arg_entries: tuple, kw_entries: tuple, grad: bool, autocast: tuple
@@ -222,11 +230,11 @@ def _tensor_layout_check(
     """``check(args, kwargs, sizes)``: the grad mode and autocast state of the settled call
     (a structure's key holds both; read first: they are what a wrapper's settled layouts
     most often differ by), as many positional arguments and the same keywords, each
-    tensor plain with the settled one's dtype, device, grad flag and number of dimensions,
-    each plain value of the settled one's type and equal to it; then ``True`` where
-    ``sizes`` is ``None``, else what the table holds for the tensors' shapes
-    (``shapes_of``), or a ``BucketCall`` where it holds their size bucket (``None`` where
-    it holds neither)."""
+    tensor plain with the settled one's dtype, device and grad flag, each plain value of
+    the settled one's type and equal to it; then, where ``sizes`` is ``None``, whether each
+    tensor has the settled one's number of dimensions, else what the table holds for the
+    tensors' shapes (``shapes_of``: they hold the ranks), or a ``BucketCall`` where it holds
+    their size bucket (``None`` where it holds neither)."""
     names: dict[str, Any] = {
         "_Tensor": torch.Tensor,
         "_grad": torch.is_grad_enabled,
@@ -245,20 +253,23 @@ def _tensor_layout_check(
     shapes = []
     entries = [(f"args[{i}]", e) for i, e in enumerate(arg_entries)]
     entries += [(f"kwargs.get({name!r}, _MISSING)", e) for name, e in sorted(kw_entries, key=lambda x: x[0])]
+    ranks = []
     for i, (read, entry) in enumerate(entries):
         lines.append(f"v{i} = {read}")
         if entry[0] == "tensor":
             dtype, device, requires_grad, ndim = entry[1]
             names[f"_D{i}"], names[f"_V{i}"] = dtype, device
             lines.append(
-                f"if type(v{i}) is not _Tensor or v{i}.dtype is not _D{i} or v{i}.device != _V{i} "
-                f"or v{i}.requires_grad is not {requires_grad} or v{i}.dim() != {ndim}: return False"
+                f"if type(v{i}) is not _Tensor or v{i}.dtype is not _D{i} or {_device_test(f'v{i}', device, f'_V{i}')} "
+                f"or v{i}.requires_grad is not {requires_grad}: return False"
             )
             shapes.append(f"v{i}.shape, ")
+            ranks.append(f"v{i}.dim() == {ndim}")
         else:
             names[f"_T{i}"], names[f"_X{i}"] = entry[1], entry[2]
             lines.append(f"if type(v{i}) is not _T{i} or not (v{i} == _X{i}): return False")
-    lines.append("if sizes is None: return True")
+    # The ranks: read where every size is admitted (a table's shapes hold them already).
+    lines.append(f"if sizes is None: return {' and '.join(ranks) or 'True'}")
     lines.append(f"key = ({''.join(shapes)})")
     lines.append("found = sizes.get(key)")
     lines.append("if found is None and sizes.buckets:")

@@ -101,7 +101,8 @@ def _round_up(n: int) -> int:
 
 def size_bucket(sizes: tuple) -> tuple:
     """Each dimension of each input rounded up to a power of two (0 and 1 stay)."""
-    return tuple(tuple(_round_up(d) for d in shape) for shape in sizes)
+    # (_round_up written out: every call of a new size, or of a settled size bucket, reads it.)
+    return tuple([tuple([1 << (d - 1).bit_length() if d > 1 else d for d in shape]) for shape in sizes])
 
 
 @dataclass(frozen=True)
