@@ -82,6 +82,9 @@ class Runner:
         )
         # Whether an ``auto`` trial may time the calls (sync_log and chaos run the schedule).
         self.trials = not config.sync_log and config.chaos is None
+        # Whether this wrapper is a nested child's (nesting.py): its schedule must save
+        # what nesting it costs the parent's calls (new_signatures.NESTED_GAIN_S).
+        self.nested_child = False
 
     def automatic(self) -> bool:
         """Whether this call may run the model as written instead of a schedule (``auto``,
@@ -304,6 +307,7 @@ class Runner:
         path = next((p for p, m in self.module.named_modules() if m is child), "")
         prefix, root = self.st.where
         wrapper._ss.where = (f"{prefix}{path}.", root)
+        wrapper._runner.nested_child = True
         return wrapper
 
     def opaque_sites(self, plan: Any) -> list:

@@ -441,3 +441,47 @@ def test_a_bucket_decided_as_written_admits_its_sizes_never_called(monkeypatch, 
     x = torch.randn(40, 16)  # the bucket 64
     assert_close(sm(x), model(x))
     assert len(full_calls) == 1
+
+
+class _TwoChildren(nn.Module):
+    """An untraceable forward (control flow on a value) whose children are traceable: they
+    are nested, each with a plan of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.left = Chain()
+        self.right = Towers()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.left(x)
+        if float(h.sum()) > 1e9:
+            return h
+        return h + self.right(x)
+
+
+def test_a_nested_child_whose_schedule_saves_less_than_nesting_costs_runs_as_written(monkeypatch, full_calls):
+    """A nested child's schedule costs each call of the parent the nesting (its full path,
+    the child's wrapper): a schedule a few microseconds faster than the child's forward
+    is not kept, the child stops being nested and the parent's calls settle."""
+    original = Runner._timed
+
+    def timed(self, compiled, name, *args, **kwargs):
+        out, _ = original(self, compiled, name, *args, **kwargs)
+        return out, 30e-6 if name == "eager" else 25e-6  # the schedule 5 us faster
+
+    monkeypatch.setattr(Runner, "_timed", timed)
+    model = _TwoChildren()
+    sm = ss.StreamScheduledModule(model)
+    with torch.no_grad():
+        for _ in range(40):
+            x = torch.randn(4, 16)
+            assert_close(sm(x), model(x))
+        for path in ("left", "right"):
+            plan = sm.nested_plans[path]
+            assert plan.executor == "eager" and "nesting this module costs" in plan.reason, plan.reason
+        full_calls.clear()
+        for _ in range(10):
+            x = torch.randn(4, 16)
+            assert_close(sm(x), model(x))
+            assert_path(sm, "as-written")
+    assert full_calls == []

@@ -160,6 +160,10 @@ class Trial:
         # (0: any faster). A plan with nothing to run side by side or batch can win only
         # the forward's Python, and keeping it means planning each new size again.
         self.schedule_margin = 0.0
+        # Seconds a call the schedule must save against the model's own forward to be kept
+        # (0: any). A nested child's schedule costs its parent's every call the nesting
+        # (nesting.py), which a few microseconds won on the child do not repay.
+        self.min_gain_s = 0.0
         # Whether calls are timed with their backward: None until the first call shows
         # whether its output carries gradients.
         self.backward: bool | None = None
@@ -287,10 +291,14 @@ class Trial:
             keep = executor if best[executor] < best["serial"] else "serial"
         else:
             keep = scheduled[0]
+        short = (
+            "eager" in best and keep in best and 0 < best["eager"] - best[keep] < self.min_gain_s * 1e6
+        )  # faster, by less than it must win
         eager = "eager" in self.live and (
             not scheduled
             or best["eager"] < (1.0 - self.margin) * best[keep]
             or (self.schedule_margin > 0 and best[keep] > (1.0 - self.schedule_margin) * best["eager"])
+            or short
         )
         chosen = "eager" if eager else keep
         trial = ExecutorTrial(
@@ -320,12 +328,16 @@ class Trial:
             measured = f"measured {figures} (fastest call of each; calls: {calls})"
         update: dict[str, Any] = {"trial": trial}
         if eager:
+            if short and best["eager"] >= (1.0 - self.margin) * best[keep]:
+                why = (
+                    f"the schedule ({keep}) saved {_us(best['eager'] - best[keep])} a call, less than the "
+                    f"{_us(self.min_gain_s * 1e6)} nesting this module costs its parent's calls: {measured}"
+                )
+            else:
+                why = f"the model's own forward measured faster than the schedule ({keep}): {measured}"
             update.update(
                 executor="eager",
-                reason=(
-                    f"the model's own forward measured faster than the schedule ({keep}): {measured}; "
-                    "calls with this signature run the model as written"
-                ),
+                reason=f"{why}; calls with this signature run the model as written",
                 notes=[
                     *plan.notes,
                     f"running the model's own forward (no trace): {_us(best['eager'])} vs {_us(best[keep])} "
