@@ -20,13 +20,14 @@ loaded machine the wall clock also counts the time other processes ran.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -76,6 +77,46 @@ class Towers(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return sum(t(x) for t in self.towers)
+
+
+class Branchy(nn.Module):
+    """A small branchy model (about 150 us a call on one CPU thread): four identical MLPs
+    (one fused group) and two heterogeneous branches; an optional mask and flag."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.mlps = nn.ModuleList(nn.Sequential(nn.Linear(d, 32), nn.ReLU(), nn.Linear(32, 8)) for _ in range(4))
+        self.a = nn.Sequential(nn.Linear(d, 64), nn.Tanh(), nn.Linear(64, 8))
+        self.b = nn.Sequential(nn.Linear(d, 24), nn.GELU(), nn.Linear(24, 8))
+
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None, flag: bool = False) -> torch.Tensor:
+        outs = [m(x) for m in self.mlps] + [self.a(x), self.b(x)]
+        if flag:
+            outs = [o * 2 for o in outs]
+        y = torch.stack(outs).sum(0)
+        return y if mask is None else y.masked_fill(mask, 0.0)
+
+
+class TwoBranches(nn.Module):
+    """A tiny model (about 50 us a call): two small MLPs of different widths."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(d, 32), nn.ReLU(), nn.Linear(32, 8))
+        self.b = nn.Sequential(nn.Linear(d, 24), nn.Tanh(), nn.Linear(24, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) + self.b(x)
+
+
+class Untraceable(Branchy):
+    """Branchy with control flow on a tensor's value: its forward cannot be traced."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        outs = [m(x) for m in self.mlps] + [self.a(x), self.b(x)]
+        if float(outs[0].sum()) > 1e9:
+            return outs[1]
+        return torch.stack(outs).sum(0)
 
 
 class Cache:
@@ -206,6 +247,89 @@ def _fused_varying_batch() -> Case:
         Heads,
         lambda f: [f(x) for x in xs],
     )
+
+
+# Call patterns of a small model (eager 50-250 us a call), where the wrapper's own work on
+# each call shows: each case is 240 calls.
+
+
+def _branchy_calls(
+    make_args: Callable[[int], tuple], state: Callable[[int], Any] = lambda i: contextlib.nullcontext()
+) -> Callable[[Callable[..., Any]], list]:
+    calls = [make_args(i) for i in range(240)]
+
+    def run(f: Callable[..., Any]) -> list:
+        outs = []
+        for i, (args, kwargs) in enumerate(calls):
+            with state(i):
+                outs.append(f(*args, **kwargs))
+        return outs
+
+    return run
+
+
+def _small_cases() -> list[Case]:
+    sizes = [1, 3, 5, 8, 12, 16, 24, 32]
+    masks = [torch.rand(8, 8) > 0.5 for _ in range(240)]
+
+    @contextlib.contextmanager
+    def autocast(i: int) -> Iterator[None]:
+        # With gradients (run_case runs passes under no_grad): a training-style forward.
+        with torch.enable_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(i % 2)):
+            yield
+
+    return [
+        Case(
+            "small_decode_growing",
+            "Branchy, the input grown by one row every call (1 to 240 rows)",
+            Branchy,
+            _branchy_calls(lambda i: ((torch.randn(1 + i, 16),), {})),
+        ),
+        Case(
+            "small_autocast_toggled",
+            "Branchy with gradients, CPU autocast (bf16) on every other call",
+            Branchy,
+            _branchy_calls(lambda i: ((torch.randn(8, 16),), {}), autocast),
+        ),
+        Case(
+            "small_batch_8_sizes",
+            "Branchy, the batch size one of 8 every call",
+            Branchy,
+            _branchy_calls(lambda i: ((torch.randn(sizes[(i * 5) % 8], 16),), {})),
+        ),
+        Case(
+            "small_mask_or_none",
+            "Branchy, an optional mask passed every other call",
+            Branchy,
+            _branchy_calls(lambda i: ((torch.randn(8, 16),), {"mask": masks[i]} if i % 2 else {})),
+        ),
+        Case(
+            "small_flag_toggled",
+            "Branchy, a bool keyword toggled every call",
+            Branchy,
+            _branchy_calls(lambda i: ((torch.randn(8, 16),), {"flag": bool(i % 2)})),
+        ),
+        Case(
+            "small_grad_modes",
+            "Branchy, no_grad and enable_grad alternating",
+            Branchy,
+            _branchy_calls(
+                lambda i: ((torch.randn(8, 16),), {}), lambda i: torch.no_grad() if i % 2 else torch.enable_grad()
+            ),
+        ),
+        Case(
+            "tiny_decode_growing",
+            "TwoBranches (about 50 us), the input grown by one row every call",
+            TwoBranches,
+            _branchy_calls(lambda i: ((torch.randn(1 + i, 16),), {})),
+        ),
+        Case(
+            "small_untraceable",
+            "Branchy with an untraceable forward (control flow on a value)",
+            Untraceable,
+            _branchy_calls(lambda i: ((torch.randn(8, 16),), {})),
+        ),
+    ]
 
 
 CASES = [
@@ -361,7 +485,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")
     torch.set_num_threads(args.threads)
-    cases = [make() for make in CASES] + _hf_cases()
+    cases = [make() for make in CASES] + _small_cases() + _hf_cases()
     if args.only:
         cases = [c for c in cases if args.only in c.name]
     results = []

@@ -50,8 +50,10 @@ _NEVER = 1 << 62
 # Sizes a layout settled size by size remembers (the full path's own table of settled
 # signatures holds every one).
 MAX_SETTLED_SIZES = 256
-# Size buckets it remembers (a structure keeps the verdicts of as many).
+# Size buckets it remembers (a structure keeps the verdicts of as many), and the shapes
+# they admitted that it remembers (forgotten all at once when full).
 MAX_SETTLED_BUCKETS = 64
+MAX_BUCKET_HITS = 1024
 
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
 
@@ -86,11 +88,15 @@ class SizeTable(dict):
     decoding loop meets each length of a decided bucket once: a table of sizes alone would
     send each length through the full path first)."""
 
-    __slots__ = ("buckets",)
+    __slots__ = ("buckets", "hits")
 
     def __init__(self, *args: Any):
         super().__init__(*args)
         self.buckets: dict = {}
+        # Shapes a bucket admitted -> their BucketCall: the next call of those shapes is
+        # one lookup (a decoding loop meets each length again on every sequence). Not
+        # the table itself, whose room is for sizes settled one by one.
+        self.hits: dict = {}
 
 
 def tensor_meta(t: torch.Tensor) -> tuple:
@@ -273,7 +279,12 @@ def _tensor_layout_check(
     lines.append(f"key = ({''.join(shapes)})")
     lines.append("found = sizes.get(key)")
     lines.append("if found is None and sizes.buckets:")
-    lines.append("    plan_for = sizes.buckets.get(_bucket(key))")
-    lines.append("    return None if plan_for is None else _BucketCall(plan_for, key)")
+    lines.append("    found = sizes.hits.get(key)")
+    lines.append("    if found is None:")
+    lines.append("        plan_for = sizes.buckets.get(_bucket(key))")
+    lines.append("        if plan_for is None: return None")
+    lines.append("        found = _BucketCall(plan_for, key)")
+    lines.append(f"        if len(sizes.hits) >= {MAX_BUCKET_HITS}: sizes.hits.clear()")
+    lines.append("        sizes.hits[key] = found")
     lines.append("return found")
     return _compiled_check(lines, names)
