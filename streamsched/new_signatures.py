@@ -74,9 +74,15 @@ def new_signature(runner: Runner, key: Any, spec: Any, tensors: list[torch.Tenso
                 written.every_size = structure.as_written_at_every_size()
                 bucket = None
                 if verdict.whole_bucket and not written.every_size:
-                    # And so do the bucket's other sizes, which its verdict stands for.
+                    # And so do the bucket's other sizes, which its verdict stands for, but
+                    # those planned (whose plans run as decided).
                     bucket = _bucket_plans(runner, why, like, sizes, tensors, args, kwargs)
-                runner.settle_as_written(args, kwargs, written, bucket)
+                if bucket is not None:
+                    plan_for, order = bucket
+                    planned = [order(s) for s in structure.planned_in(structure.bucket_of(shapes))]
+                    runner.settle_as_written(args, kwargs, written, plan_for, planned)
+                else:
+                    runner.settle_as_written(args, kwargs, written)
             return runner.as_written(args, kwargs)
     if structure is None and st.mode_id in st.hooked_modes and runner.automatic():
         # Modules hold hooks this structure has not met (a hook held for one call to log
@@ -107,11 +113,12 @@ def new_signature(runner: Runner, key: Any, spec: Any, tensors: list[torch.Tenso
 
 def _bucket_plans(
     runner: Runner, why: Any, like: Any, sizes: tuple, tensors: list, args: tuple, kwargs: dict
-) -> Optional[Callable[[tuple], Plan]]:
-    """What ``sm.plan`` reports for a call of another size of a size bucket decided for
-    the model as written, given its shapes in ``settled_calls.shapes_of``'s order: this
-    call's plan at those shapes (the signature names the plan key's tensors in its order).
-    ``None`` where a tensor is not an argument itself (no layout settles there)."""
+) -> Optional[tuple[Callable[[tuple], Plan], Callable[[tuple], tuple]]]:
+    """What ``sm.plan`` reports for a call of another size of a size bucket settled to run
+    as written, given its shapes in ``settled_calls.shapes_of``'s order: this call's plan
+    at those shapes (the signature names the plan key's tensors in its order); and how
+    shapes in the plan key's order are written in that order. ``None`` where a tensor is
+    not an argument itself (no layout settles there)."""
     ordered = [a for a in args if type(a) is torch.Tensor]
     ordered += [kwargs[k] for k in sorted(kwargs) if type(kwargs[k]) is torch.Tensor]
     first = {id(t): i for i, t in reversed(list(enumerate(ordered)))}
@@ -124,7 +131,13 @@ def _bucket_plans(
         signature = signature_text_of([(tuple(shapes[i]), *meta) for i, meta in zip(where, metas)])
         return _as_written_plan(runner, why(), like, signature)
 
-    return plan_for
+    def order(key_shapes: tuple) -> tuple:
+        ordered_shapes: list = [()] * len(ordered)
+        for i, shape in zip(where, key_shapes):
+            ordered_shapes[i] = tuple(shape)
+        return tuple(ordered_shapes)
+
+    return plan_for, order
 
 
 def _object_call(runner: Runner, key: Any, spec: Any, args: tuple, kwargs: dict) -> Any:

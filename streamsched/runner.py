@@ -235,13 +235,16 @@ class Runner:
             self.annotate(exc)
             raise
 
-    def settle_as_written(self, args: tuple, kwargs: dict, written: Any, bucket: Any = None) -> None:
+    def settle_as_written(
+        self, args: tuple, kwargs: dict, written: Any, bucket: Any = None, planned: list = ()
+    ) -> None:
         """A call of tensors and plain values settled to run as written (``written``): at
         every size of its structure, or at its sizes; ``bucket``: where its size bucket was
         decided for the model as written (each of its sizes runs as written), what
         ``sm.plan`` reports for a call of another of its sizes (``bucket(shapes)``, the
-        shapes as ``shapes_of`` gives them). Later calls of its layout (at those sizes)
-        skip binding and keys (settled_calls.py)."""
+        shapes as ``shapes_of`` gives them), and ``planned``: the bucket's planned shapes,
+        which the bucket does not admit (their plans run as decided). Later calls of its
+        layout (at those sizes) skip binding and keys (settled_calls.py)."""
         st = self.st
         if st.observer is not None or not settles(args, kwargs):
             return
@@ -256,7 +259,7 @@ class Runner:
             settled = SettledCalls(st.generation, args, kwargs, None, tensors=True, sizes={})
         settled.add_size(shapes, written)
         if bucket is not None:
-            settled.add_bucket(shapes, bucket)
+            settled.add_bucket(shapes, bucket, planned)
         st.settle(settled)
 
     def run_as_written(self, written: Any, spec: Any, args: tuple, kwargs: dict) -> Any:

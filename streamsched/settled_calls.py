@@ -82,11 +82,13 @@ class BucketCall:
 
 class SizeTable(dict):
     """A tensor layout's settled shapes (``shapes_of``) -> what ``sm.plan`` reports for
-    them, and ``buckets``: size buckets (``planning.signatures.size_bucket`` of those
-    shapes) decided for the model as written, each of whose sizes runs as written (each
-    with how ``sm.plan`` reports a call of given shapes: ``BucketCall``; a
-    decoding loop meets each length of a decided bucket once: a table of sizes alone would
-    send each length through the full path first)."""
+    them (``False``: a planned shape of a settled bucket, which takes the full path), and
+    ``buckets``: size buckets (``planning.signatures.size_bucket`` of those shapes) settled
+    to run as written (decided so, or for a schedule that would not repay a plan per size),
+    each of whose sizes but the planned ones runs as written (each bucket with how
+    ``sm.plan`` reports a call of given shapes: ``BucketCall``). A decoding loop meets each
+    length of a settled bucket once: a table of sizes alone would send each length through
+    the full path first."""
 
     __slots__ = ("buckets", "hits")
 
@@ -154,12 +156,15 @@ class SettledCalls:
         if sizes is not None and len(sizes) < MAX_SETTLED_SIZES:
             sizes[shapes] = reported
 
-    def add_bucket(self, shapes: tuple, plan_for: Callable[[tuple], Any]) -> None:
+    def add_bucket(self, shapes: tuple, plan_for: Callable[[tuple], Any], planned: Any = ()) -> None:
         """The size bucket of ``shapes`` was decided for the model as written: each of its
         sizes runs as written (``plan_for(shapes)``: what ``sm.plan`` says for a call of
-        such shapes, ``BucketCall``)."""
+        such shapes, ``BucketCall``), but ``planned``: shapes whose plans run as they were
+        decided (the table holds ``False`` for them: the full path)."""
         sizes = self.sizes
         if sizes is not None and len(sizes.buckets) < MAX_SETTLED_BUCKETS:
+            for other in planned:
+                sizes.setdefault(other, False)
             sizes.buckets[size_bucket(shapes)] = plan_for
 
 

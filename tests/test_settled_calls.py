@@ -16,7 +16,7 @@ from torch import nn
 import streamsched as ss
 from streamsched import nesting
 from streamsched.runner import Runner
-from streamsched.testing import assert_path
+from streamsched.testing import assert_path, last_path
 
 from .helpers import assert_close
 from .test_dynamic_calls import Cache, Chain, Towers, WithCache, _slow_schedules
@@ -485,3 +485,48 @@ def test_a_nested_child_whose_schedule_saves_less_than_nesting_costs_runs_as_wri
             assert_close(sm(x), model(x))
             assert_path(sm, "as-written")
     assert full_calls == []
+
+
+def test_a_bucket_whose_schedule_would_not_repay_a_plan_admits_its_new_sizes_not_its_planned_ones(
+    monkeypatch, full_calls
+):
+    """A bucket decided for the schedule by a gain too small to repay a recording call per
+    size runs its new sizes as written: they take the shortcut, never called before too;
+    its planned size keeps running its plan, through the full path."""
+    from streamsched.planning import signatures
+
+    original = Runner._timed
+
+    def timed(self, compiled, name, *args, **kwargs):
+        out, _ = original(self, compiled, name, *args, **kwargs)
+        return out, 30e-6 if name == "eager" else 20e-6  # the schedule faster, on every machine
+
+    monkeypatch.setattr(Runner, "_timed", timed)
+    model = Towers()
+    sm = ss.StreamScheduledModule(model)
+    for _ in range(3):
+        x = torch.randn(17, 16)
+        assert_close(sm(x), model(x))
+    compiled = sm._ss.plans[next(iter(sm._ss.plans))]
+    structure = compiled.structure
+    structure.record_s = 0.5
+    gain_s = 0.5 / (signatures.PAYBACK_CALLS * 2)
+    structure.decide(
+        signatures.size_bucket(compiled.sizes),
+        signatures.Decision(False, "serial", "planted", compiled.sizes, gain_s=gain_s),
+    )
+    x = torch.randn(20, 16)
+    assert_close(sm(x), model(x))
+    assert "would take more than" in sm.plan.reason
+    full_calls.clear()
+    for n in (21, 25, 30, 20):
+        x = torch.randn(n, 16)
+        assert_close(sm(x), model(x))
+        assert_path(sm, "as-written")
+        assert sm.plan.signature == f"float32[{n}, 16]"
+    assert full_calls == []
+    for calls in (1, 2):
+        x = torch.randn(17, 16)
+        assert_close(sm(x), model(x))
+        assert last_path(sm).startswith("plan:"), last_path(sm)
+        assert len(full_calls) == calls

@@ -185,6 +185,11 @@ class Structure:
         decision = self.decisions.get(ANY_SIZE)
         return decision is not None and decision.as_written
 
+    def planned_in(self, bucket: tuple) -> list:
+        """The sizes of ``bucket`` planned so far (their plans, where the cache still holds
+        them, run as they were decided)."""
+        return [sizes for sizes in self.planned.keys() if self.bucket_of(sizes) == bucket]
+
     def decision(self, bucket: tuple) -> Optional[Decision]:
         return self.decisions.get(bucket)
 
@@ -275,6 +280,7 @@ class Structure:
                     f"but its {gain_us:.0f} us a call would take more than {PAYBACK_CALLS} calls to repay a "
                     f"{record_ms:.1f} ms recording call: its new sizes run as written"
                 ),
+                True,
             )
         count = (self.seen.get(sizes) or 0) + 1
         if count < PLAN_AFTER:
@@ -302,9 +308,10 @@ class AsWritten(NamedTuple):
     # The reason as text, made only when someone reads the plan: building it on every
     # call would cost more than the as-written call saves.
     why: Callable[[], str]
-    # Whether it stands for every size of the call's size bucket (the bucket was decided
-    # for the model as written), not only for these sizes (churn, a schedule that would
-    # not repay its plan: the bucket's planned sizes keep their plans).
+    # Whether it stands for every size of the call's size bucket that was not planned
+    # (the bucket was decided for the model as written, or for a schedule that would not
+    # repay a plan per size: :meth:`Structure.planned_in` keep their plans), not only for
+    # these sizes (churn: new sizes of every bucket run as written).
     whole_bucket: bool = False
 
 
