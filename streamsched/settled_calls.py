@@ -258,6 +258,19 @@ def _tensor_layout_check(
     }
     if autocast == () and _any_autocast is not None:
         lines = [f"if _grad() is not {grad} or _any_autocast(): return False"]  # one call, autocast off
+    elif {device for device, _ in autocast} <= {"cuda", "cpu"}:
+        # autocast_state's reads, written out (no tuple made): each device on or off, and
+        # the dtype of those on.
+        names["_is_autocast"], names["_autocast_dtype"] = torch.is_autocast_enabled, torch.get_autocast_dtype
+        dtypes = dict(autocast)
+        tests = [f"_grad() is not {grad}"]
+        for device in ("cuda", "cpu"):
+            if device in dtypes:
+                names[f"_AC_{device}"] = dtypes[device]
+                tests.append(f"not _is_autocast({device!r}) or _autocast_dtype({device!r}) is not _AC_{device}")
+            else:
+                tests.append(f"_is_autocast({device!r})")
+        lines = [f"if {' or '.join(tests)}: return False"]
     else:
         lines = [f"if _grad() is not {grad} or _autocast() != _AC: return False"]
     lines.append(f"if len(args) != {len(arg_entries)} or len(kwargs) != {len(kw_entries)}: return False")
