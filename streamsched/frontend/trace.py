@@ -67,6 +67,7 @@ from .ranks import RankTracker
 from .trace_guard import (
     ContainerWrittenDuringTrace,
     GradModeGuard,
+    HeldState,
     SideEffectDuringTrace,
     TraceSideEffectGuard,
     autocast_state,
@@ -173,6 +174,8 @@ class _LeafTracer(FastTracerMixin, fx.Tracer):
         # Modules whose forward was traced through (the root included): their plain
         # attributes are baked into the trace.
         self.traced_through: dict[int, torch.nn.Module] = {id(model): model}
+        # What the objects the modules hold held before the trace (trace_guard.HeldState).
+        self.held_state: Optional[HeldState] = None
         self._decided: Optional[tuple[torch.nn.Module, bool]] = None
         # Leaf functions are patched wherever a traced forward's module names them; the
         # root's forward is called directly, so its module is searched too.
@@ -244,6 +247,10 @@ class _LeafTracer(FastTracerMixin, fx.Tracer):
                     "output_attentions / output_hidden_states); run as one call, they would hand over nothing"
                 )
             out = super().call_module(m, forward, args, kwargs)
+            if not leaf and self.held_state is not None:
+                # A write to an object the modules hold, made by this forward or below it
+                # (the innermost traced forward it passed through reports it first).
+                self.held_state.refuse_changes()
             if leaf and m is not self.model:
                 out = self._known_structure(self.path_of_module(m), out)
                 # A leaf's capture hooks hand its output to the enclosing forward: fire
@@ -709,6 +716,9 @@ def _call_model(root: _TraceRoot, inputs: tuple) -> Any:
     held = _containers_held((*args, *kwargs.values()))
     out = type(model).forward(model, *args, **kwargs)
     _refuse_changed_containers(model, held)
+    held_state = root.__dict__.get("_streamsched_held_state")
+    if held_state is not None:
+        held_state.refuse_changes()
     # The graph returns the output's leaves; the container is rebuilt per call, with the
     # model's own types (fx would turn dicts into immutable_dict and drop dataclasses).
     tree = OutputTree.of(out)
@@ -875,12 +885,15 @@ def _trace_once(
     function_sites = [(namespace, name, fn) for namespace, name, fn, _ in sites.values()]
     tracer = _LeafTracer(module_types, model, functions, frozenset(opaque), known, function_sites, ranks, dtypes)
     containers = snapshot_containers(model)
+    held_state = tracer.held_state = root.__dict__["_streamsched_held_state"] = HeldState(model)
     try:
         try:
             with TraceSideEffectGuard(model, root) as guard, GradModeGuard(tracer):
                 graph = tracer.trace(root)
         finally:
             written = restore_containers(containers)
+            held_state.restore()
+            tracer.held_state = root.__dict__["_streamsched_held_state"] = None
         if written:
             # A forward stored into a container its module holds (a cache): that module
             # runs as written, where its cache holds what eager's would.

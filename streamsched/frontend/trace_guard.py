@@ -404,3 +404,146 @@ def restore_containers(snapshots: list[tuple[torch.nn.Module, str, Any, Any]]) -
             container.update(copy)
         changed.append((module, name))
     return changed
+
+
+class ObjectWrittenDuringTrace(SideEffectDuringTrace):
+    """A traced forward assigned an attribute of an object a module holds, or stored into
+    a container such an object holds, where no ``__setattr__`` of its class could report
+    it (a ``types.SimpleNamespace``, an object with ``__slots__``, one held by another)."""
+
+
+# How deep :class:`HeldState` follows objects held by objects (``self.cfg.sub.scale``).
+HELD_DEPTH = 3
+
+
+def _library_object(value: Any) -> bool:
+    module = type(value).__module__
+    return module.startswith(("torch", "streamsched")) or module == "builtins"
+
+
+def object_items(obj: Any) -> dict[str, Any]:
+    """The attributes of ``obj`` (not a module): its instance dict's, and those its
+    classes' ``__slots__`` name that are set."""
+    items = dict(obj.__dict__) if isinstance(getattr(obj, "__dict__", None), dict) else {}
+    for cls in type(obj).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name in ("__dict__", "__weakref__") or name in items:
+                continue
+            try:
+                items[name] = getattr(obj, name)
+            except AttributeError:  # a slot never assigned
+                pass
+    return items
+
+
+def holds_state(value: Any) -> bool:
+    """Whether ``value``, held by a module or by an object a module holds, is an object
+    whose attributes traced code may read or write: an instance (with an instance dict or
+    ``__slots__``) of a class defined outside Python's built-ins and torch, that is no
+    module, tensor, callable or plain value."""
+    if is_plain(value) or callable(value) or isinstance(value, (torch.nn.Module, torch.Tensor)):
+        return False
+    if type(value) in (list, dict, set, tuple, frozenset) or _library_object(value):
+        return False
+    return isinstance(getattr(value, "__dict__", None), dict) or any(
+        "__slots__" in cls.__dict__ for cls in type(value).__mro__[:-1]
+    )
+
+
+def reachable_objects(modules: Sequence[torch.nn.Module], depth: int = HELD_DEPTH) -> list[Any]:
+    """The objects ``modules`` hold as attributes (:func:`holds_state`), and those such
+    objects hold, ``depth`` levels down, each once."""
+    seen: dict[int, Any] = {}
+    level = []
+    for m in modules:
+        for k, v in m.__dict__.items():
+            if k in _MODULE_TABLES or k.startswith("_streamsched") or id(v) in seen or not holds_state(v):
+                continue
+            seen[id(v)] = v
+            level.append(v)
+    for _ in range(depth - 1):
+        below = []
+        for obj in level:
+            for v in object_items(obj).values():
+                if id(v) not in seen and holds_state(v):
+                    seen[id(v)] = v
+                    below.append(v)
+        level = below
+    return list(seen.values())
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    return type(a) is type(b) and type(a) in (bool, int, float, str) and a == b
+
+
+class HeldState:
+    """What every object a model's modules hold (:func:`reachable_objects`) holds before a
+    trace: its attributes, and the contents of the lists, dicts and sets among them. A
+    traced forward must leave them as they were (:meth:`changed`, checked as each traced
+    forward returns, names the first change, inside the innermost forward that made it);
+    :meth:`restore` puts back whatever a trace changed, so that a call run as written
+    afterwards starts from the state eager would."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.entries: list[tuple[Any, dict[str, Any], dict[str, Any]]] = []
+        for obj in reachable_objects(list(model.modules())):
+            items = object_items(obj)
+            contents = {k: _container_copy(v) for k, v in items.items() if type(v) in (list, dict, set)}
+            self.entries.append((obj, items, contents))
+
+    def changed(self) -> Optional[str]:
+        """What the first changed attribute is (``"Stats.count"``), or None."""
+        for obj, items, contents in self.entries:
+            now = object_items(obj)
+            if now.keys() != items.keys():
+                name = next(iter(now.keys() ^ items.keys()))
+                return f"{type(obj).__name__}.{name}"
+            for k, v in now.items():
+                if not _same_value(v, items[k]):
+                    return f"{type(obj).__name__}.{k}"
+            for k, copy in contents.items():
+                if not _same(now[k], copy):
+                    return f"{type(obj).__name__}.{k} (a {type(now[k]).__name__} it holds)"
+        return None
+
+    def refuse_changes(self) -> None:
+        """Raise :class:`ObjectWrittenDuringTrace` where :meth:`changed` finds a change."""
+        if not self.entries:
+            return
+        what = self.changed()
+        if what is not None:
+            raise ObjectWrittenDuringTrace(
+                f"the forward assigns {what}, an attribute of an object a module holds, while traced: a Python side "
+                "effect a trace would perform only once (and on graph values)"
+            )
+
+    def restore(self) -> None:
+        """Put back every attribute and container content a trace changed."""
+        for obj, items, contents in self.entries:
+            now = object_items(obj)
+            for k in now.keys() - items.keys():
+                try:
+                    object.__delattr__(obj, k)
+                except (AttributeError, TypeError):
+                    pass
+            for k, v in items.items():
+                if now.get(k, _MISSING) is not v:
+                    try:
+                        object.__setattr__(obj, k, v)
+                    except (AttributeError, TypeError):  # a frozen or extension class
+                        pass
+            for k, copy in contents.items():
+                container = items[k]
+                if not _same(container, copy):
+                    container.clear()
+                    container.update(copy) if type(container) is not list else container.extend(copy)
+
+
+_MISSING = object()
+
+
+def _container_copy(value: Any) -> Any:
+    return dict(value) if type(value) is dict else list(value) if type(value) is list else set(value)

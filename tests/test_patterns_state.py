@@ -1,0 +1,162 @@
+"""Python state a trace cannot see as graph values: objects a module holds (a namespace of
+options, an object with ``__slots__``, one held by another, a frozen dataclass replaced),
+written during the forward or changed between calls, and module-level globals read by the
+functions a forward calls. Every call equals eager, and the state ends as eager leaves it."""
+
+from __future__ import annotations
+
+import copy
+import types
+
+import pytest
+import torch
+from torch import nn
+
+import streamsched as ss
+from streamsched.testing import assert_path
+
+from .helpers import assert_close
+
+D = 6
+PATHS = ("recorded", "plan", "as-written", "eager-dispatch")
+
+
+class Towers(nn.Module):
+    """Three independent towers summed: a model whose plan runs branches."""
+
+    def __init__(self):
+        super().__init__()
+        self.towers = nn.ModuleList(nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Linear(D, D)) for _ in range(3))
+
+    def branches(self, x):
+        return [t(x) for t in self.towers]
+
+
+def run_against_eager(model, executor, calls=12, change=None, state=None, training=True):
+    """Call ``model`` eagerly and wrapped (a deep copy) on fresh inputs; compare outputs,
+    gradients and ``state(model)`` after every call; ``change(model, call)`` runs on both
+    before each call. Returns the paths the wrapped calls ran."""
+    reference = copy.deepcopy(model).train(training)
+    sm = ss.StreamScheduledModule(model, executor=executor).train(training)
+    paths = []
+    for call in range(calls):
+        if change is not None:
+            change(reference, call)
+            change(model, call)
+        x = torch.randn(4, D)
+        x_ref, x_new = x.clone().requires_grad_(), x.clone().requires_grad_()
+        expected = reference(x_ref)
+        actual = sm(x_new)
+        paths.append(assert_path(sm, *PATHS))
+        assert_close(actual, expected, what=f"call {call} ({paths[-1]})")
+        expected.square().sum().backward()
+        actual.square().sum().backward()
+        assert_close(x_new.grad, x_ref.grad, what=f"input grad, call {call} ({paths[-1]})")
+        for (name, p_ref), (_, p_new) in zip(reference.named_parameters(), model.named_parameters()):
+            assert_close(p_new.grad, p_ref.grad, what=f"grad {name}, call {call}")
+            p_ref.grad = p_new.grad = None
+        if state is not None:
+            assert state(model) == state(reference), f"call {call} ({paths[-1]})"
+    return paths
+
+
+# --- objects written during the forward --------------------------------------------------
+
+
+class Slotted:
+    __slots__ = ("count", "last")
+
+    def __init__(self):
+        self.count = 0
+        self.last = 0.0
+
+
+class Inner:
+    def __init__(self):
+        self.count = 0
+        self.last = 0.0
+
+
+class Outer:
+    def __init__(self):
+        self.inner = Inner()
+
+
+def namespace_stats():
+    return types.SimpleNamespace(count=0, last=0.0, history=[])
+
+
+class WritesItsStats(Towers):
+    """The root counts its calls and keeps the mean of a branch in an object it holds."""
+
+    def __init__(self, make):
+        super().__init__()
+        self.holder = make()
+
+    def stats(self):
+        return getattr(self.holder, "inner", self.holder)
+
+    def forward(self, x):
+        ys = self.branches(x)
+        stats = self.stats()
+        stats.count += 1
+        stats.last = ys[0].mean().item()
+        if hasattr(stats, "history"):
+            stats.history.append(stats.count)
+        return torch.stack(ys).sum(0)
+
+
+class CountingBranch(nn.Module):
+    def __init__(self, stats):
+        super().__init__()
+        self.stats = stats
+        self.body = nn.Sequential(nn.Linear(D, D), nn.Tanh())
+
+    def forward(self, x):
+        getattr(self.stats, "inner", self.stats).count += 1
+        return self.body(x)
+
+
+class ABranchWrites(Towers):
+    """One branch (a child module) counts its calls in an object the root shares with it."""
+
+    def __init__(self, make):
+        super().__init__()
+        self.shared = make()
+        self.counting = CountingBranch(self.shared)
+
+    def forward(self, x):
+        return torch.stack(self.branches(x) + [self.counting(x)]).sum(0)
+
+
+HOLDERS = {"namespace": namespace_stats, "slots": Slotted, "nested": Outer}
+
+
+def _stats_of(model):
+    stats = getattr(model.holder, "inner", model.holder)
+    return (stats.count, round(stats.last, 4), list(getattr(stats, "history", ())))
+
+
+@pytest.mark.parametrize("holder", sorted(HOLDERS))
+@pytest.mark.parametrize("executor", ["serial", "threads"])
+def test_an_object_written_during_the_forward_is_written_on_every_call(executor, holder):
+    # The trace ran the writes once, on its proxies: the count stopped at one (or two),
+    # and the mean was left an fx Proxy (a namespace, an object with __slots__, one held
+    # by another: none of them reported its assignments).
+    model = WritesItsStats(HOLDERS[holder])
+    run_against_eager(model, executor, state=_stats_of)
+    assert _stats_of(model)[0] == 12
+
+
+@pytest.mark.parametrize("holder", sorted(HOLDERS))
+@pytest.mark.parametrize("executor", ["serial", "threads"])
+def test_a_branch_writing_an_object_it_shares_counts_every_call(executor, holder):
+    # The branch's class runs as one call (its write refused while traced), the root
+    # around it is traced.
+    def count(model):
+        return getattr(model.shared, "inner", model.shared).count
+
+    model = ABranchWrites(HOLDERS[holder])
+    paths = run_against_eager(model, executor, state=count)
+    assert count(model) == 12
+    assert any(p.startswith("plan") or p == "recorded" for p in paths), paths
