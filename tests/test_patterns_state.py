@@ -6,6 +6,8 @@ functions a forward calls. Every call equals eager, and the state ends as eager 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import enum
 import types
 
 import pytest
@@ -160,3 +162,147 @@ def test_a_branch_writing_an_object_it_shares_counts_every_call(executor, holder
     paths = run_against_eager(model, executor, state=count)
     assert count(model) == 12
     assert any(p.startswith("plan") or p == "recorded" for p in paths), paths
+
+
+# --- objects and globals read by traced code, changed between calls -------------------------
+
+
+class SlottedOptions:
+    __slots__ = ("scale", "negate")
+
+    def __init__(self):
+        self.scale = 1.0
+        self.negate = False
+
+
+class Options:
+    def __init__(self):
+        self.scale = 1.0
+        self.negate = False
+
+
+class Nested:
+    def __init__(self):
+        self.sub = Options()
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenOptions:
+    scale: float = 1.0
+    negate: bool = False
+
+
+class Activation(enum.Enum):
+    TANH = 1
+    RELU = 2
+
+
+def nested_namespace():
+    return types.SimpleNamespace(sub=types.SimpleNamespace(scale=1.0, negate=False))
+
+
+OPTIONS = {
+    "slots": SlottedOptions,
+    "nested": Nested,
+    "nested-namespace": nested_namespace,
+    "frozen-dataclass": FrozenOptions,
+}
+
+
+class ReadsItsOptions(Towers):
+    def __init__(self, make):
+        super().__init__()
+        self.options = make()
+
+    def forward(self, x):
+        options = getattr(self.options, "sub", self.options)
+        y = torch.stack(self.branches(x)).sum(0) * options.scale
+        return -y if options.negate else y
+
+
+def change_options(model, call):
+    holder = getattr(model.options, "sub", model.options)
+    if call % 4 == 1:
+        new = {"negate": not holder.negate}
+    elif call % 4 == 3:
+        new = {"scale": float(call)}
+    else:
+        return
+    if isinstance(holder, FrozenOptions):
+        model.options = dataclasses.replace(holder, **new)  # replaced, not assigned
+    else:
+        for k, v in new.items():
+            setattr(holder, k, v)
+
+
+@pytest.mark.parametrize("options", sorted(OPTIONS))
+@pytest.mark.parametrize("executor", ["serial", "threads"])
+def test_options_read_by_traced_code_and_changed_between_calls_are_seen(executor, options):
+    # The plan went on with the values the trace read: attributes of an object with
+    # __slots__ (never compared), of an object held by an object the model holds (not
+    # watched), of a frozen dataclass the model replaced (a module attribute holding an
+    # object is no flag).
+    paths = run_against_eager(ReadsItsOptions(OPTIONS[options]), executor, change=change_options, training=False)
+    assert "plan:" + executor in paths, paths
+
+
+SWITCH = False
+SCALE = 1.0
+ACTIVATION = Activation.TANH
+
+
+def finish(y):
+    """A helper the forwards call: the globals it reads are read by traced code."""
+    y = torch.tanh(y) if ACTIVATION is Activation.TANH else torch.relu(y)
+    return -y * SCALE if SWITCH else y * SCALE
+
+
+class CallsAHelper(Towers):
+    def forward(self, x):
+        return finish(torch.stack(self.branches(x)).sum(0))
+
+
+class BranchCallsAHelper(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.branches = nn.ModuleList(nn.Sequential(nn.Linear(D, D), nn.Tanh()) for _ in range(3))
+        self.finishers = nn.ModuleList(Finisher() for _ in range(3))
+
+    def forward(self, x):
+        return torch.stack([f(b(x)) for b, f in zip(self.branches, self.finishers)]).sum(0)
+
+
+class Finisher(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(D, D)
+
+    def forward(self, x):
+        return finish(self.linear(x))
+
+
+@pytest.mark.parametrize("model", [CallsAHelper, BranchCallsAHelper])
+@pytest.mark.parametrize("executor", ["serial", "threads"])
+def test_globals_read_by_a_helper_the_forward_calls_are_seen(executor, model):
+    # Only the forwards' own code was searched for the globals it reads: a flag, a
+    # number and an enum member read by a function they call were baked in.
+    global SWITCH, SCALE, ACTIVATION
+    changes = []
+
+    def change(_model, call):
+        global SWITCH, SCALE, ACTIVATION
+        if changes[-1:] == [call]:  # once per call (the change runs for both models)
+            return
+        changes.append(call)
+        if call % 5 == 1:
+            SWITCH = not SWITCH
+        elif call % 5 == 3:
+            SCALE = float(call)
+        elif call % 5 == 4:
+            ACTIVATION = Activation.RELU if ACTIVATION is Activation.TANH else Activation.TANH
+
+    try:
+        paths = run_against_eager(model(), executor, calls=15, change=change, training=False)
+    finally:
+        SWITCH, SCALE, ACTIVATION = False, 1.0, Activation.TANH
+    assert "plan:" + executor in paths, paths

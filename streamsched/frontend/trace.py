@@ -72,7 +72,9 @@ from .trace_guard import (
     TraceSideEffectGuard,
     autocast_state,
     copy_fresh_constants,
-    held_objects,
+    holds_state,
+    object_items,
+    reachable_objects,
     restore_containers,
     snapshot_containers,
 )
@@ -609,15 +611,54 @@ _FLAG_TYPES = (bool, int, float, str, type(None))
 def _flag_values(owner: Any) -> tuple:
     """The plain attributes of a module (what a traced ``if self.x:`` or ``self.window[0]``
     can read: scalars, and tuples and other plain values, ``binder.is_plain``), or of an
-    object a module holds (``self.config.x``); ``training`` excluded (every module's flag
-    is part of the plan key)."""
+    object a module holds (``self.config.x``, its ``__slots__`` too); ``training`` excluded
+    (every module's flag is part of the plan key). An object it holds
+    (``trace_guard.holds_state``: ``self.config``, ``self.config.sub``) stands as itself,
+    compared by identity: replaced (a frozen dataclass by ``dataclasses.replace``), it may
+    hold other values."""
+    items = owner.__dict__ if isinstance(owner, torch.nn.Module) else object_items(owner)
     return tuple(
-        (k, v)
-        for k, v in owner.__dict__.items()
+        (k, v if type(v) in _FLAG_TYPES or type(v) in _NOT_FLAG_TYPES or is_plain(v) else _Same(v))
+        for k, v in items.items()
         if k != "training"
         and k[:2] != "__"
-        and (type(v) in _FLAG_TYPES or (type(v) not in _NOT_FLAG_TYPES and is_plain(v)))
+        and (
+            type(v) in _FLAG_TYPES
+            or (
+                type(v) not in _NOT_FLAG_TYPES
+                and (is_plain(v) or (not k.startswith("_streamsched") and holds_state(v)))
+            )
+        )
     )
+
+
+class _Same:
+    """An object a flag tuple holds: equal to another only when it wraps the same object."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def __eq__(self, other: Any) -> bool:
+        return type(other) is _Same and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+
+class _Attributes:
+    """An object's attributes as a guard reads a namespace (``get``), its ``__slots__``
+    included: where assigning them cannot be seen, :class:`GlobalValue` guards compare
+    them on every call."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return getattr(self.obj, name, default)
 
 
 # What a module's __dict__ mostly holds besides flags (its registries and hook tables):
@@ -888,7 +929,7 @@ def _trace_once(
     held_state = tracer.held_state = root.__dict__["_streamsched_held_state"] = HeldState(model)
     try:
         try:
-            with TraceSideEffectGuard(model, root) as guard, GradModeGuard(tracer):
+            with TraceSideEffectGuard(model, root) as guard, GradModeGuard(tracer), _ExecutedCode() as executed:
                 graph = tracer.trace(root)
         finally:
             written = restore_containers(containers)
@@ -933,12 +974,18 @@ def _trace_once(
     modules = tuple(tracer.traced_through.values())
     flags = tuple((m, _flag_values(m)) for m in modules)
     _generation.watch(k for _, values in flags for k, _ in values)
-    held = held_objects(modules)
+    held = reachable_objects(modules)
     watched = [_generation.watch_object(o) for o in held]
     flags += tuple((o, _flag_values(o)) for o, w in zip(held, watched) if w)
     # An object whose assignments cannot be seen (a types.SimpleNamespace: its class is
-    # built in) has its plain attributes compared on every call, as globals are.
-    unseen = tuple((vars(o), k, GlobalValue(k, v)) for o, w in zip(held, watched) if not w for k, v in _flag_values(o))
+    # built in; an object with __slots__ and no weak references) has its plain attributes,
+    # and the objects it holds, compared on every call, as globals are.
+    unseen = tuple(
+        (_Attributes(o), k, GlobalValue(k, v.obj, same=True) if type(v) is _Same else GlobalValue(k, v))
+        for o, w in zip(held, watched)
+        if not w
+        for k, v in _flag_values(o)
+    )
     traced = Traced(
         graph,
         root,
@@ -954,7 +1001,7 @@ def _trace_once(
         inlined_leaf_calls=tracer.inlined_leaf_calls,
         ranks=ranks,
         dtypes=dtypes,
-        dtype_guards=_assumptions(tracer.ranks.assumed) + _global_flags(modules) + unseen,
+        dtype_guards=_assumptions(tracer.ranks.assumed) + _global_flags(modules, executed.code) + unseen,
     )
     # The recording call re-traces through this where a leaf call misled the trace.
     root.__dict__["_streamsched_traced"] = weakref.ref(traced)
@@ -991,7 +1038,9 @@ def dtype_probes(traces: Sequence[Traced]) -> tuple:
     for traced in traces:
         for owner, name, expected in traced.dtype_guards:
             if type(expected) is GlobalValue:
-                probes[(id(owner), name, expected.value)] = (owner, name, expected)
+                where = id(owner.obj) if type(owner) is _Attributes else id(owner)
+                value = id(expected.value) if expected.same else expected.value
+                probes[(where, name, value)] = (owner, name, expected)
                 continue
             table = _guarded_table(owner, name)
             if isinstance(table.get(name), torch.Tensor):
@@ -1023,34 +1072,88 @@ class GlobalValue:
     value it had (a flag, a number, a string, a tuple of such), which the trace baked in.
     A guard ``(globals, name, GlobalValue)`` holds while the name still has it."""
 
-    __slots__ = ("name", "value")
+    __slots__ = ("name", "value", "same")
 
-    def __init__(self, name: str, value: Any):
+    def __init__(self, name: str, value: Any, same: bool = False):
         self.name = name
         self.value = value
+        # An object (held by an object whose assignments go unseen): compared by identity.
+        self.same = same
 
-    def holds(self, namespace: dict) -> bool:
+    def holds(self, namespace: Any) -> bool:
         now = namespace.get(self.name, GlobalValue)
+        if self.same:
+            return now is self.value
         return type(now) is type(self.value) and now == self.value
 
 
-def _global_flags(modules: Sequence[torch.nn.Module]) -> tuple:
-    """A guard for each module-level global that the ``forward`` of a traced-through
-    module reads by name (in its own code or a comprehension's, lambda's or nested
-    function's in it) and that holds a plain value: the trace baked in what it read."""
+def _global_flags(modules: Sequence[torch.nn.Module], executed: dict[types.CodeType, dict]) -> tuple:
+    """A guard for each module-level global that traced code reads by name and that holds
+    a plain value (a flag, a number, a string, an enum member, a tuple of such): the trace
+    baked in what it read. Traced code is the ``forward`` of each traced-through module
+    (its own code and a comprehension's, lambda's or nested function's in it) and every
+    function the trace ran outside torch, the standard library and streamsched
+    (``executed``: a helper the forward calls, a method of an object it holds)."""
     guards = []
-    seen: set[int] = set()
+    seen: set[tuple[int, str]] = set()
+    codes: dict[types.CodeType, dict] = {}
     for m in modules:
         fn = getattr(type(m), "forward", None)
-        if not isinstance(fn, types.FunctionType) or id(fn) in seen:
-            continue
-        seen.add(id(fn))
-        namespace = fn.__globals__
-        for name in _global_names(fn.__code__):
+        if isinstance(fn, types.FunctionType):
+            codes[fn.__code__] = fn.__globals__
+    for code, namespace in executed.items():
+        if code not in codes and not _library_namespace(namespace):
+            codes[code] = namespace
+    for code, namespace in codes.items():
+        for name in _global_names(code):
+            if (id(namespace), name) in seen:
+                continue
+            seen.add((id(namespace), name))
             value = namespace.get(name, GlobalValue)
-            if type(value) in _FLAG_TYPES or (type(value) is tuple and is_plain(value)):
+            if value is GlobalValue or isinstance(value, (type, types.FunctionType, types.BuiltinFunctionType)):
+                continue
+            if type(value) in _FLAG_TYPES or is_plain(value):
                 guards.append((namespace, name, GlobalValue(name, value)))
     return tuple(guards)
+
+
+_LIBRARY_PACKAGES = frozenset({"torch", "streamsched", "functorch", "typing_extensions", "numpy"})
+
+
+def _library_namespace(namespace: dict) -> bool:
+    """Whether globals ``namespace`` belong to a module of torch, the standard library or
+    streamsched (whose globals no model switches)."""
+    name = namespace.get("__name__")
+    if not isinstance(name, str):
+        return True
+    top = name.partition(".")[0]
+    return top in _LIBRARY_PACKAGES or top in sys.stdlib_module_names
+
+
+class _ExecutedCode:
+    """The code objects of the Python functions called on this thread while it is entered
+    (with the globals each ran with), through ``sys.setprofile``; records nothing where a
+    profiler is already set (the forwards' own code is still read)."""
+
+    def __init__(self) -> None:
+        self.code: dict[types.CodeType, dict] = {}
+        self.active = False
+
+    def _profile(self, frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            code = frame.f_code
+            if code not in self.code:
+                self.code[code] = frame.f_globals
+
+    def __enter__(self) -> _ExecutedCode:
+        self.active = sys.getprofile() is None
+        if self.active:
+            sys.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.active:
+            sys.setprofile(None)
 
 
 @functools.lru_cache(maxsize=4096)

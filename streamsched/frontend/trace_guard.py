@@ -55,7 +55,11 @@ __all__ = [
     "autocast_state",
     "copy_fresh_constants",
     "FACTORIES",
-    "held_objects",
+    "HeldState",
+    "ObjectWrittenDuringTrace",
+    "holds_state",
+    "object_items",
+    "reachable_objects",
 ]
 
 # Torch functions that make a new tensor from plain arguments: called with no graph value
@@ -98,23 +102,6 @@ FACTORIES = frozenset(
 _SEEDED = getattr(torch.Tag, "nondeterministic_seeded", None)
 
 
-def held_objects(modules: Sequence[torch.nn.Module]) -> list[Any]:
-    """The objects ``modules`` hold as plain attributes whose own plain attributes traced
-    code may read (a ``config`` shared by every layer), each once: instances of classes
-    defined outside Python's built-ins, with an instance dict, that are not modules,
-    tensors, callables or plain values."""
-    seen: dict[int, Any] = {}
-    for m in modules:
-        for k, v in m.__dict__.items():
-            if k[:1] == "_" or id(v) in seen or is_plain(v) or callable(v):
-                continue
-            if isinstance(v, (torch.nn.Module, torch.Tensor, list, dict, set)) or type(v).__module__ == "builtins":
-                continue
-            if getattr(v, "__dict__", None) is not None:
-                seen[id(v)] = v
-    return list(seen.values())
-
-
 class SideEffectDuringTrace(RuntimeError):
     """A traced forward tried to change real state; raised where it tried."""
 
@@ -129,7 +116,7 @@ class TraceSideEffectGuard(TorchDispatchMode):
         self.modules = {id(m) for m in model.modules()}
         # Objects the modules hold (a config, a tally): assigning their attributes is a
         # side effect too (their classes' __setattr__ reports to _on_setattr once watched).
-        self.objects = {id(o) for o in held_objects(list(model.modules())) if _generation.watch_object(o)}
+        self.objects = {id(o) for o in reachable_objects(list(model.modules())) if _generation.watch_object(o)}
         self.trace_root = trace_root
         self.thread = threading.get_ident()
 
