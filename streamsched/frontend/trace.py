@@ -647,6 +647,21 @@ class _Same:
         return id(self.obj)
 
 
+class _Cell:
+    """A closure's cell as a guard reads a namespace (``get``)."""
+
+    __slots__ = ("cell",)
+
+    def __init__(self, cell: Any):
+        self.cell = cell
+
+    def get(self, name: str, default: Any = None) -> Any:
+        try:
+            return self.cell.cell_contents
+        except ValueError:
+            return default
+
+
 class _Attributes:
     """An object's attributes as a guard reads a namespace (``get``), its ``__slots__``
     included: where assigning them cannot be seen, :class:`GlobalValue` guards compare
@@ -929,7 +944,11 @@ def _trace_once(
     held_state = tracer.held_state = root.__dict__["_streamsched_held_state"] = HeldState(model)
     try:
         try:
-            with TraceSideEffectGuard(model, root) as guard, GradModeGuard(tracer), _ExecutedCode() as executed:
+            with (
+                TraceSideEffectGuard(model, root) as guard,
+                GradModeGuard(tracer),
+                _ExecutedCode(held_state) as executed,
+            ):
                 graph = tracer.trace(root)
         finally:
             written = restore_containers(containers)
@@ -974,18 +993,8 @@ def _trace_once(
     modules = tuple(tracer.traced_through.values())
     flags = tuple((m, _flag_values(m)) for m in modules)
     _generation.watch(k for _, values in flags for k, _ in values)
-    held = reachable_objects(modules)
-    watched = [_generation.watch_object(o) for o in held]
-    flags += tuple((o, _flag_values(o)) for o, w in zip(held, watched) if w)
-    # An object whose assignments cannot be seen (a types.SimpleNamespace: its class is
-    # built in; an object with __slots__ and no weak references) has its plain attributes,
-    # and the objects it holds, compared on every call, as globals are.
-    unseen = tuple(
-        (_Attributes(o), k, GlobalValue(k, v.obj, same=True) if type(v) is _Same else GlobalValue(k, v))
-        for o, w in zip(held, watched)
-        if not w
-        for k, v in _flag_values(o)
-    )
+    state_flags, state_guards = _python_state(modules, executed)
+    flags += state_flags
     traced = Traced(
         graph,
         root,
@@ -1001,7 +1010,7 @@ def _trace_once(
         inlined_leaf_calls=tracer.inlined_leaf_calls,
         ranks=ranks,
         dtypes=dtypes,
-        dtype_guards=_assumptions(tracer.ranks.assumed) + _global_flags(modules, executed.code) + unseen,
+        dtype_guards=_assumptions(tracer.ranks.assumed) + state_guards,
     )
     # The recording call re-traces through this where a leaf call misled the trace.
     root.__dict__["_streamsched_traced"] = weakref.ref(traced)
@@ -1038,8 +1047,16 @@ def dtype_probes(traces: Sequence[Traced]) -> tuple:
     for traced in traces:
         for owner, name, expected in traced.dtype_guards:
             if type(expected) is GlobalValue:
-                where = id(owner.obj) if type(owner) is _Attributes else id(owner)
-                value = id(expected.value) if expected.same else expected.value
+                where = (
+                    id(owner.obj)
+                    if type(owner) is _Attributes
+                    else id(owner.cell)
+                    if type(owner) is _Cell
+                    else id(owner)
+                )
+                value = expected.value
+                if expected.same or type(value) in _CONTAINERS or not _hashable(value):
+                    value = id(value)
                 probes[(where, name, value)] = (owner, name, expected)
                 continue
             table = _guarded_table(owner, name)
@@ -1070,51 +1087,236 @@ def dtypes_same(probes: tuple) -> bool:
 class GlobalValue:
     """What a trace expects of a module-level global that a traced forward read: the
     value it had (a flag, a number, a string, a tuple of such), which the trace baked in.
-    A guard ``(globals, name, GlobalValue)`` holds while the name still has it."""
+    A guard ``(globals, name, GlobalValue)`` holds while the name still has it.
 
-    __slots__ = ("name", "value", "same")
+    One guard may stand for several names of one owner (:func:`_grouped`): ``getter``
+    (an ``operator.attrgetter`` or ``itemgetter`` of them all) reads them at once, and
+    ``value`` is the tuple of their values, ``types`` of their types."""
 
-    def __init__(self, name: str, value: Any, same: bool = False):
+    __slots__ = ("name", "value", "same", "getter", "types")
+
+    def __init__(self, name: Any, value: Any, same: bool = False, getter: Any = None, types: tuple = ()):
         self.name = name
         self.value = value
         # An object (held by an object whose assignments go unseen): compared by identity.
         self.same = same
+        self.getter = getter
+        self.types = types
 
     def holds(self, namespace: Any) -> bool:
+        getter = self.getter
+        if getter is not None:
+            try:
+                now = getter(namespace)
+            except (AttributeError, KeyError):
+                return False
+            return now == self.value and tuple(map(type, now)) == self.types
         now = namespace.get(self.name, GlobalValue)
         if self.same:
             return now is self.value
         return type(now) is type(self.value) and now == self.value
 
 
-def _global_flags(modules: Sequence[torch.nn.Module], executed: dict[types.CodeType, dict]) -> tuple:
-    """A guard for each module-level global that traced code reads by name and that holds
-    a plain value (a flag, a number, a string, an enum member, a tuple of such): the trace
-    baked in what it read. Traced code is the ``forward`` of each traced-through module
-    (its own code and a comprehension's, lambda's or nested function's in it) and every
-    function the trace ran outside torch, the standard library and streamsched
-    (``executed``: a helper the forward calls, a method of an object it holds)."""
-    guards = []
+def _hashable(value: Any) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _grouped(guards: list[tuple]) -> tuple:
+    """``guards`` with the value guards of each owner (an object's attributes, a dict's
+    items) made one, read by one ``attrgetter`` or ``itemgetter`` call: a model's
+    configuration classes hold dozens of constants, compared on every call."""
+    by_owner: dict[int, tuple[Any, list[tuple[str, Any]]]] = {}
+    out = []
+    for owner, name, expected in guards:
+        if expected.same or type(owner) is _Cell:
+            out.append((owner, name, expected))
+            continue
+        target, key = owner, (id(owner), False)
+        if type(owner) is _Attributes:
+            # Read from the instance's (or class's) own dict where it holds the name: no
+            # __getattribute__ of its class runs (a transformers config has one).
+            own = getattr(owner.obj, "__dict__", None)
+            inside = isinstance(own, (dict, types.MappingProxyType)) and name in own
+            target, key = (own if inside else owner.obj), (id(owner.obj), inside)
+        entry = by_owner.get(key)
+        if entry is None:
+            entry = by_owner[key] = (target, [])
+        entry[1].append((name, expected.value))
+    for target, items in by_owner.values():
+        names = [n for n, _ in items]
+        if len(names) == 1:
+            names = names * 2  # a getter of one name returns no tuple
+            items = items * 2
+        make = operator.itemgetter if type(target) in (dict, types.MappingProxyType) else operator.attrgetter
+        values = tuple(v for _, v in items)
+        guard = GlobalValue(tuple(names), values, getter=make(*names), types=tuple(map(type, values)))
+        out.append((target, guard.name, guard))
+    return tuple(out)
+
+
+def _python_state(modules: Sequence[torch.nn.Module], executed: _ExecutedCode) -> tuple[tuple, tuple]:
+    """What a trace read of Python state besides the traced-through modules' own plain
+    attributes (their flags), as (flags, guards): ``flags`` for the objects they hold,
+    three levels down, whose assignments move the generation (``_generation.watch_object``);
+    ``guards`` (``(namespace, name, GlobalValue)``, compared on every call) for
+
+    - module-level globals read by name by traced code (:func:`_traced_code`) holding a
+      plain value, or a list, dict or set of plain values (compared by a copy);
+    - the attributes of held objects whose assignments cannot be seen (a
+      ``types.SimpleNamespace``; ``__slots__`` without weak references), and the lists,
+      dicts and sets of plain values any held object or traced-through module holds
+      (``self.scales[1] = 2.0`` assigns nothing);
+    - public class attributes of the modules' own classes (``self.SCALE``
+      reads the class's, ``Model.SCALE = 2`` assigns no instance's; a name starting
+      with ``_`` is a library's bookkeeping: transformers' classes hold dozens).
+
+    Lists, dicts and sets a module or a watched object holds are guarded under public
+    names only, for the same reason.
+
+    Attributes are guarded only where traced code names them (:func:`_names_read`): an
+    attribute written by a branch that runs as written and never read by traced code
+    would re-trace every call."""
+    codes = _traced_code(modules, executed)
+    read = _names_read(codes) if executed.active else None
+    guards: list[tuple] = []
+    global_objects: list[Any] = []
     seen: set[tuple[int, str]] = set()
-    codes: dict[types.CodeType, dict] = {}
-    for m in modules:
-        fn = getattr(type(m), "forward", None)
-        if isinstance(fn, types.FunctionType):
-            codes[fn.__code__] = fn.__globals__
-    for code, namespace in executed.items():
-        if code not in codes and not _library_namespace(namespace):
-            codes[code] = namespace
     for code, namespace in codes.items():
         for name in _global_names(code):
             if (id(namespace), name) in seen:
                 continue
             seen.add((id(namespace), name))
             value = namespace.get(name, GlobalValue)
-            if value is GlobalValue or isinstance(value, (type, types.FunctionType, types.BuiltinFunctionType)):
+            expected = _guarded_value(value)
+            if expected is not _UNGUARDED:
+                guards.append((namespace, name, GlobalValue(name, expected)))
+            elif value is not GlobalValue and holds_state(value):
+                global_objects.append(value)
+    for m in modules:
+        # Variables of the function that made the module's class, which its forward reads.
+        fn = getattr(type(m), "forward", None)
+        cells = getattr(fn, "__closure__", None) or ()
+        for name, cell in zip(getattr(getattr(fn, "__code__", None), "co_freevars", ()), cells):
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
                 continue
-            if type(value) in _FLAG_TYPES or is_plain(value):
-                guards.append((namespace, name, GlobalValue(name, value)))
-    return tuple(guards)
+            expected = _guarded_value(value)
+            if expected is not _UNGUARDED:
+                guards.append((_Cell(cell), name, GlobalValue(name, expected)))
+            elif holds_state(value):
+                global_objects.append(value)
+    held = reachable_objects(modules, roots=global_objects)
+    watched = [_generation.watch_object(o) for o in held]
+    flags = tuple((o, _flag_values(o)) for o, w in zip(held, watched) if w)
+    for o, w in zip(held, watched):
+        attributes = _Attributes(o)
+        for k, v in object_items(o).items():
+            if k[:2] == "__" or (read is not None and k not in read):
+                continue
+            if not w and holds_state(v):
+                guards.append((attributes, k, GlobalValue(k, v, same=True)))
+                continue
+            expected = _guarded_value(v)
+            if expected is _UNGUARDED or (w and (type(v) not in _CONTAINERS or k[:1] == "_")):
+                continue  # (a watched object's plain attributes are its flags)
+            guards.append((attributes, k, GlobalValue(k, expected)))
+    for m in modules:
+        for k, v in m.__dict__.items():
+            if type(v) in _CONTAINERS and k[:1] != "_" and (read is None or k in read):
+                expected = _guarded_value(v)
+                if expected is not _UNGUARDED:
+                    guards.append((m.__dict__, k, GlobalValue(k, expected)))
+    # A class attribute every instance found shadows with its own is never read through it.
+    shadowed: dict[type, set[str]] = {}
+    for o in modules:
+        names = set(o.__dict__)
+        cls = type(o)
+        shadowed[cls] = shadowed[cls] & names if cls in shadowed else names
+    for cls in {base: None for c in shadowed for base in c.__mro__}:
+        if cls.__module__.partition(".")[0] in _LIBRARY_PACKAGES or cls.__module__ == "builtins":
+            continue
+        hidden = set.intersection(*(names for c, names in shadowed.items() if issubclass(c, cls)))
+        for k, v in cls.__dict__.items():
+            if k[:1] == "_" or (read is not None and k not in read) or k in hidden:
+                continue
+            expected = _guarded_value(v)
+            if expected is not _UNGUARDED:
+                guards.append((_Attributes(cls), k, GlobalValue(k, expected)))
+    return flags, _grouped(guards)
+
+
+_CONTAINERS = (list, dict, set)
+_UNGUARDED = object()
+# A list, dict or set longer than this is not compared on every call.
+_MAX_GUARDED_ITEMS = 64
+
+
+def _guarded_value(value: Any) -> Any:
+    """What a guard expects of ``value`` on every call: the value itself where it is plain
+    (not a class or function: a helper the code calls by name), a copy of a list, dict or
+    set of plain values; ``_UNGUARDED`` where it is neither."""
+    kind = type(value)
+    if kind in _FLAG_TYPES:
+        return value
+    if kind in _CONTAINERS:
+        if len(value) > _MAX_GUARDED_ITEMS:
+            return _UNGUARDED
+        items = value.items() if kind is dict else ((v, None) for v in value)
+        for k, v in items:
+            for item in (k, v):
+                if not is_plain(item) or isinstance(item, type) or callable(item):
+                    return _UNGUARDED
+        return kind(value)
+    if isinstance(value, (type, types.FunctionType, types.BuiltinFunctionType)) or not is_plain(value):
+        return _UNGUARDED
+    return value
+
+
+def _traced_code(modules: Sequence[torch.nn.Module], executed: _ExecutedCode) -> dict[types.CodeType, dict]:
+    """The code traced code ran, with its globals: each traced-through module's
+    ``forward``, and every function the trace ran outside torch, the standard library and
+    streamsched (``executed``: a helper the forward calls, a method of an object it holds)."""
+    codes: dict[types.CodeType, dict] = {}
+    for m in modules:
+        fn = getattr(type(m), "forward", None)
+        if isinstance(fn, types.FunctionType):
+            codes[fn.__code__] = fn.__globals__
+    for code, namespace in executed.code.items():
+        if code not in codes and not _library_namespace(namespace):
+            codes[code] = namespace
+    return codes
+
+
+# Names in traced code that read attributes without naming them.
+_DYNAMIC_READS = frozenset({"vars", "__dict__", "asdict", "astuple", "__getattribute__"})
+
+
+def _names_read(codes: dict[types.CodeType, dict]) -> Optional[frozenset[str]]:
+    """The attribute names ``codes`` may read: those they load (``x.name``) and the
+    strings among their constants (``getattr(x, "name")``); None (every name) where they
+    read attributes without naming them (``vars(x)``, ``x.__dict__``)."""
+    names: set[str] = set()
+    for code in codes:
+        names.update(_code_names(code))
+    return None if names & _DYNAMIC_READS else frozenset(names)
+
+
+@functools.lru_cache(maxsize=4096)
+def _code_names(code: types.CodeType) -> frozenset[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, str):
+            names.add(const)
+        elif isinstance(const, tuple):
+            names.update(c for c in const if isinstance(c, str))
+        elif isinstance(const, types.CodeType):
+            names.update(_code_names(const))
+    return frozenset(names)
 
 
 _LIBRARY_PACKAGES = frozenset({"torch", "streamsched", "functorch", "typing_extensions", "numpy"})
@@ -1135,15 +1337,19 @@ class _ExecutedCode:
     (with the globals each ran with), through ``sys.setprofile``; records nothing where a
     profiler is already set (the forwards' own code is still read)."""
 
-    def __init__(self) -> None:
+    def __init__(self, held_state: Optional[HeldState] = None) -> None:
         self.code: dict[types.CodeType, dict] = {}
         self.active = False
+        # Told the globals each function outside the libraries names, before it first runs.
+        self.held_state = held_state
 
     def _profile(self, frame: Any, event: str, arg: Any) -> None:
         if event == "call":
             code = frame.f_code
             if code not in self.code:
-                self.code[code] = frame.f_globals
+                namespace = self.code[code] = frame.f_globals
+                if self.held_state is not None and not _library_namespace(namespace):
+                    self.held_state.note_globals(namespace, _global_names(code))
 
     def __enter__(self) -> _ExecutedCode:
         self.active = sys.getprofile() is None

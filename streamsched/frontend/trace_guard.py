@@ -28,9 +28,11 @@ refuses any grad-mode switch while a trace runs; :func:`autocast_state` and
 
 from __future__ import annotations
 
+import argparse
 import random
 import sys
 import threading
+import types
 from typing import Any, Optional, Sequence
 
 import torch
@@ -404,8 +406,16 @@ HELD_DEPTH = 3
 
 
 def _library_object(value: Any) -> bool:
-    module = type(value).__module__
-    return module.startswith(("torch", "streamsched")) or module == "builtins"
+    """Whether ``value`` is an instance of a class of torch, streamsched or the standard
+    library (a logger, a lock), but for the namespaces models keep options in."""
+    kind = type(value)
+    if kind in _NAMESPACES:
+        return False
+    top = kind.__module__.partition(".")[0]
+    return top in ("torch", "streamsched", "builtins") or top in sys.stdlib_module_names
+
+
+_NAMESPACES = (types.SimpleNamespace, argparse.Namespace)
 
 
 def object_items(obj: Any) -> dict[str, Any]:
@@ -438,11 +448,14 @@ def holds_state(value: Any) -> bool:
     )
 
 
-def reachable_objects(modules: Sequence[torch.nn.Module], depth: int = HELD_DEPTH) -> list[Any]:
+def reachable_objects(
+    modules: Sequence[torch.nn.Module], depth: int = HELD_DEPTH, roots: Sequence[Any] = ()
+) -> list[Any]:
     """The objects ``modules`` hold as attributes (:func:`holds_state`), and those such
-    objects hold, ``depth`` levels down, each once."""
-    seen: dict[int, Any] = {}
-    level = []
+    objects hold, ``depth`` levels down, each once; ``roots`` (objects held otherwise: a
+    module-level namespace traced code reads) are followed as held ones."""
+    seen: dict[int, Any] = {id(v): v for v in roots}
+    level = list(seen.values())
     for m in modules:
         for k, v in m.__dict__.items():
             if k in _MODULE_TABLES or k.startswith("_streamsched") or id(v) in seen or not holds_state(v):
@@ -476,20 +489,52 @@ class HeldState:
 
     def __init__(self, model: torch.nn.Module):
         self.entries: list[tuple[Any, dict[str, Any], dict[str, Any]]] = []
+        # (id(globals), name) -> (globals, name, value, copy of its contents or None).
+        self.globals: dict[tuple[int, str], tuple[dict, str, Any, Any]] = {}
         for obj in reachable_objects(list(model.modules())):
             items = object_items(obj)
-            contents = {k: _container_copy(v) for k, v in items.items() if type(v) in (list, dict, set)}
+            contents = _contents(items)
             self.entries.append((obj, items, contents))
+
+    def note_globals(self, namespace: dict, names: Sequence[str]) -> None:
+        """Remember what the globals ``names`` of ``namespace`` hold, before code naming
+        them runs (``trace._ExecutedCode``, as the trace first calls it): a global assigned
+        (``global COUNT; COUNT += 1``), a list, dict or set it holds changed, or an object
+        it holds written, is a side effect as a held object's is."""
+        for name in names:
+            key = (id(namespace), name)
+            if key in self.globals:
+                continue
+            value = namespace.get(name, _MISSING)
+            if callable(value) or isinstance(value, types.ModuleType):
+                # (A function or class: what the trace itself patches, as opaque functions.)
+                continue
+            kind = type(value)
+            copy = _data_copy(value) if kind in (list, dict, set) else None
+            self.globals[key] = (namespace, name, value, copy)
+            if value is not _MISSING and holds_state(value):
+                known = {id(obj) for obj, _, _ in self.entries}
+                for obj in reachable_objects((), roots=(value,)):
+                    if id(obj) not in known:
+                        items = object_items(obj)
+                        contents = _contents(items)
+                        self.entries.append((obj, items, contents))
 
     def changed(self) -> Optional[str]:
         """What the first changed attribute is (``"Stats.count"``), or None."""
+        for namespace, name, value, copy in self.globals.values():
+            now = namespace.get(name, _MISSING)
+            if not _same_value(now, value):
+                return f"the global {name} (of {namespace.get('__name__', '?')})"
+            if copy is not None and not _same(now, copy):
+                return f"the {type(now).__name__} in the global {name} (of {namespace.get('__name__', '?')})"
         for obj, items, contents in self.entries:
             now = object_items(obj)
             if now.keys() != items.keys():
                 name = next(iter(now.keys() ^ items.keys()))
                 return f"{type(obj).__name__}.{name}"
             for k, v in now.items():
-                if not _same_value(v, items[k]):
+                if not _same_value(v, items[k]) and not (callable(v) and callable(items[k])):
                     return f"{type(obj).__name__}.{k}"
             for k, copy in contents.items():
                 if not _same(now[k], copy):
@@ -498,17 +543,32 @@ class HeldState:
 
     def refuse_changes(self) -> None:
         """Raise :class:`ObjectWrittenDuringTrace` where :meth:`changed` finds a change."""
-        if not self.entries:
+        if not self.entries and not self.globals:
             return
         what = self.changed()
         if what is not None:
+            verb, held = (
+                ("changes", "")
+                if what.startswith("the ")
+                else ("assigns", ", an attribute of an object a module holds,")
+            )
             raise ObjectWrittenDuringTrace(
-                f"the forward assigns {what}, an attribute of an object a module holds, while traced: a Python side "
-                "effect a trace would perform only once (and on graph values)"
+                f"the forward {verb} {what}{held} while traced: a Python side effect a trace would perform only "
+                "once (and on graph values)"
             )
 
     def restore(self) -> None:
-        """Put back every attribute and container content a trace changed."""
+        """Put back every attribute, global and container content a trace changed."""
+        for namespace, name, value, copy in self.globals.values():
+            now = namespace.get(name, _MISSING)
+            if now is not value:
+                if value is _MISSING:
+                    namespace.pop(name, None)
+                else:
+                    namespace[name] = value
+            if copy is not None and not _same(value, copy):
+                value.clear()
+                value.update(copy) if type(value) is not list else value.extend(copy)
         for obj, items, contents in self.entries:
             now = object_items(obj)
             for k in now.keys() - items.keys():
@@ -517,19 +577,43 @@ class HeldState:
                 except (AttributeError, TypeError):
                     pass
             for k, v in items.items():
-                if now.get(k, _MISSING) is not v:
+                if now.get(k, _MISSING) is not v and not callable(v):
                     try:
                         object.__setattr__(obj, k, v)
                     except (AttributeError, TypeError):  # a frozen or extension class
                         pass
             for k, copy in contents.items():
                 container = items[k]
-                if not _same(container, copy):
+                if not _same(container, copy):  # (contents: data only, see _contents)
                     container.clear()
                     container.update(copy) if type(container) is not list else container.extend(copy)
 
 
 _MISSING = object()
+# A list, dict or set in a global longer than this is compared by identity only.
+_MAX_COPIED = 10_000
+
+
+def _data_copy(value: Any) -> Any:
+    """A copy of a list, dict or set of data; None for one that holds functions or classes
+    (a registry, which opaque functions patch while a trace runs) or is too long."""
+    if len(value) > _MAX_COPIED:
+        return None
+    for item in value.values() if type(value) is dict else value:
+        if callable(item):
+            return None
+    return _container_copy(value)
+
+
+def _contents(items: dict[str, Any]) -> dict[str, Any]:
+    """Copies of the lists, dicts and sets of data among an object's attributes."""
+    out = {}
+    for k, v in items.items():
+        if type(v) in (list, dict, set):
+            copy = _data_copy(v)
+            if copy is not None:
+                out[k] = copy
+    return out
 
 
 def _container_copy(value: Any) -> Any:
