@@ -5,11 +5,14 @@ functions a forward calls. Every call equals eager, and the state ends as eager 
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import enum
+import random
 import types
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -491,3 +494,91 @@ def test_a_global_written_during_the_forward_is_written_on_every_call(executor, 
         del SEEN_ROWS[before:]
     if model is ABranchCountsInAGlobal:
         assert paths[-1] == "plan:" + executor, paths  # the counting branch runs as written
+
+
+# --- tensors held outside the modules, and library objects with hidden state ----------------
+
+GLOBAL_BIAS = torch.zeros(D)
+
+
+class AddsABias(Towers):
+    def __init__(self, holder):
+        super().__init__()
+        self.holder = holder  # "namespace", "object" or "global"
+        self.state = types.SimpleNamespace(bias=torch.zeros(D)) if holder == "namespace" else Inner()
+        if holder == "object":
+            self.state.bias = torch.zeros(D)
+
+    def forward(self, x):
+        bias = GLOBAL_BIAS if self.holder == "global" else self.state.bias
+        return torch.stack(self.branches(x)).sum(0) + bias
+
+
+@pytest.mark.parametrize("holder", ["namespace", "object", "global"])
+def test_a_tensor_held_outside_the_modules_and_replaced_is_read_anew(holder):
+    # The graph held the tensor the trace read as a constant: replaced by another one
+    # (a namespace's, a plain object's or a global), the plan went on adding the old one.
+    global GLOBAL_BIAS
+    done = []
+
+    def change(model, call):
+        global GLOBAL_BIAS
+        if call % 3 != 2:
+            return
+        if holder == "global":
+            if done[-1:] != [call]:
+                done.append(call)
+                GLOBAL_BIAS = torch.full((D,), float(call))
+        else:
+            model.state.bias = torch.full((D,), float(call))
+
+    try:
+        paths = run_against_eager(AddsABias(holder), "serial", change=change, training=False)
+    finally:
+        GLOBAL_BIAS = torch.zeros(D)
+    assert "plan:serial" in paths, paths
+
+
+class DrawsFromAHeldGenerator(Towers):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        if kind == "random.Random":
+            self.rng = random.Random(0)
+        elif kind == "numpy-generator":
+            self.rng = np.random.default_rng(0)
+        elif kind == "deque":
+            self.recent = collections.deque(maxlen=3)
+
+    def forward(self, x):
+        if self.kind == "random.Random":
+            scale = self.rng.random()
+        elif self.kind == "numpy-generator":
+            scale = float(self.rng.random())
+        elif self.kind == "numpy-global":
+            scale = float(np.random.rand())
+        else:
+            self.recent.append(x.shape[0])
+            scale = float(sum(self.recent))
+        return torch.stack(self.branches(x)).sum(0) * scale
+
+
+@pytest.mark.parametrize("kind", ["random.Random", "numpy-generator", "numpy-global", "deque"])
+@pytest.mark.parametrize("executor", ["serial", "threads"])
+def test_state_a_library_object_keeps_to_itself_advances_as_in_eager(executor, kind):
+    # Drawing from a random.Random or numpy generator the model holds, from numpy's global
+    # generator, or appending to a deque: no attribute is assigned, and the trace drew
+    # once, baking the number into the plan (and left the generator a draw ahead).
+    model = DrawsFromAHeldGenerator(kind)
+    reference = copy.deepcopy(model).eval()
+    sm = ss.StreamScheduledModule(model, executor=executor).eval()
+    for call in range(8):
+        x = torch.randn(2 + call % 2, D)
+        np.random.seed(call)
+        expected = reference(x)
+        after_eager = np.random.rand()
+        np.random.seed(call)
+        actual = sm(x)
+        path = assert_path(sm, *PATHS)
+        assert np.random.rand() == after_eager, f"call {call} ({path}): numpy's generator is not where eager left it"
+        assert_close(actual, expected, what=f"call {call} ({path})")

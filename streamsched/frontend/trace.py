@@ -774,7 +774,7 @@ def _call_model(root: _TraceRoot, inputs: tuple) -> Any:
     _refuse_changed_containers(model, held)
     held_state = root.__dict__.get("_streamsched_held_state")
     if held_state is not None:
-        held_state.refuse_changes()
+        held_state.refuse_changes(root=True)
     # The graph returns the output's leaves; the container is rebuilt per call, with the
     # model's own types (fx would turn dicts into immutable_dict and drop dataclasses).
     tree = OutputTree.of(out)
@@ -944,11 +944,10 @@ def _trace_once(
     held_state = tracer.held_state = root.__dict__["_streamsched_held_state"] = HeldState(model)
     try:
         try:
-            with (
-                TraceSideEffectGuard(model, root) as guard,
-                GradModeGuard(tracer),
-                _ExecutedCode(held_state) as executed,
-            ):
+            # The globals the code the trace may run names (data only), noted before it runs.
+            for code, namespace in _static_code(list(model.modules()), held_state.objects()).items():
+                held_state.note_globals(namespace, _global_names(code))
+            with TraceSideEffectGuard(model, root) as guard, GradModeGuard(tracer):
                 graph = tracer.trace(root)
         finally:
             written = restore_containers(containers)
@@ -993,7 +992,7 @@ def _trace_once(
     modules = tuple(tracer.traced_through.values())
     flags = tuple((m, _flag_values(m)) for m in modules)
     _generation.watch(k for _, values in flags for k, _ in values)
-    state_flags, state_guards = _python_state(modules, executed)
+    state_flags, state_guards = _python_state(modules)
     flags += state_flags
     traced = Traced(
         graph,
@@ -1158,7 +1157,7 @@ def _grouped(guards: list[tuple]) -> tuple:
     return tuple(out)
 
 
-def _python_state(modules: Sequence[torch.nn.Module], executed: _ExecutedCode) -> tuple[tuple, tuple]:
+def _python_state(modules: Sequence[torch.nn.Module]) -> tuple[tuple, tuple]:
     """What a trace read of Python state besides the traced-through modules' own plain
     attributes (their flags), as (flags, guards): ``flags`` for the objects they hold,
     three levels down, whose assignments move the generation (``_generation.watch_object``);
@@ -1166,6 +1165,8 @@ def _python_state(modules: Sequence[torch.nn.Module], executed: _ExecutedCode) -
 
     - module-level globals read by name by traced code (:func:`_traced_code`) holding a
       plain value, or a list, dict or set of plain values (compared by a copy);
+    - the tensors held objects and globals hold, by identity (the graph holds them as
+      constants: replaced, the plan would read the old one);
     - the attributes of held objects whose assignments cannot be seen (a
       ``types.SimpleNamespace``; ``__slots__`` without weak references), and the lists,
       dicts and sets of plain values any held object or traced-through module holds
@@ -1180,8 +1181,8 @@ def _python_state(modules: Sequence[torch.nn.Module], executed: _ExecutedCode) -
     Attributes are guarded only where traced code names them (:func:`_names_read`): an
     attribute written by a branch that runs as written and never read by traced code
     would re-trace every call."""
-    codes = _traced_code(modules, executed)
-    read = _names_read(codes) if executed.active else None
+    codes = _static_code(modules, reachable_objects(modules))
+    read = _names_read(codes)
     guards: list[tuple] = []
     global_objects: list[Any] = []
     seen: set[tuple[int, str]] = set()
@@ -1194,6 +1195,8 @@ def _python_state(modules: Sequence[torch.nn.Module], executed: _ExecutedCode) -
             expected = _guarded_value(value)
             if expected is not _UNGUARDED:
                 guards.append((namespace, name, GlobalValue(name, expected)))
+            elif isinstance(value, torch.Tensor):  # baked in as a constant: the same tensor
+                guards.append((namespace, name, GlobalValue(name, value, same=True)))
             elif value is not GlobalValue and holds_state(value):
                 global_objects.append(value)
     for m in modules:
@@ -1218,7 +1221,8 @@ def _python_state(modules: Sequence[torch.nn.Module], executed: _ExecutedCode) -
         for k, v in object_items(o).items():
             if k[:2] == "__" or (read is not None and k not in read):
                 continue
-            if not w and holds_state(v):
+            if (not w and holds_state(v)) or isinstance(v, torch.Tensor):
+                # (A tensor is baked into the graph as a constant: it must stay the same one.)
                 guards.append((attributes, k, GlobalValue(k, v, same=True)))
                 continue
             expected = _guarded_value(v)
@@ -1277,19 +1281,86 @@ def _guarded_value(value: Any) -> Any:
     return value
 
 
-def _traced_code(modules: Sequence[torch.nn.Module], executed: _ExecutedCode) -> dict[types.CodeType, dict]:
-    """The code traced code ran, with its globals: each traced-through module's
-    ``forward``, and every function the trace ran outside torch, the standard library and
-    streamsched (``executed``: a helper the forward calls, a method of an object it holds)."""
+def _static_code(modules: Sequence[Any], objects: Sequence[Any]) -> dict[types.CodeType, dict]:
+    """The code traced code may run, with its globals, outside torch, the standard library
+    and streamsched: each module's ``forward`` and, three calls deep, the functions that
+    code names: a method of the modules' or objects' classes (``self.helper()``,
+    ``self.config.scale_for()``), a global function, a function of a module it imported
+    (``utils.helper``), the methods of a class it names. A superset of what a trace runs,
+    read from the code objects alone (cached per code object and class)."""
+    classes = tuple({type(o): None for o in (*modules, *objects)})
     codes: dict[types.CodeType, dict] = {}
-    for m in modules:
-        fn = getattr(type(m), "forward", None)
-        if isinstance(fn, types.FunctionType):
-            codes[fn.__code__] = fn.__globals__
-    for code, namespace in executed.code.items():
-        if code not in codes and not _library_namespace(namespace):
-            codes[code] = namespace
+    for cls in classes:
+        found = _function_code(getattr(cls, "forward", None)) if issubclass(cls, torch.nn.Module) else None
+        if found is not None:
+            codes.setdefault(*found)
+    frontier = list(codes.items())
+    for _ in range(_CODE_DEPTH):
+        found_now = []
+        for code, namespace in frontier:
+            named = _named_code(code, namespace)
+            for cls in classes:
+                named += _methods_named(code, cls)
+            for callee, callee_namespace in named:
+                if callee not in codes:
+                    codes[callee] = callee_namespace
+                    found_now.append((callee, callee_namespace))
+        frontier = found_now
     return codes
+
+
+@functools.lru_cache(maxsize=8192)
+def _methods_named(code: types.CodeType, cls: type) -> list[tuple[types.CodeType, dict]]:
+    """The functions of ``cls`` (outside the libraries) whose names ``code`` holds."""
+    out = []
+    for name in _code_names(code):
+        for base in cls.__mro__:
+            if name in base.__dict__:
+                found = _function_code(base.__dict__[name])
+                if found is not None:
+                    out.append(found)
+                break
+    return out
+
+
+# How many calls deep :func:`_static_code` follows the functions code names.
+_CODE_DEPTH = 3
+
+
+def _function_code(value: Any) -> Optional[tuple[types.CodeType, dict]]:
+    fn = value.__func__ if isinstance(value, (staticmethod, classmethod, types.MethodType)) else value
+    if isinstance(fn, property):
+        fn = fn.fget
+    fn = getattr(fn, "__wrapped__", fn)  # functools.wraps, lru_cache
+    if isinstance(fn, types.FunctionType) and not _library_namespace(fn.__globals__):
+        return fn.__code__, fn.__globals__
+    return None
+
+
+def _named_code(code: types.CodeType, namespace: dict) -> list[tuple[types.CodeType, dict]]:
+    """The functions ``code`` names through ``namespace``: globals holding functions (or
+    classes, whose functions count), and functions of modules it names."""
+    names = _code_names(code)
+    out = []
+    for name in _global_names(code):
+        value = namespace.get(name)
+        if value is None:
+            continue
+        if isinstance(value, types.ModuleType):
+            if _library_namespace(vars(value)):
+                continue
+            for attr in names:
+                found = _function_code(vars(value).get(attr))
+                if found is not None:
+                    out.append(found)
+        elif isinstance(value, type):
+            if value.__module__.partition(".")[0] not in _LIBRARY_PACKAGES:
+                out.extend(_methods_named(code, value))
+        else:
+            found = _function_code(value)
+            if found is not None:
+                out.append(found)
+    return out
 
 
 # Names in traced code that read attributes without naming them.
@@ -1330,36 +1401,6 @@ def _library_namespace(namespace: dict) -> bool:
         return True
     top = name.partition(".")[0]
     return top in _LIBRARY_PACKAGES or top in sys.stdlib_module_names
-
-
-class _ExecutedCode:
-    """The code objects of the Python functions called on this thread while it is entered
-    (with the globals each ran with), through ``sys.setprofile``; records nothing where a
-    profiler is already set (the forwards' own code is still read)."""
-
-    def __init__(self, held_state: Optional[HeldState] = None) -> None:
-        self.code: dict[types.CodeType, dict] = {}
-        self.active = False
-        # Told the globals each function outside the libraries names, before it first runs.
-        self.held_state = held_state
-
-    def _profile(self, frame: Any, event: str, arg: Any) -> None:
-        if event == "call":
-            code = frame.f_code
-            if code not in self.code:
-                namespace = self.code[code] = frame.f_globals
-                if self.held_state is not None and not _library_namespace(namespace):
-                    self.held_state.note_globals(namespace, _global_names(code))
-
-    def __enter__(self) -> _ExecutedCode:
-        self.active = sys.getprofile() is None
-        if self.active:
-            sys.setprofile(self._profile)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.active:
-            sys.setprofile(None)
 
 
 @functools.lru_cache(maxsize=4096)

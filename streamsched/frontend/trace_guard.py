@@ -29,10 +29,13 @@ refuses any grad-mode switch while a trace runs; :func:`autocast_state` and
 from __future__ import annotations
 
 import argparse
+import collections
+import pickle
 import random
 import sys
 import threading
 import types
+import warnings
 from typing import Any, Optional, Sequence
 
 import torch
@@ -491,14 +494,41 @@ class HeldState:
         self.entries: list[tuple[Any, dict[str, Any], dict[str, Any]]] = []
         # (id(globals), name) -> (globals, name, value, copy of its contents or None).
         self.globals: dict[tuple[int, str], tuple[dict, str, Any, Any]] = {}
-        for obj in reachable_objects(list(model.modules())):
+        # Objects of library classes whose state is no attribute (a random.Random, a numpy
+        # Generator or RandomState, an itertools.count, a deque): id -> (object, state).
+        # Those the modules hold are compared as each traced forward returns; globals
+        # (numpy's own generator, whose state costs 50 us to read) only as the root's does.
+        self.hidden: dict[int, tuple[Any, tuple]] = {}
+        self.hidden_globals: dict[int, tuple[Any, tuple]] = {}
+        modules = list(model.modules())
+        held = reachable_objects(modules)
+        for obj in held:
             items = object_items(obj)
             contents = _contents(items)
             self.entries.append((obj, items, contents))
+        for owner in (*modules, *held):
+            for k, v in (owner.__dict__ if isinstance(owner, torch.nn.Module) else object_items(owner)).items():
+                if k not in _MODULE_TABLES:
+                    self._note_hidden(v)
+        numpy_random = sys.modules.get("numpy.random")
+        if numpy_random is not None:  # np.random.rand() & co. draw from this one
+            self._note_hidden(getattr(getattr(numpy_random, "mtrand", None), "_rand", None), self.hidden_globals)
+
+    def _note_hidden(self, value: Any, table: Optional[dict] = None) -> None:
+        table = self.hidden if table is None else table
+        if id(value) in self.hidden or id(value) in self.hidden_globals or not _hidden_state(value):
+            return
+        state = _state_of(value)
+        if state is not None:
+            table[id(value)] = (value, state)
+
+    def objects(self) -> list[Any]:
+        """The objects whose attributes are snapshotted."""
+        return [obj for obj, _, _ in self.entries]
 
     def note_globals(self, namespace: dict, names: Sequence[str]) -> None:
         """Remember what the globals ``names`` of ``namespace`` hold, before code naming
-        them runs (``trace._ExecutedCode``, as the trace first calls it): a global assigned
+        them runs (``trace._static_code``, before the trace): a global assigned
         (``global COUNT; COUNT += 1``), a list, dict or set it holds changed, or an object
         it holds written, is a side effect as a held object's is."""
         for name in names:
@@ -511,6 +541,7 @@ class HeldState:
                 continue
             kind = type(value)
             copy = _data_copy(value) if kind in (list, dict, set) else None
+            self._note_hidden(value, self.hidden_globals)
             self.globals[key] = (namespace, name, value, copy)
             if value is not _MISSING and holds_state(value):
                 known = {id(obj) for obj, _, _ in self.entries}
@@ -520,8 +551,13 @@ class HeldState:
                         contents = _contents(items)
                         self.entries.append((obj, items, contents))
 
-    def changed(self) -> Optional[str]:
-        """What the first changed attribute is (``"Stats.count"``), or None."""
+    def changed(self, root: bool = False) -> Optional[str]:
+        """What the first changed attribute is (``"Stats.count"``), or None; ``root``: as
+        the root's forward returns (the globals' library objects compared too)."""
+        for obj, state in (*self.hidden.values(), *(self.hidden_globals.values() if root else ())):
+            if _state_of(obj) != state:
+                kind = f"{type(obj).__module__}.{type(obj).__qualname__}"
+                return f"the state of a {kind} (a method call drew from or changed it)"
         for namespace, name, value, copy in self.globals.values():
             now = namespace.get(name, _MISSING)
             if not _same_value(now, value):
@@ -541,11 +577,11 @@ class HeldState:
                     return f"{type(obj).__name__}.{k} (a {type(now[k]).__name__} it holds)"
         return None
 
-    def refuse_changes(self) -> None:
+    def refuse_changes(self, root: bool = False) -> None:
         """Raise :class:`ObjectWrittenDuringTrace` where :meth:`changed` finds a change."""
-        if not self.entries and not self.globals:
+        if not self.entries and not self.globals and not self.hidden and not (root and self.hidden_globals):
             return
-        what = self.changed()
+        what = self.changed(root)
         if what is not None:
             verb, held = (
                 ("changes", "")
@@ -558,7 +594,17 @@ class HeldState:
             )
 
     def restore(self) -> None:
-        """Put back every attribute, global and container content a trace changed."""
+        """Put back every attribute, global and container content a trace changed, and the
+        state of each library object whose state it changed where that object can be set
+        to a state (:func:`_set_state`)."""
+        for obj, state in (*self.hidden.values(), *self.hidden_globals.values()):
+            if _state_of(obj) != state and not _set_state(obj, state):
+                warnings.warn(
+                    f"streamsched: tracing changed the state of a {type(obj).__qualname__} the model holds (a method "
+                    "call drew from or advanced it) and cannot put it back: it is one step ahead of eager. The module "
+                    "calling it runs as written from now on",
+                    stacklevel=2,
+                )
         for namespace, name, value, copy in self.globals.values():
             now = namespace.get(name, _MISSING)
             if now is not value:
@@ -592,6 +638,72 @@ class HeldState:
 _MISSING = object()
 # A list, dict or set in a global longer than this is compared by identity only.
 _MAX_COPIED = 10_000
+
+
+# A library object whose pickled state is longer than this is not watched.
+_MAX_PICKLED = 1 << 16
+
+
+def _hidden_state(value: Any) -> bool:
+    """Whether ``value`` is an instance of a library class whose state traced code may
+    change through its methods (not a tensor, module, plain value, container, class or
+    function: those are handled by the trace itself or compared otherwise)."""
+    if value is None or is_plain(value) or callable(value) or isinstance(value, (torch.Tensor, torch.nn.Module)):
+        return False
+    kind = type(value)
+    if kind in (list, dict, set, tuple, frozenset, str, bytes) or isinstance(value, types.ModuleType):
+        return False
+    module = kind.__module__.partition(".")[0]
+    return module not in ("torch", "streamsched") and (_library_object(value) or not holds_state(value))
+
+
+def _state_of(obj: Any) -> Optional[tuple]:
+    """A comparable copy of ``obj``'s state: a deque's items, a numpy RandomState's or
+    random.Random's state, a numpy Generator's bit generator's, else its pickled bytes
+    (where it pickles the same twice and is short); None where none can be had."""
+    try:
+        if isinstance(obj, collections.deque):
+            return ("deque", list(obj))
+        if hasattr(obj, "get_state") and hasattr(obj, "set_state"):  # a numpy RandomState
+            name, key, pos, has_gauss, cached = obj.get_state()
+            return ("RandomState", name, key.tobytes(), str(key.dtype), pos, has_gauss, cached)
+        bit_generator = getattr(obj, "bit_generator", None)
+        if bit_generator is not None:  # a numpy Generator
+            return ("Generator", pickle.dumps(bit_generator.state, protocol=4))
+        if hasattr(obj, "getstate") and hasattr(obj, "setstate"):  # a random.Random
+            return ("Random", obj.getstate())
+        state = pickle.dumps(obj, protocol=4)
+        if len(state) > _MAX_PICKLED or pickle.dumps(obj, protocol=4) != state:
+            return None
+        return ("pickled", state)
+    except Exception:  # noqa: BLE001 - anything whose state cannot be read is not watched
+        return None
+
+
+def _set_state(obj: Any, state: tuple) -> bool:
+    """Give ``obj`` back the state :func:`_state_of` read; False where no way is known (an
+    ``itertools.count``)."""
+    try:
+        kind = state[0]
+        if kind == "deque":
+            obj.clear()
+            obj.extend(state[1])
+        elif kind == "RandomState":
+            numpy = sys.modules["numpy"]
+            _, name, key, dtype, pos, has_gauss, cached = state
+            obj.set_state((name, numpy.frombuffer(key, dtype=dtype).copy(), pos, has_gauss, cached))
+        elif kind == "Generator":
+            obj.bit_generator.state = pickle.loads(state[1])
+        elif kind == "Random":
+            obj.setstate(state[1])
+        else:
+            reduced = pickle.loads(state[1]).__reduce_ex__(2)
+            if len(reduced) < 3 or reduced[2] is None or not hasattr(obj, "__setstate__"):
+                return False
+            obj.__setstate__(reduced[2])
+    except Exception:  # noqa: BLE001 - a state that cannot be set back
+        return False
+    return True
 
 
 def _data_copy(value: Any) -> Any:
