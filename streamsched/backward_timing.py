@@ -62,6 +62,10 @@ class BackwardSample:
 
     __slots__ = ("_started", "_ended", "_handles", "_hooked", "_cuda")
 
+    # Read by the fused groups' gradient hand-off (passes/fusion/params.py, an earlier
+    # layer): a parameter hooked only by a sample's timers counts as not hooked.
+    backward_timer = True
+
     def __init__(self, cuda: bool):
         self._started: Any = None  # perf_counter seconds, or a CUDA event
         self._ended: Any = None

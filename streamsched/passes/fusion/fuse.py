@@ -19,7 +19,7 @@ from ...frontend.trace_guard import autocast_state
 from ...ir.cost import DeviceModel
 from .builders import BUILDERS, Group
 from .kernels import FusedKernel
-from .member_use import link_member_use
+from .member_links import link_member_use
 from .propose import FusionSupport, StaticSignatures, propose
 from .report import FusedGroupInfo, UnfusedGroup
 from .rewrite import Rewriter, resort

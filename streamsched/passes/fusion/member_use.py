@@ -17,8 +17,9 @@ cell that gather made on this call), and the gather's backward, which the engine
 after every exit downstream of it, hands a gradient to those members only.
 
 Which exits are downstream of which kernels is worked out once per plan
-(:func:`link_member_use`): from each kernel through the kernels reading its output
-(member ``i`` stays member ``i``; a member selection maps them) to the exits. A kernel
+(:func:`~streamsched.passes.fusion.member_links.link_member_use`): from each kernel
+through the kernels reading its output (member ``i`` stays member ``i``; a member
+selection maps them) to the exits. A kernel
 whose output reaches anything else (a ``torch.cat`` / ``torch.stack`` of the whole group
 folded into a view of the output, or a kernel reading that view as one shared input:
 either reaches every member, as eager's ``cat`` does) keeps handing every member its
@@ -40,9 +41,8 @@ from functools import partial
 from typing import Any, Optional, Sequence
 
 import torch
-from torch import fx
 
-__all__ = ["UseCell", "MemberUse", "link_member_use", "split_parts"]
+__all__ = ["UseCell", "MemberUse", "split_parts"]
 
 _task_id = torch._C._current_graph_task_id
 _is_none = partial(operator.is_, None)
@@ -137,94 +137,3 @@ def split_parts(x: torch.Tensor, sizes: list[int], dim: int, use: Optional[Membe
     if use is not None:
         use.watch(parts[0])
     return parts
-
-
-def link_member_use(graph: fx.Graph) -> int:
-    """Give every exit of fused values downstream of a kernel its :class:`MemberUse`, and
-    turn on the member tracking of each stacked tensor read by kernels whose every
-    consumer is understood (:attr:`StackedTensors.track`). Returns how many exits."""
-    from .kernels import FusedKernel
-    from .layout import select_members, unstack
-
-    kernels = [n for n in graph.nodes if n.op == "call_function" and isinstance(n.target, FusedKernel)]
-    links: dict[fx.Node, list[tuple[Any, Optional[tuple[int, ...]]]]] = {}
-    for k in kernels:
-        stacks = list(k.target.params)
-        exits: list[tuple[fx.Node, Optional[tuple[int, ...]]]] = []
-        complete = True
-        todo: list[tuple[fx.Node, Optional[tuple[int, ...]]]] = [(k, None)]
-        seen: set[tuple[fx.Node, Optional[tuple[int, ...]]]] = set()
-        while todo and complete:
-            node, mapping = todo.pop()
-            for u in node.users:
-                t = u.target
-                if u.op != "call_function":
-                    complete = False
-                elif isinstance(t, FusedKernel):
-                    if not _reads_members(u, node, len(mapping) if mapping is not None else k.target.n):
-                        complete = False  # reads the group whole (as one shared tensor)
-                        break
-                    step = (u, mapping)
-                    if step not in seen:
-                        seen.add(step)
-                        todo.append(step)
-                elif t is select_members and u.args[0] is node:
-                    index = tuple(int(i) for i in u.args[4].tolist())
-                    step = (u, index if mapping is None else tuple(mapping[i] for i in index))
-                    if step not in seen:
-                        seen.add(step)
-                        todo.append(step)
-                elif t in (unstack, split_parts) and u.args[0] is node:
-                    exits.append((u, mapping))
-                elif t is torch.split and u.args[0] is node and _inserted(u):
-                    exits.append((u, mapping))
-                else:
-                    complete = False
-                    break
-        for st in stacks:
-            st.track = bool(st.track is not False and complete and exits)
-        if not complete or not exits:
-            continue
-        for node, mapping in exits:
-            links.setdefault(node, []).extend((st, mapping) for st in stacks)
-    for node, ups in links.items():
-        t = node.target
-        ups = [(st, m) for st, m in ups if st.track]
-        if not ups:
-            continue
-        if t is torch.split:
-            node.target = split_parts
-            node.args = tuple(node.args[:3]) + (MemberUse(ups),)
-        elif t is unstack:
-            node.args = tuple(node.args[:4]) + (MemberUse(ups),)
-        elif t is split_parts:
-            node.args = tuple(node.args[:3]) + (MemberUse(ups),)
-    return len(links)
-
-
-def _reads_members(user: fx.Node, node: fx.Node, n: int) -> bool:
-    """Whether kernel ``user`` reads ``node`` (``n`` members' values) member by member:
-    its member ``j`` reads member ``j`` only (an input in a stacked or folded layout),
-    rather than every member of it (a shared input)."""
-    from .kernels import ElementwiseKernel, VmapKernel, WideKernel
-    from .layout import SHARED
-
-    kernel = user.target
-    if isinstance(kernel, WideKernel) or kernel.n != n or user.kwargs:
-        return False
-    if isinstance(kernel, ElementwiseKernel):
-        layouts = [op[1] for op in kernel.operands if op[0] == "t"]
-    elif isinstance(kernel, VmapKernel):
-        layouts = [layout for layout, _ in kernel.inputs]
-    else:
-        layout = getattr(kernel, "in_layout", None)
-        layouts = [layout] if layout is not None else []
-    if len(layouts) != len(user.args):
-        return False
-    return all(layout != SHARED for a, layout in zip(user.args, layouts) if a is node)
-
-
-def _inserted(node: fx.Node) -> bool:
-    from ...frontend import node_meta
-
-    return bool(node_meta.is_inserted_glue(node))

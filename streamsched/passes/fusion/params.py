@@ -43,7 +43,6 @@ from torch import nn
 
 from ... import _generation
 from ..._native import native
-from ...backward_timing import BackwardSample
 from .member_use import UseCell
 
 __all__ = ["GatherStacked", "HandOffStacked", "StackedTensors"]
@@ -96,7 +95,7 @@ def _hooked(t: torch.Tensor) -> bool:
     ``register_post_accumulate_grad_hook``) other than the ``auto`` trial's backward
     timing (:class:`~streamsched.backward_timing.BackwardSample`, which takes ``None``)."""
     hooks = t._backward_hooks
-    if hooks and any(type(getattr(h, "__self__", None)) is not BackwardSample for h in hooks.values()):
+    if hooks and not all(getattr(getattr(h, "__self__", None), "backward_timer", False) for h in hooks.values()):
         return True
     return bool(getattr(t, "_post_accumulate_grad_hooks", None))
 
