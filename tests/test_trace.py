@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -202,3 +203,46 @@ def test_bad_call_arguments_raise_type_error_naming_forward():
     with pytest.raises(TypeError, match="Net.forward"):
         sm(torch.randn(2, 8), torch.randn(2, 8))
     assert sm(torch.randn(2, 8)).shape == (2, 8)
+
+
+class NumpyFlatten(nn.Module):
+    """Flattens with numpy on its input's shape, as transformers' Perceiver preprocessors
+    do: ``np.prod(x.shape[1:-1])``. numpy's reductions call the method of the same name on
+    whatever they are given (``x.shape[1:].prod()``), which a traced value seems to have."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(12, 4)
+
+    def forward(self, x):
+        flat = torch.reshape(x, [x.shape[0], np.prod(x.shape[1:-1]), x.shape[-1]])
+        half = np.round(x.shape[-1] * 0.5)  # a number's rounding: float has no .round
+        return self.fc(flat.reshape(x.shape[0], -1)) * half
+
+
+class NumpyModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pre = NumpyFlatten()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.pre(x)
+        return self.a(h) + self.b(h)
+
+
+@pytest.mark.parametrize("executor", ["serial", "auto"])
+def test_numpy_on_a_traced_shape_runs_as_written(executor):
+    """numpy given a traced value (a shape, a number) would be recorded as a method call
+    of that value, which a ``torch.Size`` or an ``int`` does not have at run time: the
+    module doing it runs as written (opaque), the rest is traced."""
+    model = NumpyModel()
+    sm = ss.StreamScheduledModule(model, executor=executor)
+    for seed in range(4):
+        x = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            assert torch.equal(sm(x), model(x))
+        assert ss.testing.last_path(sm) != "eager-dispatch"
+    assert [o.path for o in sm.plan.opaque] == ["pre"]
+    assert "numpy" in sm.plan.opaque[0].reason

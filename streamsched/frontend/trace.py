@@ -359,6 +359,7 @@ class _Proxy(fx.Proxy):
         return _proxy_iter(self, inspect.currentframe())
 
     def __getattr__(self, name: str) -> Any:
+        _refuse_numpy(name, sys._getframe(1))
         if name == "ndim":
             rank = _known_rank(self)
             if rank is not None:
@@ -409,12 +410,35 @@ class _Attribute(fx.proxy.Attribute):
     def __iter__(self) -> Any:
         return _proxy_iter(self, inspect.currentframe())
 
+    def __getattr__(self, name: str) -> Any:
+        _refuse_numpy(name, sys._getframe(1))
+        return super().__getattr__(name)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.attr in ("dim", "ndimension") and not args and not kwargs:
             rank = _known_rank(self.root)
             if rank is not None:
                 return rank
         return super().__call__(*args, **kwargs)
+
+
+class NumpyOnTracedValue(TypeError):
+    """numpy was given a traced value (see :func:`_refuse_numpy`)."""
+
+
+def _refuse_numpy(name: str, caller: Any) -> None:
+    """numpy's functions that have a method of the same name (``np.prod``, ``np.sum``,
+    ``np.round``, ``np.clip``...) call that method of whatever they are given when it is
+    not an array: ``np.prod(x.shape[1:])`` would be recorded as ``.prod()`` of the shape,
+    which a ``torch.Size`` (or an ``int``, a ``float``) does not have at run time, where
+    eager computes the product. numpy reading an attribute of a traced value is refused
+    like any code the trace cannot follow: the module doing it runs as written."""
+    module = caller.f_globals.get("__name__", "") if caller is not None else ""
+    if module == "numpy" or module.startswith("numpy."):
+        raise NumpyOnTracedValue(
+            f"numpy's {caller.f_code.co_name}() reads '.{name}' of a traced value: numpy computes on the value "
+            "itself (a shape's product, a number's rounding), which the trace cannot record"
+        )
 
 
 def _known_rank(proxy: Any) -> Optional[int]:
