@@ -5,6 +5,7 @@ from torch import nn
 
 import streamsched as ss
 from streamsched.branch import BranchCall
+from streamsched.testing import last_path
 
 from .helpers import assert_close, check_against_eager
 
@@ -205,25 +206,33 @@ def test_bad_call_arguments_raise_type_error_naming_forward():
     assert sm(torch.randn(2, 8)).shape == (2, 8)
 
 
-class NumpyFlatten(nn.Module):
-    """Flattens with numpy on its input's shape, as transformers' Perceiver preprocessors
-    do: ``np.prod(x.shape[1:-1])``. numpy's reductions call the method of the same name on
-    whatever they are given (``x.shape[1:].prod()``), which a traced value seems to have."""
+# numpy given a traced value: a slice of the shape (transformers' Perceiver flattens with
+# np.prod(x.shape[1:-1])), the shape itself, a number computed from it.
+NUMPY_ON_SHAPES = {
+    "prod of a slice of the shape": lambda x: np.prod(x.shape[1:-1]) / 12,
+    "sum of the shape": lambda x: np.sum(x.shape) / 9,
+    "rounding of a number": lambda x: np.round(x.shape[-1] * 0.5),
+}
 
-    def __init__(self):
+
+class NumpyScale(nn.Module):
+    """Scales by a number numpy computes from its input's shape. numpy's reductions call
+    the method of the same name on what they are given (``x.shape[1:-1].prod()``), which
+    a traced value seems to have."""
+
+    def __init__(self, numpy_of_shape):
         super().__init__()
-        self.fc = nn.Linear(12, 4)
+        self.fc = nn.Linear(4, 4)
+        self.numpy_of_shape = numpy_of_shape
 
     def forward(self, x):
-        flat = torch.reshape(x, [x.shape[0], np.prod(x.shape[1:-1]), x.shape[-1]])
-        half = np.round(x.shape[-1] * 0.5)  # a number's rounding: float has no .round
-        return self.fc(flat.reshape(x.shape[0], -1)) * half
+        return self.fc(x) * self.numpy_of_shape(x)
 
 
 class NumpyModel(nn.Module):
-    def __init__(self):
+    def __init__(self, numpy_of_shape):
         super().__init__()
-        self.pre = NumpyFlatten()
+        self.pre = NumpyScale(numpy_of_shape)
         self.a = nn.Linear(4, 4)
         self.b = nn.Linear(4, 4)
 
@@ -233,16 +242,17 @@ class NumpyModel(nn.Module):
 
 
 @pytest.mark.parametrize("executor", ["serial", "auto"])
-def test_numpy_on_a_traced_shape_runs_as_written(executor):
+@pytest.mark.parametrize("case", sorted(NUMPY_ON_SHAPES))
+def test_numpy_on_a_traced_shape_runs_as_written(case, executor):
     """numpy given a traced value (a shape, a number) would be recorded as a method call
     of that value, which a ``torch.Size`` or an ``int`` does not have at run time: the
     module doing it runs as written (opaque), the rest is traced."""
-    model = NumpyModel()
+    model = NumpyModel(NUMPY_ON_SHAPES[case])
     sm = ss.StreamScheduledModule(model, executor=executor)
     for seed in range(4):
         x = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(seed))
         with torch.no_grad():
             assert torch.equal(sm(x), model(x))
-        assert ss.testing.last_path(sm) != "eager-dispatch"
+        assert last_path(sm) != "eager-dispatch"
     assert [o.path for o in sm.plan.opaque] == ["pre"]
     assert "numpy" in sm.plan.opaque[0].reason
