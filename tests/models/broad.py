@@ -516,6 +516,24 @@ TRANSFORMERS: list[ModelSpec] = [
         **dict(_SEQ2SEQ, num_mel_bins=16, max_source_positions=16, max_target_positions=32, decoder_start_token_id=2),
     ),
     _spec("hf_clip", "transformers", _clip, clip_inputs(2, 12, VOCAB, 32), "text and vision towers"),
+    # Its image preprocessor flattens with numpy on the input's shape (np.prod), which a
+    # trace cannot record: that module runs as written, the rest is traced.
+    _hf(
+        "perceiver",
+        "PerceiverConfig",
+        "PerceiverForImageClassificationLearned",
+        pixels(2, 32),
+        note="numpy on a traced shape: its preprocessor runs as written",
+        num_latents=8,
+        d_latents=32,
+        d_model=32,
+        num_blocks=1,
+        num_self_attends_per_block=2,
+        num_self_attention_heads=4,
+        num_cross_attention_heads=1,
+        image_size=32,
+        num_labels=5,
+    ),
     # Output capturing (forward hooks transformers installs on the first such call).
     _hf(
         "llama_hidden_states",
