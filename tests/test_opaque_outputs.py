@@ -301,3 +301,19 @@ def test_numbers_beside_a_none_stay_values():
         assert_close(sm(x), ref(x))
     assert_path(sm, "plan:serial")
     assert model.counting.calls == ref.counting.calls == 3
+
+
+def test_the_output_tree_names_the_container_of_each_leaf():
+    """What decides whether a ``None`` field of an opaque call's ``ModelOutput`` may reach
+    the output as a proxy stood for it: a ``ModelOutput`` (or dict) is rebuilt from its
+    fields each call, a tuple or list the traced code built keeps the length it had."""
+    from streamsched.frontend.output_tree import OutputTree
+
+    class Pair(tuple):
+        pass
+
+    tree = OutputTree.of({"a": 1, "b": (2, [3, 4]), "c": Pair((5, 6))})
+    assert tree.leaves == [1, 2, 3, 4, 5, 6]
+    assert tree.leaf_parents() == [dict, tuple, list, list, Pair, Pair]
+    assert OutputTree.of((1, None)).leaf_parents() == [tuple, tuple]
+    assert OutputTree.of(7).leaf_parents() == [None]

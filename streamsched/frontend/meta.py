@@ -174,12 +174,29 @@ class _RecordingRun:
             if node.op == "output":
                 result = value
             else:
-                if self.traced is not None and leaf_label(node) is not None and misleads(node, value):
+                if (
+                    self.traced is not None
+                    and leaf_label(node) is not None
+                    and misleads(node, value, self._in_sequence)
+                ):
                     node = self._trace_again(i, node, value)
                 self._check_relied_ranks(node, value)
                 self._keep(i, node, value)
             i += 1
         return result
+
+    def _in_sequence(self, node: fx.Node) -> bool:
+        """Whether the model's output holds ``node``'s value as an item of a tuple or list
+        (not of a ``ModelOutput`` or a dict, rebuilt from their fields each call)."""
+        tree = self.traced.output_tree if self.traced is not None else None
+        output = self.nodes[-1]
+        if tree is None or tree.is_plain or output.op != "output":
+            return False
+        leaves = output.args[0]
+        if not isinstance(leaves, (tuple, list)):
+            return False
+        parents = tree.leaf_parents()
+        return any(leaf is node and parents[i] in (tuple, list) for i, leaf in enumerate(leaves) if i < len(parents))
 
     def _load(self, a: Any) -> Any:
         return load_argument(a, self.env)

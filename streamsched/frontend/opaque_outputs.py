@@ -21,15 +21,24 @@ whose value has another structure (a ``None`` elsewhere), rather than run a bran
 would not take. A value with no skeleton (an object, a ``ModelOutput``) whose ``None``
 the graph reads is refused with a :class:`~streamsched.errors.TraceError`.
 
-Not seen: a ``None`` field of a ``ModelOutput`` or another object that only decided an
-``is None`` branch and is read by nothing (the trace cannot stand in for such objects).
+A transformers ``ModelOutput`` has a skeleton too (its class, and each field's), learned
+where the graph reads one of its ``None`` fields other than into a ``ModelOutput`` of the
+model's output (:func:`_reads_a_none_field`): with ``return_dict=False`` a model returns
+``to_tuple()`` of its output, which leaves out the ``None`` fields, and made over proxies
+it kept them (``None`` items at run time, the tuple longer than eager's). The traced code
+then gets a ``ModelOutput`` of that class with ``None`` where eager's has it.
+
+Not seen: a ``None`` field of another object that only decided an ``is None`` branch and
+is read by nothing (the trace cannot stand in for such objects).
 """
 
 from __future__ import annotations
 
 import operator
 import weakref
-from typing import Any, Hashable, Optional
+from collections import OrderedDict
+from dataclasses import fields, is_dataclass
+from typing import Any, Callable, Hashable, Optional
 
 import torch
 from torch import fx
@@ -60,8 +69,9 @@ class OpaqueOutputChanged(RuntimeError):
 class Skeleton:
     """The structure of a value: ``("tensor",)``, ``("none",)``, ``("value", type name)``
     (a number, a bool or a string: read through a proxy, as before, so that one that
-    changes between calls stays a value), ``("tuple", kids)``, ``("list", kids)`` or
-    ``("dict", ((key, kid), ...))``; hashable, compared by value."""
+    changes between calls stays a value), ``("tuple", kids)``, ``("list", kids)``,
+    ``("dict", ((key, kid), ...))`` or ``("output", ModelOutput class, ((field, kid),
+    ...))``; hashable, compared by value."""
 
     __slots__ = ("shape",)
 
@@ -92,14 +102,32 @@ class Skeleton:
 
 def skeleton_of(value: Any) -> Optional[Skeleton]:
     """The skeleton of ``value``, or ``None`` where it holds something a trace cannot
-    stand in for (an object, a ``ModelOutput``, a namedtuple)."""
+    stand in for (an object, a namedtuple, a ``ModelOutput`` holding one)."""
     shape = _shape(value)
     return None if shape is None else Skeleton(shape)
+
+
+def _model_output_class(value: Any) -> Optional[type]:
+    """The class of a transformers ``ModelOutput`` (a dataclass and an ``OrderedDict``
+    holding its fields that are not ``None``), or ``None``; found by name, transformers
+    being optional."""
+    cls = type(value)
+    if isinstance(value, OrderedDict) and is_dataclass(value):
+        if any(k.__name__ == "ModelOutput" and k.__module__.startswith("transformers.") for k in cls.__mro__):
+            return cls
+    return None
 
 
 def _shape(value: Any) -> Optional[tuple]:
     if isinstance(value, torch.Tensor):
         return ("tensor",)
+    output_class = _model_output_class(value)
+    if output_class is not None:
+        # Every field, None or not: which ones are None decides its keys and to_tuple().
+        kids = [(f.name, _shape(getattr(value, f.name))) for f in fields(value)]
+        if any(k is None for _, k in kids):
+            return None
+        return ("output", output_class, tuple(kids))
     if value is None:
         return ("none",)
     if type(value) in _CONSTANTS:
@@ -119,7 +147,9 @@ def _shape(value: Any) -> Optional[tuple]:
 
 def _has_none(shape: tuple) -> bool:
     kind = shape[0]
-    if kind in ("tensor", "value"):
+    if kind in ("tensor", "value", "output"):
+        # A ModelOutput's None fields mislead only where the graph reads them
+        # (:func:`_reads_a_none_field`).
         return False
     if kind == "none":
         return True
@@ -138,6 +168,8 @@ def _matches(shape: tuple, value: Any) -> bool:
     if kind in ("tuple", "list"):
         kids = shape[1]
         return type(value).__name__ == kind and len(value) == len(kids) and all(map(_matches, kids, value))
+    if kind == "output":
+        return type(value) is shape[1] and all(_matches(kid, getattr(value, name)) for name, kid in shape[2])
     if kind == "dict":
         kids = shape[1]
         return (
@@ -158,7 +190,45 @@ def _rebuild(shape: tuple, proxy: Any) -> Any:
         return tuple(_rebuild(kid, proxy[i]) for i, kid in enumerate(shape[1]))
     if kind == "list":
         return [_rebuild(kid, proxy[i]) for i, kid in enumerate(shape[1])]
+    if kind == "output":
+        return _model_output(shape, proxy)
     return {k: _rebuild(kid, proxy[k]) for k, kid in shape[1]}
+
+
+def _model_output(shape: tuple, proxy: Any) -> Any:
+    """A ``ModelOutput`` of the learned class holding ``None`` where the real one does and
+    the proxy's fields elsewhere, with the keys eager's has (those not ``None``): its
+    ``to_tuple()``, ``[i]`` and ``is None`` tests answer as eager's. Made without its
+    ``__post_init__``, which would inspect the proxies as values."""
+    cls, kids = shape[1], shape[2]
+    output = cls.__new__(cls)
+    OrderedDict.__init__(output)
+    for name, kid in kids:
+        value = None if kid[0] == "none" else _rebuild(kid, getattr(proxy, name))
+        object.__setattr__(output, name, value)
+        if value is not None:
+            OrderedDict.__setitem__(output, name, value)
+    return output
+
+
+def _reads_a_none_field(node: fx.Node, value: Any, in_sequence: Callable[[fx.Node], bool]) -> bool:
+    """Whether the graph reads a ``None`` field of leaf call ``node``'s ``ModelOutput``
+    ``value`` other than into a ``ModelOutput`` of the model's output (which is rebuilt
+    from its fields each call, leaving the ``None`` ones out as eager's constructor does):
+    as a value, or into a tuple or list of the output (``in_sequence``): a container the
+    traced code built while the proxy stood for the field, such as ``to_tuple()`` with
+    ``return_dict=False``, which leaves out the fields that are ``None`` and so has
+    another length than eager's. Or the fields as a whole (a method of the value)."""
+    names = {f.name for f in fields(value)}
+    for user in node.users:
+        if user.op == "call_method" and user.args and user.args[0] is node:
+            return True
+        if user.op == "call_function" and user.target is getattr and len(user.args) == 2 and user.args[0] is node:
+            name = user.args[1]
+            if isinstance(name, str) and name in names and getattr(value, name) is None:
+                if any(u.op != "output" for u in user.users) or in_sequence(user):
+                    return True
+    return False
 
 
 class OutputCheck:
@@ -210,7 +280,7 @@ def mark_structure_read(node: fx.Node) -> None:
     node.meta[_STRUCTURE_READ] = True
 
 
-def misleads(node: fx.Node, value: Any) -> bool:
+def misleads(node: fx.Node, value: Any, in_sequence: Callable[[fx.Node], bool] = lambda node: False) -> bool:
     """Whether leaf call ``node``'s real ``value`` may have misled the trace, which saw a
     proxy: a ``None`` anywhere in a structure the tracer can hand the traced code instead
     (``if g is not None:`` may have been decided on the proxy, even where nothing reads
@@ -225,6 +295,8 @@ def misleads(node: fx.Node, value: Any) -> bool:
         return True  # code asked the proxy what it is (a capture hook's isinstance): learn it
     skeleton = skeleton_of(value)
     if skeleton is not None and skeleton.has_none():
+        return True
+    if skeleton is not None and skeleton.shape[0] == "output" and _reads_a_none_field(node, value, in_sequence):
         return True
     return not consistent(node, value)
 

@@ -148,6 +148,23 @@ class OutputTree:
                 top.append(custom.build(list(children)))
         return pytree.tree_unflatten(top, self.treedef)
 
+    def leaf_parents(self, root: Any = None) -> list[Any]:
+        """The type of the container holding each leaf directly, in :attr:`leaves`'
+        order (``root`` for a leaf that is the output itself, or an item of ``root``
+        where this tree is a rebuilt container's children)."""
+        top: list[Any] = []
+        _spec_parents(self.treedef, root, top, root)
+        customs = {pos: (custom, sub) for pos, custom, sub in self.customs}
+        parents: list[Any] = []
+        for pos, parent in enumerate(top):
+            entry = customs.get(pos)
+            if entry is None:
+                parents.append(parent)
+            else:
+                custom, sub = entry
+                parents.extend(sub.leaf_parents(custom.cls))
+        return parents
+
     def custom_attrs(self) -> list[dict[str, Any]]:
         """The instance attributes copied into every rebuilt unregistered container."""
         out = []
@@ -166,3 +183,15 @@ class OutputTree:
 
 def _identity(value: Any) -> Any:
     return value
+
+
+def _spec_parents(spec: Any, parent: Any, out: list[Any], root: Any = None) -> None:
+    """Append the container type of each leaf of pytree ``spec`` to ``out`` (``root``, if
+    given, stands for the type of ``spec`` itself: the children list of a rebuilt
+    container holds that container's items)."""
+    if spec.is_leaf():
+        out.append(parent)
+        return
+    kind = root if root is not None else spec.type
+    for child in spec.children() if hasattr(spec, "children") else spec.children_specs:
+        _spec_parents(child, kind, out)

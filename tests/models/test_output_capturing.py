@@ -61,6 +61,11 @@ SEQUENCE = [
     {"output_hidden_states": True, "output_attentions": True},
     {"output_hidden_states": True},
     {},
+    # Tuples (transformers' to_tuple() leaves out the fields that are None): an opaque
+    # encoder's ModelOutput has None fields the trace must see as None.
+    {"return_dict": False},
+    {"return_dict": False},
+    {"return_dict": False, "output_hidden_states": True},
 ]
 
 
@@ -80,6 +85,8 @@ def test_outputs_collected_call_by_call_equal_eagers(family):
                 kwargs.update(decoder_input_ids=torch.randint(3, VOCAB, (2, 6)), use_cache=False)
             out, expected = sm(**kwargs), ref(**kwargs)
             paths.append(last_path(sm))
+            structure = [(p, type(t).__name__) for p, t in leaves(out)]
+            assert structure == [(p, type(t).__name__) for p, t in leaves(expected)], f"call {i} {extra} ({paths[-1]})"
             got = [(p, t) for p, t in leaves(out) if isinstance(t, torch.Tensor)]
             want = [(p, t) for p, t in leaves(expected) if isinstance(t, torch.Tensor)]
             assert [p for p, _ in got] == [p for p, _ in want], f"call {i} {extra} ({paths[-1]})"
