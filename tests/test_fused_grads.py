@@ -442,8 +442,9 @@ def _train_used_heads(sm: ss.StreamScheduledModule, model: nn.Module, ref: nn.Mo
 
 @pytest.mark.parametrize("first", ["kept", "dropped"])
 def test_a_model_wrapped_again_gives_unused_members_no_gradient(first):
-    """The first wrapper moved the members' storage into its stack, so the second one
-    stacks them per call (copy mode): its gather hands out gradients as the aliased one does."""
+    """The first wrapper moved the members' storage into its stack; the second one reads
+    that stack (first kept) or re-stacks them (first dropped): gradients as in eager
+    (tests/test_wrapped_again.py covers both wrappers used in turn)."""
     torch.manual_seed(0)
     model = Heads()
     ref = copy.deepcopy(model)
@@ -454,6 +455,7 @@ def test_a_model_wrapped_again_gives_unused_members_no_gradient(first):
     sm = ss.StreamScheduledModule(model, executor="serial")
     _train_used_heads(sm, model, ref, f"wrapped again, the first wrapper {first}")
     assert fused_members(sm)
+    assert all(s.alias and s.live for s in sm.__dict__["_ss"].fusion._stacks.values())
 
 
 class TiedHeads(Heads):

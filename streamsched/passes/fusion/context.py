@@ -18,7 +18,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ... import _generation
 from .fuse import FuseResult, fuse_graph
-from .params import StackedTensors
+from .params import StackedTensors, stacks_holding
 from .propose import StaticSignatures, plain_attribute_names, structure_signature
 from .stacked import StackedParameter
 
@@ -85,9 +85,22 @@ class FusionContext:
         unique = len({id(t) for t in tensors}) == len(tensors)
         claimed = any(id(t) in self._claimed for t in tensors)
         reclaimed = {t: self._reclaimable(t) for t in tensors} if self.alias and unique and not claimed else {}
-        alias = (
-            self.alias and unique and not claimed and all(_owns_storage(t) or reclaimed[t] is not None for t in tensors)
-        )
+        alias = self.alias and unique and not claimed
+        share: Optional[StackedTensors] = None
+        if alias and not all(_owns_storage(t) for t in tensors):
+            # Views into stacks: re-stacked where no live wrapper of the model reads those
+            # stacks any more (this one's plans dropped by invalidate(), or another wrapper
+            # dropped); read as they are where one live stack (a wrapper of the same model
+            # made earlier) holds these very members in this order; else copy mode (taking
+            # members out of a live stack would have the two re-stack in turn on every call).
+            held = [None if _owns_storage(t) else stacks_holding(t) for t in tensors]
+            free = all(
+                _owns_storage(t) or (h is not None and not h) or (h is None and reclaimed[t] is not None)
+                for t, h in zip(tensors, held)
+            )
+            if not free:
+                share = StackedTensors.sharer_of(tensors, concat)
+                alias = share is not None
         if alias:
             self._retire_params({k for k in reclaimed.values() if k is not None} - {key})
         if not alias:
@@ -98,10 +111,12 @@ class FusionContext:
                 if claimed
                 else "fuse_params='copy'"
                 if not self.alias
-                else "parameters do not own their storage"
+                else "parameters do not own their storage, or another live wrapper stacked them otherwise"
             )
             log.debug("fusion: %d x %s stacked per call (%s)", len(tensors), owners[0][1], reason)
-        stack = StackedTensors(owners, concat=concat, alias=alias, direct_grads=self.direct_grads, tensors=tensors)
+        stack = StackedTensors(
+            owners, concat=concat, alias=alias, direct_grads=self.direct_grads, tensors=tensors, share=share
+        )
         self._stacks[key] = stack
         if alias:
             for t in tensors:
@@ -142,9 +157,11 @@ class FusionContext:
         for key, stack in stacks:
             param = self._params.get(key)
             if param is None or not all(a is b for a, b in zip(param._stack.members, stack.tensors)):
+                param = _shared_param(stack)
+            if param is None or not all(a is b for a, b in zip(param._stack.members, stack.tensors)):
                 member_names = [_qualified(names, m, n) for m, n in stack.owners]
                 param = StackedParameter.over(stack.stack, stack.tensors, member_names, stack.sizes)
-                self._params[key] = param
+            self._params[key] = param
             stack.bind(param)
             param._activate()
             for t in stack.tensors:
@@ -163,7 +180,9 @@ class FusionContext:
         for stack in self._stacks.values():
             stack.unbind()
         for param in self._params.values():
-            param._deactivate()
+            # Another wrapper of the model reading the same stack through it keeps it.
+            if not _bound_elsewhere(param):
+                param._deactivate()
 
     def fuse(
         self, graph: fx.Graph, root: nn.Module, metas: dict, config: Any, device: Any, source: Optional[fx.Graph] = None
@@ -231,10 +250,29 @@ class FusionContext:
             if stack.alias and stack.stack is not None:
                 storage = stack.stack.untyped_storage()
                 self._released[storage.data_ptr()] = (key, StorageWeakRef(storage))
+            stack.retire()
         self._stacks.clear()
         self._claimed.clear()
         self._fused.clear()
         self._statics.clear()
+
+
+def _shared_param(stack: StackedTensors) -> Optional[StackedParameter]:
+    """The active stacked parameter another wrapper of the model bound to the stack
+    ``stack`` shares (one parameter per stack: two would each claim the members' ``.grad``)."""
+    assert stack.stack is not None
+    for other in stacks_holding(stack.stack) or ():
+        if other is not stack and other.param is not None and other.param.active:
+            return other.param
+    return None
+
+
+def _bound_elsewhere(param: StackedParameter) -> bool:
+    """Whether a live stack (of another wrapper) still has ``param`` bound."""
+    for other in stacks_holding(param) or ():
+        if other.param is param:
+            return True
+    return False
 
 
 def _qualified(names: dict[int, str], module: nn.Module, attr: str) -> str:

@@ -24,6 +24,12 @@ is impossible (a tensor shared by two members, or already aliased into another g
 stack, or ``fuse_params="copy"``), the stack is rebuilt with ``torch.stack`` on every
 call (``copy`` mode): slower, never stale.
 
+A model wrapped again finds its members aliased into the first wrapper's stacks: where
+no live :class:`StackedTensors` reads such a stack any more (the first wrapper was
+dropped) they are re-stacked; where a live one holds the same members in the same order,
+the second reads that very stack (``share``; see :meth:`StackedTensors._restack`), and
+a re-stack by either moves both; otherwise copy mode.
+
 Members of different sizes along dim 0 (heads of different widths reading one input)
 are held concatenated instead of stacked (``concat=True``).
 
@@ -36,16 +42,18 @@ of) receives the stacked gradient, for optimizers that update the group at once.
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ... import _generation
 from ..._native import native
 from .member_use import UseCell
 
-__all__ = ["GatherStacked", "HandOffStacked", "StackedTensors"]
+__all__ = ["GatherStacked", "HandOffStacked", "StackedTensors", "stacks_holding"]
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +175,59 @@ _restacks = 0
 armed before the last one watches tensors that may no longer be the members."""
 
 
+# Every stack some StackedTensors made, by its storage's address: the StackedTensors that
+# read it (weakly: a dropped wrapper's stacks leave with it) and a weak reference to the
+# storage (telling it from a new storage at the same address). A model wrapped again finds
+# its members in here (see stacks_holding).
+_registry: dict[int, tuple[StorageWeakRef, list[weakref.ref]]] = {}
+
+
+def _storage_key(t: torch.Tensor) -> Optional[int]:
+    if t.grad_fn is not None or t.is_sparse or t.device.type == "meta":
+        return None
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def stacks_holding(t: torch.Tensor) -> Optional[list[StackedTensors]]:
+    """The live :class:`StackedTensors` whose stack ``t``'s storage is (alias mode, not
+    retired), or None when that storage is no stack a StackedTensors made. An empty list:
+    a stack whose StackedTensors are all gone (their wrapper was dropped), so its
+    members' storage is nobody's and may be re-stacked."""
+    key = _storage_key(t)
+    if key is None:
+        return None
+    entry = _registry.get(key)
+    if entry is None:
+        return None
+    if entry[0].expired() or entry[0].cdata != StorageWeakRef(t.untyped_storage()).cdata:
+        return None
+    live = []
+    for ref in entry[1]:
+        s = ref()
+        if s is not None and not s.retired and s._storage_key() == key:
+            live.append(s)
+    return live
+
+
+def _register(stack: torch.Tensor, holder: StackedTensors) -> None:
+    key = _storage_key(stack)
+    if not key:  # meta tensors, empty storage: no address to tell stacks apart by
+        return
+    entry = _registry.get(key)
+    ref = StorageWeakRef(stack.untyped_storage())
+    if entry is None or entry[0].expired() or entry[0].cdata != ref.cdata:
+        entry = _registry[key] = (ref, [])
+    refs = [r for r in entry[1] if r() is not None and r() is not holder]
+    refs.append(weakref.ref(holder))
+    entry[1][:] = refs
+    if len(_registry) > 64 and len(_registry) & 63 == 0:
+        for k in [k for k, e in _registry.items() if e[0].expired()]:
+            del _registry[k]
+
+
 class StackedTensors:
     """N member tensors (``getattr(module, name)`` for each owner) as one tensor.
 
@@ -182,8 +243,11 @@ class StackedTensors:
         alias: bool = True,
         direct_grads: bool = False,
         tensors: Optional[Sequence[torch.Tensor]] = None,
+        share: Optional[StackedTensors] = None,
     ):
-        """``tensors``: the owners' tensors, where the caller has just read them."""
+        """``tensors``: the owners' tensors, where the caller has just read them.
+        ``share``: a live stack (another wrapper's) holding the same members in the same
+        order: this one reads its stack rather than re-stacking (see :meth:`_restack`)."""
         self.owners = list(owners)
         self.concat = concat
         self.alias = alias
@@ -214,17 +278,108 @@ class StackedTensors:
         # Views of the stack the kernels take on every call (a transpose, an unsqueeze),
         # kept per (op, arguments) with the stack they were taken of: see view_of.
         self._views: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Set when the wrapper's plans were dropped (FusionContext.invalidate): no longer
+        # counted as reading its stack.
+        self.retired = False
         if self.alias:
-            self._restack(self.tensors)
+            self._restack(self.tensors, share)
 
     # --- alias maintenance ----------------------------------------------------------
 
-    def _restack(self, tensors: Optional[list[torch.Tensor]] = None) -> None:
+    def _storage_key(self) -> Optional[int]:
+        stack = self.stack if self.live else self._set_aside
+        return None if stack is None or not self.alias else stack.untyped_storage().data_ptr()
+
+    def sharer(self, tensors: Sequence[torch.Tensor]) -> Optional[StackedTensors]:
+        return StackedTensors.sharer_of(tensors, self.concat, self)
+
+    @staticmethod
+    def sharer_of(
+        tensors: Sequence[torch.Tensor], concat: bool, exclude: Optional[StackedTensors] = None
+    ) -> Optional[StackedTensors]:
+        """A live stack (of another wrapper of the model) whose members are ``tensors``,
+        the same objects in the same order, laid out alike (stacked or concatenated), each
+        of them still its slice: its stack can be this one's too."""
+        held = stacks_holding(tensors[0])
+        for other in held or ():
+            if (
+                other is not exclude
+                and other.live
+                and other.concat == concat
+                and len(other.tensors) == len(tensors)
+                and all(a is b for a, b in zip(other.tensors, tensors))
+                and list(map(_data_ptr, tensors)) == other._ptrs
+                and (other._guard is None or other._guard.valid())
+            ):
+                return other
+        return None
+
+    def retire(self) -> None:
+        self.retired = True
+
+    def _restack(self, tensors: Optional[list[torch.Tensor]] = None, share: Optional[StackedTensors] = None) -> None:
         """Stack the members and make each a view of its slice; ``tensors``: the owners'
-        tensors, just read (else read here)."""
+        tensors, just read (else read here).
+
+        Where another wrapper of the model holds the same members in the same order in a
+        live stack (``share``, or found here: it re-stacked them first, after ``.to()`` or
+        ``p.data = ...``), that stack is this one's too: both read one storage, which
+        optimizer steps and ``load_state_dict`` through either update in place, and
+        neither takes the members from the other (each re-stacking in turn would copy
+        all of them on every call)."""
         global _restacks
         _restacks += 1
         self.tensors = tensors if tensors is not None else [getattr(m, n) for m, n in self.owners]
+        followers: list[StackedTensors] = []
+        if share is None:
+            share = self.sharer(self.tensors)
+        if share is not None:
+            stack = share.stack
+            assert stack is not None
+            log.debug("fused tensors (%s) read another wrapper's stack", self.owners[0][1])
+        else:
+            # The other wrappers reading the old stack with these very members follow at
+            # once: one of them may hold the stacked parameter an optimizer steps before
+            # its own next call.
+            old = self.stack if self.live else self._set_aside
+            if old is not None:
+                followers = [
+                    o
+                    for o in stacks_holding(old) or ()
+                    if o is not self
+                    and o.live
+                    and len(o.tensors) == len(self.tensors)
+                    and all(a is b for a, b in zip(o.tensors, self.tensors))
+                ]
+            stack = self._stack_members()
+        self.stack = stack
+        _register(stack, self)
+        self._views.clear()  # views of the old stack would keep its storage alive
+        self._ptrs = [t.data_ptr() for t in self.tensors]
+        nat = native()
+        self._guard = nat.StackGuard(self.tensors) if nat is not None else None
+        if self.direct_grads and nat is not None:
+            self._handoff = nat.GradHandOff(self.tensors, list(self.sizes or ()))
+        if self.param is not None:
+            if all(a is b for a, b in zip(self.param._stack.members, self.tensors)):
+                if share is None or self.param.data_ptr() != stack.data_ptr():
+                    self.param._rebind(stack)  # (a shared one: re-bound by the wrapper that re-stacked)
+            else:
+                # A member was replaced by another Parameter object: the optimizer holding
+                # the stacked parameter no longer holds this group (as after assigning a
+                # new Parameter in the loop). Gradients go to the members again.
+                log.warning(
+                    "fusion: a member of the stacked parameter %s... was replaced; it is no longer updated by "
+                    "optimizers built from fused_parameters() (call fused_parameters() again)",
+                    self.param._stack.names[0],
+                )
+                self.param._deactivate()
+                self.param = None
+        self.rebuilds += 1
+        for o in followers:
+            o._restack(share=self)
+
+    def _stack_members(self) -> torch.Tensor:
         # The stack becomes the members' storage for good: made under inference_mode it
         # would turn the model's parameters into inference tensors, unusable for training.
         with torch.inference_mode(False), torch.no_grad():
@@ -239,28 +394,7 @@ class StackedTensors:
                 # unbind(0): the views stack[i] are, made in one call.
                 for t, view in zip(self.tensors, stack.unbind(0)):
                     t.data = view
-        self.stack = stack
-        self._views.clear()  # views of the old stack would keep its storage alive
-        self._ptrs = [t.data_ptr() for t in self.tensors]
-        nat = native()
-        self._guard = nat.StackGuard(self.tensors) if nat is not None else None
-        if self.direct_grads and nat is not None:
-            self._handoff = nat.GradHandOff(self.tensors, list(self.sizes or ()))
-        if self.param is not None:
-            if all(a is b for a, b in zip(self.param._stack.members, self.tensors)):
-                self.param._rebind(stack)
-            else:
-                # A member was replaced by another Parameter object: the optimizer holding
-                # the stacked parameter no longer holds this group (as after assigning a
-                # new Parameter in the loop). Gradients go to the members again.
-                log.warning(
-                    "fusion: a member of the stacked parameter %s... was replaced; it is no longer updated by "
-                    "optimizers built from fused_parameters() (call fused_parameters() again)",
-                    self.param._stack.names[0],
-                )
-                self.param._deactivate()
-                self.param = None
-        self.rebuilds += 1
+        return stack
 
     # --- the stacked parameter ----------------------------------------------------------
 
@@ -340,8 +474,8 @@ class StackedTensors:
                 # Function may be refused), or nothing to track: autograd's own stack,
                 # which hands every member its slice.
                 return torch.cat(current, 0) if self.concat else torch.stack(current, 0)
-            # Copy mode (members aliased into another stack: tied weights, a model
-            # wrapped again), tracked: the same stack, through the gather whose backward
+            # Copy mode (tied weights, members aliased into another live stack in
+            # another grouping), tracked: the same stack, through the gather whose backward
             # hands a gradient only to members a gradient reached, as eager does.
             with torch.no_grad():
                 stack = torch.cat(current, 0) if self.concat else torch.stack(current, 0)
