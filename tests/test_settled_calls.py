@@ -15,6 +15,9 @@ from torch import nn
 
 import streamsched as ss
 from streamsched import nesting
+from streamsched.new_signatures import NESTED_GAIN_S
+from streamsched.planning.choice import Trial
+from streamsched.planning.plan import Plan, PlannedTask
 from streamsched.runner import Runner
 from streamsched.testing import assert_path, last_path
 
@@ -485,6 +488,51 @@ def test_a_nested_child_whose_schedule_saves_less_than_nesting_costs_runs_as_wri
             assert_close(sm(x), model(x))
             assert_path(sm, "as-written")
     assert full_calls == []
+
+
+@pytest.mark.parametrize("schedule_us", [25.0, 30.0, 30.3], ids=["5us-faster", "as-fast", "1pc-slower"])
+def test_a_nested_childs_trial_keeps_no_schedule_that_saves_less_than_the_minimum_gain(schedule_us):
+    """The minimum gain holds whatever the schedule's margin: a schedule as fast as the
+    model's own forward, or slower by less than the trial's margin (2%), saves nothing,
+    less than the nesting costs (a structure whose verdict is per size bucket has no
+    schedule margin)."""
+    trial = Trial("serial", as_written=True)
+    trial.min_gain_s = NESTED_GAIN_S
+    assert trial.schedule_margin == 0.0
+    for _ in range(trial.max_rounds):
+        trial.add("serial", schedule_us * 1e-6)
+        trial.add("eager", 30e-6)
+    assert trial.done()
+    plan, eager = trial.decide(_plan())
+    assert eager and plan.executor == "eager", plan.reason
+    assert "nesting this module costs" in plan.reason, plan.reason
+    # Without a minimum gain, a schedule as fast as the forward, or within the margin, stays.
+    trial = Trial("serial", as_written=True)
+    for _ in range(trial.max_rounds):
+        trial.add("serial", schedule_us * 1e-6)
+        trial.add("eager", 30e-6)
+    _, eager = trial.decide(_plan())
+    assert not eager
+
+
+def _plan() -> Plan:
+    task = PlannedTask(id=0, name="fc", nodes=["fc"], stream=0, cost_us=1.5)
+    return Plan(
+        model="M",
+        signature="float32[4, 16]",
+        device="cpu",
+        executor="serial",
+        reason="planned",
+        stream_bound=1,
+        num_streams=1,
+        order=[0],
+        tasks=[task],
+        critical_path=[0],
+        critical_path_us=1.5,
+        est_serial_us=1.5,
+        est_parallel_us=1.5,
+        cross_stream_waits=0,
+    )
 
 
 def test_a_bucket_whose_schedule_would_not_repay_a_plan_admits_its_new_sizes_not_its_planned_ones(
