@@ -243,8 +243,9 @@ class StreamScheduledModule(nn.Module):
         # and no compiled call only calls forward: the wrapper goes straight to its entry.
         # Anything else takes nn.Module's own __call__, which fires the hooks around it.
         # (The global hooks are read here, not through frontend.hooks.global_hooks, and the
-        # settled call is Runner.settled written out: a settled call's whole budget is the
-        # microsecond nn.Module.__call__ costs eager, and each frame is a tenth of it.)
+        # settled call is WrapperState.find_settled and Runner.settled written out: a
+        # settled call's whole budget is the microsecond nn.Module.__call__ costs eager,
+        # and each frame is a tenth of it.)
         if (
             not _is_compiling()
             and self._compiled_call_impl is None
@@ -315,13 +316,7 @@ class StreamScheduledModule(nn.Module):
     def _entry(self, args: tuple, kwargs: dict, inside_model_call: bool) -> Any:
         st = self._ss
         if inside_model_call:
-            settled = st.settled
-            generation = _generation._generation
-            found = None
-            if settled is not None and settled.generation == generation:
-                found = settled.admits(args, kwargs, settled.sizes)
-            if not found and st.settled_more:
-                settled, found = st.other_settled(args, kwargs, generation)
+            settled, found = st.find_settled(args, kwargs)
             if found:
                 return self._runner.settled(settled, found, args, kwargs)
         with st.lock:

@@ -319,6 +319,21 @@ class WrapperState:
             self.settled_more = tuple(kept[: MAX_SETTLED_LAYOUTS - 1])
         self.settled = record
 
+    def find_settled(self, args: tuple, kwargs: dict) -> tuple:
+        """``(record, found)``: the settled layout that admits this call (at its sizes), at
+        the current generation, first or other, and what its check returned
+        (``SettledCalls.admits``: falsy where none admits it; ``record`` may then be
+        ``None``). ``StreamScheduledModule.__call__`` writes this out for its own calls."""
+        settled = self.settled
+        generation = _generation._generation
+        found = None
+        if settled is not None and settled.generation == generation:
+            found = settled.admits(args, kwargs, settled.sizes)
+        if not found and self.settled_more:
+            # Another settled layout (autocast or the grad mode switched around each call).
+            settled, found = self.other_settled(args, kwargs, generation)
+        return settled, found
+
     def other_settled(self, args: tuple, kwargs: dict, generation: int) -> tuple:
         """``(record, found)``: the settled layout other than the first that admits this
         call (at its sizes), at ``generation``, and what its check returned

@@ -6,6 +6,7 @@ the verdict sends the call back to the full path. Each test counts the full path
 
 from __future__ import annotations
 
+import copy
 import gc
 import weakref
 
@@ -387,6 +388,32 @@ def test_layouts_switched_around_every_call_each_stay_settled(monkeypatch, full_
             assert_path(sm, "as-written")
         assert_close(got, want)
         assert got.dtype == want.dtype and got.requires_grad == want.requires_grad
+    assert full_calls == []
+
+
+def test_an_attached_models_own_calls_take_every_settled_layout(monkeypatch, full_calls):
+    """The model's own calls, routed through the wrapper by ``attach()``, check the settled
+    layouts as the wrapper's calls do: each of those kept, not only the latest."""
+    _slow_schedules(monkeypatch)
+    model = Chain()
+    ref = copy.deepcopy(model)
+    sm = ss.StreamScheduledModule(model)
+    states = _grad_and_autocast_states()
+    for state in states:
+        with state():
+            _settle_every_size(sm, model)
+    attached = sm.attach()
+    full_calls.clear()
+    try:
+        for i in range(24):
+            x = torch.randn(1 + i, 16)
+            with states[i % len(states)]():
+                got, want = attached(x), ref(x)
+                assert_path(sm, "as-written")
+            assert_close(got, want)
+            assert got.dtype == want.dtype and got.requires_grad == want.requires_grad
+    finally:
+        sm.detach()
     assert full_calls == []
 
 
