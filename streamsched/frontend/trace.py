@@ -641,19 +641,16 @@ def _flag_values(owner: Any) -> tuple:
     compared by identity: replaced (a frozen dataclass by ``dataclasses.replace``), it may
     hold other values."""
     items = owner.__dict__ if isinstance(owner, torch.nn.Module) else object_items(owner)
-    return tuple(
-        (k, v if type(v) in _FLAG_TYPES or type(v) in _NOT_FLAG_TYPES or is_plain(v) else _Same(v))
-        for k, v in items.items()
-        if k != "training"
-        and k[:2] != "__"
-        and (
-            type(v) in _FLAG_TYPES
-            or (
-                type(v) not in _NOT_FLAG_TYPES
-                and (is_plain(v) or (not k.startswith("_streamsched") and holds_state(v)))
-            )
-        )
-    )
+    values = []
+    for k, v in items.items():
+        if k == "training" or k[:2] == "__":
+            continue
+        kind = type(v)
+        if kind in _FLAG_TYPES or (kind not in _NOT_FLAG_TYPES and is_plain(v)):
+            values.append((k, v))
+        elif kind not in _NOT_FLAG_TYPES and not k.startswith("_streamsched") and holds_state(v):
+            values.append((k, _Same(v)))
+    return tuple(values)
 
 
 class _Same:
@@ -974,9 +971,9 @@ def _trace_once(
             with TraceSideEffectGuard(model, root) as guard, GradModeGuard(tracer):
                 graph = tracer.trace(root)
         finally:
+            tracer.held_state = root.__dict__["_streamsched_held_state"] = None  # (even if a restore raises)
             written = restore_containers(containers)
             held_state.restore()
-            tracer.held_state = root.__dict__["_streamsched_held_state"] = None
         if written:
             # A forward stored into a container its module holds (a cache): that module
             # runs as written, where its cache holds what eager's would.
@@ -1334,8 +1331,9 @@ def _static_code(modules: Sequence[Any], objects: Sequence[Any]) -> dict[types.C
 
 
 @functools.lru_cache(maxsize=8192)
-def _methods_named(code: types.CodeType, cls: type) -> list[tuple[types.CodeType, dict]]:
-    """The functions of ``cls`` (outside the libraries) whose names ``code`` holds."""
+def _methods_named(code: types.CodeType, cls: type) -> tuple[tuple[types.CodeType, dict], ...]:
+    """The functions of ``cls`` (outside the libraries) whose names ``code`` holds (a
+    tuple: the cache hands the same one to every caller)."""
     out = []
     for name in _code_names(code):
         for base in cls.__mro__:
@@ -1344,7 +1342,7 @@ def _methods_named(code: types.CodeType, cls: type) -> list[tuple[types.CodeType
                 if found is not None:
                     out.append(found)
                 break
-    return out
+    return tuple(out)
 
 
 # How many calls deep :func:`_static_code` follows the functions code names.

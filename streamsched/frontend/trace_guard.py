@@ -387,15 +387,18 @@ def restore_containers(snapshots: list[tuple[torch.nn.Module, str, Any, Any]]) -
     for module, name, container, copy in snapshots:
         if _same(container, copy):
             continue
-        container.clear()
-        if type(container) is dict:
-            container.update(copy)
-        elif type(container) is list:
-            container.extend(copy)
-        else:
-            container.update(copy)
+        _refill(container, copy)
         changed.append((module, name))
     return changed
+
+
+def _refill(container: Any, copy: Any) -> None:
+    """Give a list, dict or set the contents ``copy`` holds (a copy made before a trace)."""
+    container.clear()
+    if type(container) is list:
+        container.extend(copy)
+    else:
+        container.update(copy)
 
 
 class ObjectWrittenDuringTrace(SideEffectDuringTrace):
@@ -613,8 +616,7 @@ class HeldState:
                 else:
                     namespace[name] = value
             if copy is not None and not _same(value, copy):
-                value.clear()
-                value.update(copy) if type(value) is not list else value.extend(copy)
+                _refill(value, copy)
         for obj, items, contents in self.entries:
             now = object_items(obj)
             for k in now.keys() - items.keys():
@@ -631,8 +633,7 @@ class HeldState:
             for k, copy in contents.items():
                 container = items[k]
                 if not _same(container, copy):  # (contents: data only, see _contents)
-                    container.clear()
-                    container.update(copy) if type(container) is not list else container.extend(copy)
+                    _refill(container, copy)
 
 
 _MISSING = object()

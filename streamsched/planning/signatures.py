@@ -95,13 +95,10 @@ RARE_CALLS = 16
 PAYBACK_CALLS = 64
 
 
-def _round_up(n: int) -> int:
-    return 1 << (n - 1).bit_length() if n > 1 else n
-
-
 def size_bucket(sizes: tuple) -> tuple:
     """Each dimension of each input rounded up to a power of two (0 and 1 stay)."""
-    # (_round_up written out: every call of a new size, or of a settled size bucket, reads it.)
+    # (No function call per dimension: every call of a new size, or of a settled size
+    # bucket, reads it.)
     return tuple([tuple([1 << (d - 1).bit_length() if d > 1 else d for d in shape]) for shape in sizes])
 
 
