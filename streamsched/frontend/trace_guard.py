@@ -673,12 +673,21 @@ def _state_of(obj: Any) -> Optional[tuple]:
             return ("Generator", pickle.dumps(bit_generator.state, protocol=4))
         if hasattr(obj, "getstate") and hasattr(obj, "setstate"):  # a random.Random
             return ("Random", obj.getstate())
+        if _size_of(obj) > _MAX_PICKLED:  # (pickling a large array would copy it whole to find out)
+            return None
         state = pickle.dumps(obj, protocol=4)
         if len(state) > _MAX_PICKLED or pickle.dumps(obj, protocol=4) != state:
             return None
         return ("pickled", state)
     except Exception:  # noqa: BLE001 - anything whose state cannot be read is not watched
         return None
+
+
+def _size_of(obj: Any) -> int:
+    """The bytes ``obj`` holds as far as it tells: its own size, buffer included (a numpy
+    array that owns its data, a ``bytearray``), or its ``nbytes`` (a view)."""
+    nbytes = getattr(obj, "nbytes", None)
+    return max(sys.getsizeof(obj, 0), nbytes if type(nbytes) is int else 0)
 
 
 def _set_state(obj: Any, state: tuple) -> bool:
