@@ -18,7 +18,7 @@ import streamsched as ss
 from streamsched import nesting
 from streamsched.new_signatures import NESTED_GAIN_S
 from streamsched.planning.choice import Trial
-from streamsched.planning.plan import Plan, PlannedTask
+from streamsched.planning.plan import Plan
 from streamsched.runner import Runner
 from streamsched.testing import assert_path, last_path
 
@@ -369,31 +369,12 @@ def _grad_and_autocast_states() -> list:
     ]
 
 
-def test_layouts_switched_around_every_call_each_stay_settled(monkeypatch, full_calls):
+@pytest.mark.parametrize("via", ["wrapper", "attached"])
+def test_layouts_switched_around_every_call_each_stay_settled(monkeypatch, full_calls, via):
     """Grad modes and autocast are part of a settled layout's check: code that switches
     them around every call keeps one settled layout per state (up to
-    MAX_SETTLED_LAYOUTS), each call taking the shortcut, not the full path."""
-    _slow_schedules(monkeypatch)
-    model = Chain()
-    sm = ss.StreamScheduledModule(model)
-    states = _grad_and_autocast_states()
-    for state in states:
-        with state():
-            _settle_every_size(sm, model)
-    full_calls.clear()
-    for i in range(24):
-        x = torch.randn(1 + i, 16)
-        with states[i % len(states)]():
-            got, want = sm(x), model(x)
-            assert_path(sm, "as-written")
-        assert_close(got, want)
-        assert got.dtype == want.dtype and got.requires_grad == want.requires_grad
-    assert full_calls == []
-
-
-def test_an_attached_models_own_calls_take_every_settled_layout(monkeypatch, full_calls):
-    """The model's own calls, routed through the wrapper by ``attach()``, check the settled
-    layouts as the wrapper's calls do: each of those kept, not only the latest."""
+    MAX_SETTLED_LAYOUTS), each call taking the shortcut, not the full path. The model's
+    own calls, routed through the wrapper by ``attach()``, check every layout kept too."""
     _slow_schedules(monkeypatch)
     model = Chain()
     ref = copy.deepcopy(model)
@@ -402,13 +383,13 @@ def test_an_attached_models_own_calls_take_every_settled_layout(monkeypatch, ful
     for state in states:
         with state():
             _settle_every_size(sm, model)
-    attached = sm.attach()
+    call = sm.attach() if via == "attached" else sm
     full_calls.clear()
     try:
         for i in range(24):
             x = torch.randn(1 + i, 16)
             with states[i % len(states)]():
-                got, want = attached(x), ref(x)
+                got, want = call(x), ref(x)
                 assert_path(sm, "as-written")
             assert_close(got, want)
             assert got.dtype == want.dtype and got.requires_grad == want.requires_grad
@@ -543,23 +524,10 @@ def test_a_nested_childs_trial_keeps_no_schedule_that_saves_less_than_the_minimu
 
 
 def _plan() -> Plan:
-    task = PlannedTask(id=0, name="fc", nodes=["fc"], stream=0, cost_us=1.5)
-    return Plan(
-        model="M",
-        signature="float32[4, 16]",
-        device="cpu",
-        executor="serial",
-        reason="planned",
-        stream_bound=1,
-        num_streams=1,
-        order=[0],
-        tasks=[task],
-        critical_path=[0],
-        critical_path_us=1.5,
-        est_serial_us=1.5,
-        est_parallel_us=1.5,
-        cross_stream_waits=0,
-    )
+    """A serial plan of a small model, for a trial to decide on."""
+    sm = ss.StreamScheduledModule(Chain(), executor="serial")
+    sm(torch.randn(4, 16))
+    return sm.plan
 
 
 def test_a_bucket_whose_schedule_would_not_repay_a_plan_admits_its_new_sizes_not_its_planned_ones(
