@@ -1184,7 +1184,7 @@ def _python_state(modules: Sequence[torch.nn.Module]) -> tuple[tuple, tuple]:
     three levels down, whose assignments move the generation (``_generation.watch_object``);
     ``guards`` (``(namespace, name, GlobalValue)``, compared on every call) for
 
-    - module-level globals read by name by traced code (:func:`_traced_code`) holding a
+    - module-level globals read by name by traced code (:func:`_static_code`) holding a
       plain value, or a list, dict or set of plain values (compared by a copy);
     - the tensors held objects and globals hold, by identity (the graph holds them as
       constants: replaced, the plan would read the old one);
@@ -1204,8 +1204,24 @@ def _python_state(modules: Sequence[torch.nn.Module]) -> tuple[tuple, tuple]:
     would re-trace every call."""
     codes = _static_code(modules, reachable_objects(modules))
     read = _names_read(codes)
+    guards, global_objects = _global_guards(codes)
+    closure_guards, closure_objects = _closure_guards(modules)
+    guards += closure_guards
+    held = reachable_objects(modules, roots=global_objects + closure_objects)
+    watched = [_generation.watch_object(o) for o in held]
+    flags = tuple((o, _flag_values(o)) for o, w in zip(held, watched) if w)
+    guards += _held_object_guards(held, watched, read)
+    guards += _module_container_guards(modules, read)
+    guards += _class_attribute_guards(modules, read)
+    return flags, _grouped(guards)
+
+
+def _global_guards(codes: dict[types.CodeType, dict]) -> tuple[list[tuple], list[Any]]:
+    """Guards for the module-level globals ``codes`` read by name (a plain value, a list,
+    dict or set of plain values, a tensor by identity), and the objects globals hold
+    (:func:`holds_state`: followed as held objects)."""
     guards: list[tuple] = []
-    global_objects: list[Any] = []
+    objects: list[Any] = []
     seen: set[tuple[int, str]] = set()
     for code, namespace in codes.items():
         for name in _global_names(code):
@@ -1219,9 +1235,16 @@ def _python_state(modules: Sequence[torch.nn.Module]) -> tuple[tuple, tuple]:
             elif isinstance(value, torch.Tensor):  # baked in as a constant: the same tensor
                 guards.append((namespace, name, GlobalValue(name, value, same=True)))
             elif value is not GlobalValue and holds_state(value):
-                global_objects.append(value)
+                objects.append(value)
+    return guards, objects
+
+
+def _closure_guards(modules: Sequence[torch.nn.Module]) -> tuple[list[tuple], list[Any]]:
+    """Guards for the variables of the function that made a module's class, which its
+    forward reads (its closure), and the objects they hold (followed as held objects)."""
+    guards: list[tuple] = []
+    objects: list[Any] = []
     for m in modules:
-        # Variables of the function that made the module's class, which its forward reads.
         fn = getattr(type(m), "forward", None)
         cells = getattr(fn, "__closure__", None) or ()
         for name, cell in zip(getattr(getattr(fn, "__code__", None), "co_freevars", ()), cells):
@@ -1233,10 +1256,16 @@ def _python_state(modules: Sequence[torch.nn.Module]) -> tuple[tuple, tuple]:
             if expected is not _UNGUARDED:
                 guards.append((_Cell(cell), name, GlobalValue(name, expected)))
             elif holds_state(value):
-                global_objects.append(value)
-    held = reachable_objects(modules, roots=global_objects)
-    watched = [_generation.watch_object(o) for o in held]
-    flags = tuple((o, _flag_values(o)) for o, w in zip(held, watched) if w)
+                objects.append(value)
+    return guards, objects
+
+
+def _held_object_guards(held: Sequence[Any], watched: Sequence[bool], read: Optional[frozenset[str]]) -> list[tuple]:
+    """Guards for what held objects hold under names traced code reads: tensors and, where
+    the object is not watched (its assignments go unseen), objects, by identity; plain
+    values where it is not watched; lists, dicts and sets of plain values under public
+    names (a watched object's plain attributes are its flags)."""
+    guards: list[tuple] = []
     for o, w in zip(held, watched):
         attributes = _Attributes(o)
         for k, v in object_items(o).items():
@@ -1250,12 +1279,26 @@ def _python_state(modules: Sequence[torch.nn.Module]) -> tuple[tuple, tuple]:
             if expected is _UNGUARDED or (w and (type(v) not in _CONTAINERS or k[:1] == "_")):
                 continue  # (a watched object's plain attributes are its flags)
             guards.append((attributes, k, GlobalValue(k, expected)))
+    return guards
+
+
+def _module_container_guards(modules: Sequence[torch.nn.Module], read: Optional[frozenset[str]]) -> list[tuple]:
+    """Guards for the lists, dicts and sets of plain values modules hold under public
+    names traced code reads (``self.scales[1] = 2.0`` assigns nothing)."""
+    guards: list[tuple] = []
     for m in modules:
         for k, v in m.__dict__.items():
             if type(v) in _CONTAINERS and k[:1] != "_" and (read is None or k in read):
                 expected = _guarded_value(v)
                 if expected is not _UNGUARDED:
                     guards.append((m.__dict__, k, GlobalValue(k, expected)))
+    return guards
+
+
+def _class_attribute_guards(modules: Sequence[torch.nn.Module], read: Optional[frozenset[str]]) -> list[tuple]:
+    """Guards for the public class attributes of the modules' classes (outside the
+    libraries) that traced code reads and some instance does not shadow."""
+    guards: list[tuple] = []
     # A class attribute every instance found shadows with its own is never read through it.
     shadowed: dict[type, set[str]] = {}
     for o in modules:
@@ -1272,7 +1315,7 @@ def _python_state(modules: Sequence[torch.nn.Module]) -> tuple[tuple, tuple]:
             expected = _guarded_value(v)
             if expected is not _UNGUARDED:
                 guards.append((_Attributes(cls), k, GlobalValue(k, expected)))
-    return flags, _grouped(guards)
+    return guards
 
 
 _CONTAINERS = (list, dict, set)
