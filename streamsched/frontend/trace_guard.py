@@ -544,7 +544,8 @@ class HeldState:
                 continue
             kind = type(value)
             copy = _data_copy(value) if kind in (list, dict, set) else None
-            self._note_hidden(value, self.hidden_globals)
+            if value is not _MISSING:
+                self._note_hidden(value, self.hidden_globals)
             self.globals[key] = (namespace, name, value, copy)
             if value is not _MISSING and holds_state(value):
                 known = {id(obj) for obj, _, _ in self.entries}
