@@ -352,6 +352,11 @@ class ReadsClassAttributes(Towers):
         return -y if type(self).NEGATE else y
 
 
+class InheritsClassAttributes(ReadsClassAttributes):
+    """Reads the constants its base defines; the test sets them on this class, which
+    shadows the base's for its instances."""
+
+
 class ReadsItsDict(Towers):
     def __init__(self):
         super().__init__()
@@ -400,6 +405,7 @@ READ_STATE = {
     "global-namespace": (ReadsAGlobalNamespace, lambda m: GLOBAL_NAMESPACE, True),
     "closure": (ReadsAClosure, lambda m: CLOSURE_OPTIONS, True),
     "class-attributes": (ReadsClassAttributes, lambda m: ReadsClassAttributes, True),
+    "inherited-class-attributes": (InheritsClassAttributes, lambda m: InheritsClassAttributes, True),
     "module-dict": (ReadsItsDict, lambda m: m.options, False),
     "module-list": (ReadsItsList, lambda m: m.scales, False),
     "namespace-dict": (ReadsADictInANamespace, lambda m: m.config.options, False),
@@ -440,6 +446,9 @@ def test_state_read_through_containers_classes_and_closures_is_seen(executor, ca
         CLOSURE_OPTIONS.update(saved["c"])
         vars(GLOBAL_NAMESPACE).update(saved_ns)
         ReadsClassAttributes.SCALE, ReadsClassAttributes.NEGATE = 1.0, False
+        for name in ("SCALE", "NEGATE"):
+            if name in vars(InheritsClassAttributes):
+                delattr(InheritsClassAttributes, name)
     assert "plan:" + executor in paths, paths
 
 

@@ -1296,8 +1296,10 @@ def _module_container_guards(modules: Sequence[torch.nn.Module], read: Optional[
 
 
 def _class_attribute_guards(modules: Sequence[torch.nn.Module], read: Optional[frozenset[str]]) -> list[tuple]:
-    """Guards for the public class attributes of the modules' classes (outside the
-    libraries) that traced code reads and some instance does not shadow."""
+    """Guards for the public class attributes (defined outside the libraries) that traced
+    code reads and some instance does not shadow, read as the instances read them:
+    through each module's own class, so that assigning one on that class or on any base
+    it inherits it from is seen (``Sub.SCALE = 2`` shadows ``Base.SCALE``)."""
     guards: list[tuple] = []
     # A class attribute every instance found shadows with its own is never read through it.
     shadowed: dict[type, set[str]] = {}
@@ -1305,14 +1307,19 @@ def _class_attribute_guards(modules: Sequence[torch.nn.Module], read: Optional[f
         names = set(o.__dict__)
         cls = type(o)
         shadowed[cls] = shadowed[cls] & names if cls in shadowed else names
-    for cls in {base: None for c in shadowed for base in c.__mro__}:
-        if cls.__module__.partition(".")[0] in _LIBRARY_PACKAGES or cls.__module__ == "builtins":
-            continue
-        hidden = set.intersection(*(names for c, names in shadowed.items() if issubclass(c, cls)))
-        for k, v in cls.__dict__.items():
-            if k[:1] == "_" or (read is not None and k not in read) or k in hidden:
+    for cls, hidden in shadowed.items():
+        names: dict[str, None] = {}
+        for base in cls.__mro__:
+            if base.__module__.partition(".")[0] in _LIBRARY_PACKAGES or base.__module__ == "builtins":
                 continue
-            expected = _guarded_value(v)
+            for k in base.__dict__:
+                if k[:1] != "_" and (read is None or k in read) and k not in hidden:
+                    names.setdefault(k, None)
+        for k in names:
+            # The value the class resolves the name to, read from the defining class's
+            # dict (no descriptor runs: only plain values are guarded, and those have none).
+            value = next(base.__dict__[k] for base in cls.__mro__ if k in base.__dict__)
+            expected = _guarded_value(value)
             if expected is not _UNGUARDED:
                 guards.append((_Attributes(cls), k, GlobalValue(k, expected)))
     return guards
