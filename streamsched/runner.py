@@ -239,8 +239,9 @@ class Runner:
         self, args: tuple, kwargs: dict, written: Any, bucket: Any = None, planned: list = ()
     ) -> None:
         """A call of tensors and plain values settled to run as written (``written``): at
-        every size of its structure, or at its sizes; ``bucket``: where its size bucket was
-        decided for the model as written (each of its sizes runs as written), what
+        every size of its structure, or at its sizes; ``bucket``: where its size bucket
+        settled as a whole (decided for the model as written, or for a schedule that would
+        not repay a plan per size: each of its sizes runs as written), what
         ``sm.plan`` reports for a call of another of its sizes (``bucket(shapes)``, the
         shapes as ``shapes_of`` gives them), and ``planned``: the bucket's planned shapes,
         which the bucket does not admit (their plans run as decided). Later calls of its

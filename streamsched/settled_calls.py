@@ -157,9 +157,10 @@ class SettledCalls:
             sizes[shapes] = reported
 
     def add_bucket(self, shapes: tuple, plan_for: Callable[[tuple], Any], planned: Any = ()) -> None:
-        """The size bucket of ``shapes`` was decided for the model as written: each of its
-        sizes runs as written (``plan_for(shapes)``: what ``sm.plan`` says for a call of
-        such shapes, ``BucketCall``), but ``planned``: shapes whose plans run as they were
+        """The size bucket of ``shapes`` settled to run as written (decided for the model as
+        written, or for a schedule that would not repay a plan per size): each of its sizes
+        runs as written (``plan_for(shapes)``: what ``sm.plan`` says for a call of such
+        shapes, ``BucketCall``), but ``planned``: shapes whose plans run as they were
         decided (the table holds ``False`` for them: the full path)."""
         sizes = self.sizes
         if sizes is not None and len(sizes.buckets) < MAX_SETTLED_BUCKETS:
