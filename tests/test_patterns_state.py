@@ -548,6 +548,61 @@ def test_a_tensor_held_outside_the_modules_and_replaced_is_read_anew(holder):
     assert "plan:serial" in paths, paths
 
 
+GLOBAL_BIASES = [torch.zeros(D), 1.0]
+
+
+class AddsABiasFromAContainer(Towers):
+    """Reads a tensor out of a list or dict (beside a plain value) a module, a held object
+    or a global holds: the graph holds the tensor as a constant, and replacing the item
+    assigns nothing the module could see."""
+
+    def __init__(self, holder):
+        super().__init__()
+        self.holder = holder
+        if holder == "module-list":
+            self.biases = [torch.zeros(D), 1.0]
+        elif holder == "module-dict":
+            self.biases = {"bias": torch.zeros(D), "scale": 1.0}
+        elif holder == "object-list":
+            self.state = Inner()
+            self.state.biases = [torch.zeros(D), 1.0]
+
+    def forward(self, x):
+        out = torch.stack(self.branches(x)).sum(0)
+        if self.holder == "module-list":
+            return out * self.biases[1] + self.biases[0]
+        if self.holder == "module-dict":
+            return out * self.biases["scale"] + self.biases["bias"]
+        if self.holder == "object-list":
+            return out * self.state.biases[1] + self.state.biases[0]
+        return out * GLOBAL_BIASES[1] + GLOBAL_BIASES[0]
+
+
+@pytest.mark.parametrize("holder", ["module-list", "module-dict", "object-list", "global-list"])
+def test_a_tensor_in_a_held_container_replaced_is_read_anew(holder):
+    done = []
+
+    def change(model, call):
+        if call % 3 != 2:
+            return
+        bias = torch.full((D,), float(call))
+        if holder == "module-list":
+            model.biases[0] = bias
+        elif holder == "module-dict":
+            model.biases["bias"] = bias
+        elif holder == "object-list":
+            model.state.biases[0] = bias
+        elif done[-1:] != [call]:  # one global for both models: replaced once per call
+            done.append(call)
+            GLOBAL_BIASES[0] = bias
+
+    try:
+        paths = run_against_eager(AddsABiasFromAContainer(holder), "serial", change=change, training=False)
+    finally:
+        GLOBAL_BIASES[:] = [torch.zeros(D), 1.0]
+    assert "plan:serial" in paths, paths
+
+
 class DrawsFromAHeldGenerator(Towers):
     def __init__(self, kind):
         super().__init__()

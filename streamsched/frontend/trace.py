@@ -1134,7 +1134,7 @@ class GlobalValue:
         now = namespace.get(self.name, GlobalValue)
         if self.same:
             return now is self.value
-        return type(now) is type(self.value) and now == self.value
+        return type(now) is _type_of(self.value) and self.value == now
 
 
 def _hashable(value: Any) -> bool:
@@ -1173,7 +1173,7 @@ def _grouped(guards: list[tuple]) -> tuple:
             items = items * 2
         make = operator.itemgetter if type(target) in (dict, types.MappingProxyType) else operator.attrgetter
         values = tuple(v for _, v in items)
-        guard = GlobalValue(tuple(names), values, getter=make(*names), types=tuple(map(type, values)))
+        guard = GlobalValue(tuple(names), values, getter=make(*names), types=tuple(map(_type_of, values)))
         out.append((target, guard.name, guard))
     return tuple(out)
 
@@ -1327,8 +1327,48 @@ def _class_attribute_guards(modules: Sequence[torch.nn.Module], read: Optional[f
 
 _CONTAINERS = (list, dict, set)
 _UNGUARDED = object()
+
 # A list, dict or set longer than this is not compared on every call.
 _MAX_GUARDED_ITEMS = 64
+
+
+class _ItemsOf:
+    """What a guard expects of a list or dict holding tensors beside plain values: the
+    same tensors (the graph holds the ones the trace read as constants: an item replaced,
+    ``self.biases[0] = b`` assigns nothing a module sees, would leave the plan reading the
+    old one) and equal plain values. Equal to a container of its ``kind`` holding them."""
+
+    __slots__ = ("kind", "items")
+
+    def __init__(self, value: Any):
+        self.kind = type(value)
+        self.items = dict(value) if self.kind is dict else list(value)
+
+    def __eq__(self, other: Any) -> bool:
+        if type(other) is not self.kind or len(other) != len(self.items):
+            return False
+        if self.kind is dict:
+            pairs = []
+            for k, v in self.items.items():
+                if k not in other:
+                    return False
+                pairs.append((v, other[k]))
+        else:
+            pairs = zip(self.items, other)
+        for expected, now in pairs:
+            if isinstance(expected, torch.Tensor) or isinstance(now, torch.Tensor):
+                if now is not expected:
+                    return False
+            elif type(now) is not type(expected) or now != expected:
+                return False
+        return True
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _type_of(value: Any) -> type:
+    """The type a guarded value's owner must hold: a container's for :class:`_ItemsOf`."""
+    return value.kind if type(value) is _ItemsOf else type(value)
 
 
 def _guarded_value(value: Any) -> Any:
@@ -1341,12 +1381,16 @@ def _guarded_value(value: Any) -> Any:
     if kind in _CONTAINERS:
         if len(value) > _MAX_GUARDED_ITEMS:
             return _UNGUARDED
-        items = value.items() if kind is dict else ((v, None) for v in value)
+        items = value.items() if kind is dict else ((None, v) for v in value)
+        tensors = False
         for k, v in items:
+            if kind is not set and isinstance(v, torch.Tensor):
+                tensors = True  # (a graph constant: compared by identity, below)
+                continue
             for item in (k, v):
                 if not is_plain(item) or isinstance(item, type) or callable(item):
                     return _UNGUARDED
-        return kind(value)
+        return _ItemsOf(value) if tensors else kind(value)
     if isinstance(value, (type, types.FunctionType, types.BuiltinFunctionType)) or not is_plain(value):
         return _UNGUARDED
     return value
