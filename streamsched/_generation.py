@@ -210,8 +210,13 @@ def _unwatch(ref: weakref.ref, key: int) -> None:
 def watch_object(obj: Any) -> bool:
     """Move the counter whenever an attribute of ``obj`` (not a module) is assigned;
     False where that cannot be seen (a built-in class, an object without weak
-    references), and the caller must not rely on it."""
+    references, a frozen dataclass), and the caller must not rely on it."""
     cls = type(obj)
+    params = getattr(cls, "__dataclass_params__", None)
+    if params is not None and params.frozen:
+        # A frozen dataclass changes only through object.__setattr__, which runs no
+        # __setattr__ of its class: not seen (its attributes are compared instead).
+        return False
     if not getattr(cls.__setattr__, "_streamsched", False):
         original = cls.__setattr__
 

@@ -204,11 +204,21 @@ def nested_namespace():
     return types.SimpleNamespace(sub=types.SimpleNamespace(scale=1.0, negate=False))
 
 
+@dataclasses.dataclass(frozen=True)
+class FrozenOptionsSetInPlace:
+    """Changed with object.__setattr__, as frozen dataclasses' own __post_init__ and some
+    libraries' configuration updates do: no __setattr__ of its class runs."""
+
+    scale: float = 1.0
+    negate: bool = False
+
+
 OPTIONS = {
     "slots": SlottedOptions,
     "nested": Nested,
     "nested-namespace": nested_namespace,
     "frozen-dataclass": FrozenOptions,
+    "frozen-dataclass-set-in-place": FrozenOptionsSetInPlace,
 }
 
 
@@ -233,6 +243,9 @@ def change_options(model, call):
         return
     if isinstance(holder, FrozenOptions):
         model.options = dataclasses.replace(holder, **new)  # replaced, not assigned
+    elif isinstance(holder, FrozenOptionsSetInPlace):
+        for k, v in new.items():
+            object.__setattr__(holder, k, v)
     else:
         for k, v in new.items():
             setattr(holder, k, v)
