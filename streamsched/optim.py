@@ -494,7 +494,7 @@ def clip_grad_norm_per_member_(
     grads: list[tuple[int, torch.Tensor]] = []
     for k, (s, _) in enumerate(plan.stacked):
         if s._stack.active and s._stack.buf is not None:
-            s._sync()
+            s._sync_leaf()
         if s.grad is not None:
             grads.append((k, s.grad))
     loose = [(g, j) for q, j in plan.loose if (g := q.grad) is not None]

@@ -33,6 +33,8 @@ from torch import nn
 
 from .layout import SHARED, STACK, Layout, aligned_stack, fold, to_fold, to_stack
 from .params import StackedTensors
+from .stacked import StackedParameter
+from .stacked import grad_sink as _grad_sink
 
 __all__ = [
     "FusedKernel",
@@ -237,8 +239,8 @@ class StackedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, xs: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
         ctx.save_for_backward(xs, w)
-        ctx.has_bias = b is not None
-        if 2 * w.shape[1] <= xs.shape[1] and xs.device.type == "cpu":
+        ctx.b = b  # a leaf (a stack or a stacked parameter): where its gradient goes
+        if 2 * w.shape[1] <= xs.shape[1] and xs.is_cpu:
             xt = xs.transpose(1, 2)
             if w.shape[1] == 1:
                 # One output: [N, 1, M] is [N, M, 1]'s memory, so the product is written
@@ -259,14 +261,36 @@ class StackedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
         xs, w = ctx.saved_tensors
+        b = ctx.b
         need_x, need_w, need_b = ctx.needs_input_grad
         gx = torch.bmm(grad, w) if need_x else None
-        gw = torch.bmm(grad.transpose(1, 2), xs) if need_w else None
-        gb = grad.sum(1) if ctx.has_bias and need_b else None
+        gw = gb = None
+        edges = ctx.next_functions
+        if need_w:
+            # A stacked parameter's gradient is added straight into the buffer its
+            # .grad is, inside the product, where autograd would add it there itself.
+            buf = _grad_sink(w, edges[1][0])
+            if buf is None:
+                gw = torch.bmm(grad.transpose(1, 2), xs)
+            else:
+                buf.baddbmm_(grad.transpose(1, 2), xs)
+        if need_b and b is not None:
+            buf = _grad_sink(b, edges[2][0])
+            if buf is None:
+                gb = grad.sum(1)
+            else:
+                buf.add_(grad.sum(1))
         return gx, gw, gb
 
 
 _autocast_on = torch.is_autocast_enabled
+_any_autocast = torch._C._is_any_autocast_enabled
+_functorch_on = torch._C._are_functorch_transforms_active
+_unwrap_dead = torch._C._functorch.unwrap_if_dead
+# Function.apply's own C entry: the Python classmethod in front of it binds default
+# arguments for a setup_context (StackedLinear has none) and routes functorch transforms
+# (checked here), a few microseconds of a small layer's call.
+_apply_linear = torch._C._FunctionBase.__dict__["apply"].__get__(None, StackedLinear)
 
 
 def _stacked_linear(xs: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
@@ -276,10 +300,17 @@ def _stacked_linear(xs: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]
     Function without their hooks refuses, keep working there as in eager), and under
     autocast (which casts the ``baddbmm`` and records the casts for the backward, where
     the function's own backward would meet gradients of the cast dtype)."""
-    if not w.requires_grad or _autocast_on(xs.device.type):
+    if not w.requires_grad or (_any_autocast() and _autocast_on(xs.device.type)):
+        # Autograd accumulates a stacked parameter's gradient here: with its hooks.
+        for p in (w, b):
+            if type(p) is StackedParameter and p.requires_grad:
+                p._hook()
         wt = w.transpose(1, 2)
         return torch.bmm(xs, wt) if b is None else torch.baddbmm(b.unsqueeze(1), xs, wt)
-    return StackedLinear.apply(xs, w, b)
+    if _functorch_on():
+        return StackedLinear.apply(xs, w, b)
+    # (w and b are the kernel's own stacks or stacked parameters, never functorch wrappers.)
+    return _apply_linear(_unwrap_dead(xs), w, b)
 
 
 class LinearKernel(FusedKernel):
@@ -373,7 +404,7 @@ class LinearKernel(FusedKernel):
 
         def stacked_baddbmm(x: torch.Tensor) -> torch.Tensor:
             if is_grad():
-                return for_grad(x, weight.value(True), bias.value(True))
+                return for_grad(x, weight.leaf_value(True), bias.leaf_value(True))
             if weight.stack is not kept[0] or bsrc.stack is not kept[1]:
                 wt, b = views(False)
                 return baddbmm(b, x, wt)
@@ -404,7 +435,7 @@ class LinearKernel(FusedKernel):
             if is_grad():
                 # Autograd's as_strided backward is a scatter into the whole storage.
                 xs = x.reshape(split).movedim(d, 0)  # to_stack of a fold: a view where memory allows
-                return for_grad(xs, weight.value(True), bias.value(True))
+                return for_grad(xs, weight.leaf_value(True), bias.leaf_value(True))
             if x.is_contiguous() and x.shape == folded:
                 xs = as_strided(x, size, stride, x.storage_offset())
             else:
@@ -433,7 +464,7 @@ class LinearKernel(FusedKernel):
             if flat:
                 xs = xs.reshape(n, -1, fin)
             if is_grad():
-                y = for_grad(xs, weight.value(True), bias.value(True) if bias is not None else None)
+                y = for_grad(xs, weight.leaf_value(True), bias.leaf_value(True) if bias is not None else None)
                 return y if out_view is None else y.view(out_view)
             if weight.stack is not kept[0] or bsrc.stack is not kept[1]:
                 wt, b = views(False)

@@ -508,6 +508,17 @@ class StackedTensors:
             return GatherStacked.apply(stack, self.sizes, cell, *self.tensors)
         return stack
 
+    def leaf_value(self, grad: bool) -> torch.Tensor:
+        """:meth:`value` for :class:`~streamsched.passes.fusion.kernels.StackedLinear`,
+        whose backward does the work of a stacked parameter's accumulation hooks itself
+        (``stacked.grad_sink``): the stacked parameter is checked without installing
+        them."""
+        param = self.param
+        if param is not None and grad and self.live:
+            param._sync_leaf()
+            return param
+        return self.value(grad)
+
     def view_of(self, grad: bool, op: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
         """``op(self.value(grad), *args)``, where ``op`` makes a view (``Tensor.transpose``,
         ``Tensor.unsqueeze``, ``Tensor.reshape`` of the contiguous stack).

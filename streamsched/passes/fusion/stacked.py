@@ -10,7 +10,9 @@ values.
 Gradients, the invariant kept while ``S`` is active:
 
 - the fused kernels read ``S`` itself, a leaf: autograd accumulates the stacked gradient
-  into ``S.grad`` with one ``AccumulateGrad``;
+  into ``S.grad`` with one ``AccumulateGrad``; the fused Linear (``StackedLinear``), in a
+  plain CPU backward, adds it into ``S.grad`` itself instead, inside its product
+  (:func:`grad_sink`), where that is exactly what autograd's accumulation would do;
 - ``S.grad`` is one persistent buffer, and every member's ``.grad`` is its slice (a view)
   of that buffer. Reading a member's ``.grad`` reads the stacked gradient; anything
   that adds into a member's ``.grad`` in place (the member used outside its fused kernel,
@@ -28,6 +30,15 @@ Gradients, the invariant kept while ``S`` is active:
 - under ``backward(create_graph=True)`` autograd replaces ``S.grad`` by a tensor with a
   graph; the members' ``.grad`` then become views of that tensor (one pass over the
   members), and the next ``zero_grad()`` returns everything to the buffer.
+
+The folding before an accumulation and the taking in after it are two Python hooks on
+``S`` (:meth:`StackedParameter._hook`), installed by the first reader whose gradient
+autograd accumulates (any fused kernel but ``StackedLinear``, or ``StackedLinear`` under
+autocast). A parameter only ``StackedLinear`` reads has none, and saves their two calls a
+backward: that backward folds in first and, where it leaves the accumulation to autograd
+(``create_graph=True``, hooks of the user's on ``S``, ``autograd.grad``, CUDA), has the
+result taken in when the backward ends. (A gradient reaching such an ``S`` only through
+the user's own code, with no fused kernel in that backward, gets neither.)
 """
 
 from __future__ import annotations
@@ -41,11 +52,12 @@ from torch import nn
 
 from ...errors import StreamSchedError
 
-__all__ = ["StackedParameter", "StackedLayoutError", "stacked_owner", "layout_version"]
+__all__ = ["StackedParameter", "StackedLayoutError", "stacked_owner", "layout_version", "grad_sink"]
 
 log = logging.getLogger(__name__)
 
 _GRAD = torch._C.TensorBase.grad
+_grad_get = _GRAD.__get__
 
 
 def _get_grad(t: torch.Tensor) -> Optional[torch.Tensor]:
@@ -92,10 +104,25 @@ def stacked_owner(p: torch.Tensor) -> Optional[tuple[StackedParameter, int]]:
 class _Link:
     """The bookkeeping of one stacked parameter (kept off the tensor's own dict)."""
 
-    __slots__ = ("members", "names", "sizes", "starts", "index", "buf", "owner", "views", "active", "hooks", "ref")
+    __slots__ = (
+        "members",
+        "names",
+        "sizes",
+        "starts",
+        "index",
+        "buf",
+        "owner",
+        "views",
+        "active",
+        "hooks",
+        "ref",
+        "first",
+        "last",
+    )
 
     def __init__(self, members: Sequence[nn.Parameter], names: Sequence[str], sizes: Optional[Sequence[int]]):
         self.members = list(members)
+        self.first, self.last = self.members[0], self.members[-1]  # what the cheap checks read
         self.names = list(names)
         self.sizes = tuple(sizes) if sizes is not None else None
         starts, start = [], 0
@@ -232,13 +259,13 @@ class StackedParameter(nn.Parameter):
     def grad(self) -> Optional[torch.Tensor]:  # type: ignore[override]
         # Optimizers, clip_grad_norm_ and GradScaler read .grad here: fold in whatever
         # re-pointed a member's .grad since the last check (a few attribute reads).
-        g = _get_grad(self)
+        g = _grad_get(self)
         link = self.__dict__.get("_stack")
         if link is not None and link.active and link.buf is not None:
-            members, views = link.members, link.views
-            if g is not link.owner or members[0].grad is not views[0] or members[-1].grad is not views[-1]:
+            views = link.views
+            if g is not link.owner or link.first.grad is not views[0] or link.last.grad is not views[-1]:
                 self._check_grads()
-                g = _get_grad(self)
+                g = _grad_get(self)
         return g
 
     @grad.setter
@@ -252,7 +279,7 @@ class StackedParameter(nn.Parameter):
             # zero_grad(set_to_none=True): zero the buffer the members' views read (it
             # never requires grad, so no autograd mode is needed).
             buf.zero_()
-            if link.owner is not buf or _get_grad(self) is not buf:
+            if link.owner is not buf or _grad_get(self) is not buf:
                 _set_grad(self, buf)
                 self._point_members(buf)
             return
@@ -343,20 +370,30 @@ class StackedParameter(nn.Parameter):
                 self._point_members(buf)
 
     def _sync(self) -> None:
-        """The per-forward check (a few attribute reads when nothing changed)."""
+        """The per-forward check (a few attribute reads when nothing changed), for a
+        reader whose gradient autograd accumulates: with the accumulation hooks."""
+        self._sync_leaf()
         link = self._stack
-        members = link.members
-        first, last = members[0], members[-1]
+        if not link.hooks and self.requires_grad:
+            self._hook()
+
+    def _sync_leaf(self) -> None:
+        """:meth:`_sync` without installing the hooks: for :class:`StackedLinear`, whose
+        backward does their work itself (:func:`grad_sink`)."""
+        link = self._stack
+        first, last = link.first, link.last
         wanted = first.requires_grad
         if self.requires_grad is not wanted or last.requires_grad is not wanted:
             self._sync_requires_grad()
-        if not self.requires_grad:
+            if not self.requires_grad:
+                return
+        elif not wanted:
             return
         if link.buf is None:
             self._link_grads()
             return
         views = link.views
-        if _get_grad(self) is not link.owner or first.grad is not views[0] or last.grad is not views[-1]:
+        if _grad_get(self) is not link.owner or first.grad is not views[0] or last.grad is not views[-1]:
             self._check_grads()
 
     def _check_grads(self) -> None:
@@ -378,7 +415,6 @@ class StackedParameter(nn.Parameter):
                 "with fused_parameters() a stacked tensor is trained or frozen as a whole"
             )
         self.requires_grad_(flags.pop())
-        self._hook()
 
     # --- activation -------------------------------------------------------------------
 
@@ -389,7 +425,7 @@ class StackedParameter(nn.Parameter):
             if link.buf is None or link.buf.shape != self.shape or link.buf.device != self.device:
                 self._link_grads()
             else:
-                self._sync()
+                self._sync_leaf()
         link.active = True
         for m in link.members:
             _OWNER[id(m)] = self
@@ -416,6 +452,61 @@ class StackedParameter(nn.Parameter):
         if link.active and self.requires_grad:
             self._link_grads()
         _moved()
+
+
+_grad_on = torch.is_grad_enabled
+_will_execute = torch._C._will_engine_execute_node
+_queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+
+
+def grad_sink(t: torch.Tensor, node: Any) -> Optional[torch.Tensor]:
+    """Inside the backward of a function that read ``t`` (``node``: ``t``'s
+    ``AccumulateGrad``, the function's edge to it): the buffer ``t``'s gradient may be
+    added into in place by the function itself, or ``None`` where it returns the
+    gradient for autograd to accumulate.
+
+    For an active stacked parameter it first does what its accumulation hooks do
+    (:meth:`StackedParameter._hook`; :class:`StackedLinear` reads it without them): members
+    whose ``.grad`` was re-pointed are folded in, and where autograd will accumulate, the
+    result is taken in once the backward is done. It returns the buffer where ``t``'s
+    ``.grad`` is the persistent buffer the members' views read, on the CPU (a CUDA
+    backward may run on another stream than autograd's accumulation), with no gradient
+    graph being built (``create_graph=False``), no hook on ``t`` but its own, and this
+    backward about to accumulate into ``t`` (not ``autograd.grad``, nor
+    ``backward(inputs=...)`` without it): there, adding it in place is what autograd's
+    accumulation would do, without its separate add and its hooks."""
+    link = t.__dict__.get("_stack") if type(t) is StackedParameter else None
+    if link is None or not link.active:
+        return None
+    buf = link.buf
+    if buf is None:
+        return None
+    members, views = link.members, link.views
+    if members[0].grad is not views[0] or members[-1].grad is not views[-1]:
+        t._fold_members()
+    hooked = 1 if link.hooks else 0
+    if (
+        _grad_on()
+        or _grad_get(t) is not buf
+        or link.owner is not buf
+        or buf.device.type != "cpu"
+        or len(t._backward_hooks or ()) != hooked
+        or len(t._post_accumulate_grad_hooks or ()) != hooked
+        or node is None
+        or not _accumulates(node)
+    ):
+        if not hooked:
+            _queue_callback(lambda: _after(t))
+        return None
+    return buf
+
+
+def _accumulates(node: Any) -> bool:
+    """Whether the running backward will run ``node``, a leaf's ``AccumulateGrad``."""
+    try:
+        return _will_execute(node)
+    except RuntimeError:  # autograd.grad(), which asks this of no leaf: it accumulates none
+        return False
 
 
 def _after(s: StackedParameter) -> None:
