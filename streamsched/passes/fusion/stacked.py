@@ -489,7 +489,7 @@ def grad_sink(t: torch.Tensor, node: Any) -> Optional[torch.Tensor]:
         _grad_on()
         or _grad_get(t) is not buf
         or link.owner is not buf
-        or buf.device.type != "cpu"
+        or not buf.is_cpu
         or len(t._backward_hooks or ()) != hooked
         or len(t._post_accumulate_grad_hooks or ()) != hooked
         or node is None
