@@ -155,8 +155,9 @@ def test_torch_func_grad_through_frozen_fused_weights():
 @pytest.mark.parametrize(
     "case, weight_major",
     # ParallelFCN: both layers narrow (10, 1 outputs over 32 rows); the critics' hidden
-    # layer is wide (24 outputs over 5 rows), their last one narrow (1 output).
-    [("parallel-fcn", [True, True]), ("critics", [False, True])],
+    # layer is wide (24 outputs over 5 rows), their last one narrow (1 output) but over
+    # fewer than 32 rows, where the copy's extra ops cost more than the orientation gains.
+    [("parallel-fcn", [True, True]), ("critics", [False, False])],
 )
 def test_narrow_layers_run_weight_major_on_the_cpu_with_eager_values_and_layout(case, weight_major, monkeypatch):
     sm, model, ref, shape = wrapped(case)

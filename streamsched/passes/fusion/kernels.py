@@ -229,18 +229,21 @@ class StackedLinear(torch.autograd.Function):
     ``grad @ w``, ``[N, M, in]`` like eager's. The backward is made of differentiable ops,
     so ``create_graph=True`` (a gradient penalty) differentiates it again.
 
-    On the CPU, a narrow layer over a larger batch (``2 * out <= M``: the members of
-    ``ParallelFCN``, 10 and 1 outputs over 64 rows) computes the forward as
+    On the CPU, a narrow layer over a larger batch (``2 * out <= M`` and ``M >= 32``: the
+    members of ``ParallelFCN``, 10 and 1 outputs over 64 rows) computes the forward as
     ``W @ xs^T``, ``[N, out, M]``, and copies it to ``[N, M, out]`` (for one output,
     writes it into ``[N, M, 1]``, the same memory): the same products, output and
     strides, in the gemm orientation the CPU's batched matmul runs 2-3x faster at these
-    sizes than ``xs @ W^T`` (for wide layers it is the slower one). The backward is the same either way."""
+    sizes than ``xs @ W^T`` (for wide layers it is the slower one). Under 32 rows (the
+    critics' one-output layer over 16) the products take about as long either way and
+    the extra ops of the copy cost more (3-4 us a call). The backward is the same either
+    way."""
 
     @staticmethod
     def forward(ctx: Any, xs: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
         ctx.save_for_backward(xs, w)
         ctx.b = b  # a leaf (a stack or a stacked parameter): where its gradient goes
-        if 2 * w.shape[1] <= xs.shape[1] and xs.is_cpu:
+        if 2 * w.shape[1] <= xs.shape[1] and xs.shape[1] >= 32 and xs.is_cpu:
             xt = xs.transpose(1, 2)
             if w.shape[1] == 1:
                 # One output: [N, 1, M] is [N, M, 1]'s memory, so the product is written

@@ -530,6 +530,11 @@ class StackedTensors:
         view ops' dispatch. A differentiable value (the gather, the stacked parameter) or
         a copy is viewed anew every call, as its autograd history must be its own.
         """
+        if grad:
+            param = self.param
+            if param is not None and self.live:  # value(True): the stacked parameter, viewed anew
+                param._sync()
+                return op(param, *args)
         value = self.value(grad)
         if value is not self.stack:
             return op(value, *args)
