@@ -65,6 +65,7 @@ from .output_tree import OutputTree
 from .rank_checks import rely_on
 from .ranks import RankTracker
 from .trace_guard import (
+    _MODULE_TABLES,
     ContainerWrittenDuringTrace,
     GradModeGuard,
     HeldState,
@@ -1185,23 +1186,21 @@ def _python_state(modules: Sequence[torch.nn.Module]) -> tuple[tuple, tuple]:
     ``guards`` (``(namespace, name, GlobalValue)``, compared on every call) for
 
     - module-level globals read by name by traced code (:func:`_static_code`) holding a
-      plain value, or a list, dict or set of plain values (compared by a copy);
+      plain value, or a list, dict, set or tuple of plain values, tensors and such
+      containers (compared by a copy, :func:`_guarded_value`);
     - the tensors held objects and globals hold, by identity (the graph holds them as
       constants: replaced, the plan would read the old one);
     - the attributes of held objects whose assignments cannot be seen (a
-      ``types.SimpleNamespace``; ``__slots__`` without weak references), and the lists,
-      dicts and sets of plain values any held object or traced-through module holds
-      (``self.scales[1] = 2.0`` assigns nothing);
-    - public class attributes of the modules' own classes (``self.SCALE``
-      reads the class's, ``Model.SCALE = 2`` assigns no instance's; a name starting
-      with ``_`` is a library's bookkeeping: transformers' classes hold dozens).
-
-    Lists, dicts and sets a module or a watched object holds are guarded under public
-    names only, for the same reason.
+      ``types.SimpleNamespace``; ``__slots__`` without weak references), and the such
+      containers any held object or traced-through module holds
+      (``self.scales[1] = 2.0``, ``self.cfg["bias"][0] = b`` assign nothing);
+    - class attributes of the modules' own classes (``self.SCALE``
+      reads the class's, ``Model.SCALE = 2`` assigns no instance's).
 
     Attributes are guarded only where traced code names them (:func:`_names_read`): an
     attribute written by a branch that runs as written and never read by traced code
-    would re-trace every call."""
+    would re-trace every call. A ``_`` name only where the code spells it
+    (:func:`_read_name`: transformers' classes hold dozens of ``_`` constants)."""
     codes = _static_code(modules, reachable_objects(modules))
     read = _names_read(codes)
     guards, global_objects = _global_guards(codes)
@@ -1263,8 +1262,9 @@ def _closure_guards(modules: Sequence[torch.nn.Module]) -> tuple[list[tuple], li
 def _held_object_guards(held: Sequence[Any], watched: Sequence[bool], read: Optional[frozenset[str]]) -> list[tuple]:
     """Guards for what held objects hold under names traced code reads: tensors and, where
     the object is not watched (its assignments go unseen), objects, by identity; plain
-    values where it is not watched; lists, dicts and sets of plain values under public
-    names (a watched object's plain attributes are its flags)."""
+    values where it is not watched; lists, dicts, sets and tuples of plain values, tensors
+    and such containers (a watched object's under the names :func:`_read_name` allows;
+    its plain attributes are its flags)."""
     guards: list[tuple] = []
     for o, w in zip(held, watched):
         attributes = _Attributes(o)
@@ -1275,24 +1275,44 @@ def _held_object_guards(held: Sequence[Any], watched: Sequence[bool], read: Opti
                 # (A tensor is baked into the graph as a constant: it must stay the same one.)
                 guards.append((attributes, k, GlobalValue(k, v, same=True)))
                 continue
-            expected = _guarded_value(v)
-            if expected is _UNGUARDED or (w and (type(v) not in _CONTAINERS or k[:1] == "_")):
+            if w and (type(v) not in _CONTAINERS or is_plain(v) or not _read_name(k, read)):
                 continue  # (a watched object's plain attributes are its flags)
+            expected = _guarded_value(v)
+            if expected is _UNGUARDED:
+                continue
             guards.append((attributes, k, GlobalValue(k, expected)))
     return guards
 
 
 def _module_container_guards(modules: Sequence[torch.nn.Module], read: Optional[frozenset[str]]) -> list[tuple]:
-    """Guards for the lists, dicts and sets of plain values modules hold under public
-    names traced code reads (``self.scales[1] = 2.0`` assigns nothing)."""
+    """Guards for the lists, dicts, sets and tuples (of plain values, tensors and such
+    containers) modules hold under names traced code reads (``self.scales[1] = 2.0``
+    assigns nothing; a tuple of tensors is no flag), ``_``-prefixed ones too but for the
+    tables every module has (a plain tuple is a flag already)."""
     guards: list[tuple] = []
     for m in modules:
         for k, v in m.__dict__.items():
-            if type(v) in _CONTAINERS and k[:1] != "_" and (read is None or k in read):
+            if (
+                type(v) in _CONTAINERS
+                and _read_name(k, read)
+                and k not in _MODULE_TABLES
+                and not k.startswith("_streamsched")
+                and not (type(v) is tuple and is_plain(v))
+            ):
                 expected = _guarded_value(v)
                 if expected is not _UNGUARDED:
                     guards.append((m.__dict__, k, GlobalValue(k, expected)))
     return guards
+
+
+def _read_name(name: str, read: Optional[frozenset[str]]) -> bool:
+    """Whether traced code may read attribute ``name`` (:func:`_names_read`): a ``_``
+    name only where the code names it (``self._scale``; where it reads names it does not
+    spell, the ``_`` names a library's classes hold by the dozen are taken as its
+    bookkeeping), never a ``__`` one."""
+    if name[:1] == "_":
+        return name[:2] != "__" and read is not None and name in read
+    return read is None or name in read
 
 
 def _class_attribute_guards(modules: Sequence[torch.nn.Module], read: Optional[frozenset[str]]) -> list[tuple]:
@@ -1313,7 +1333,7 @@ def _class_attribute_guards(modules: Sequence[torch.nn.Module], read: Optional[f
             if base.__module__.partition(".")[0] in _LIBRARY_PACKAGES or base.__module__ == "builtins":
                 continue
             for k in base.__dict__:
-                if k[:1] != "_" and (read is None or k in read) and k not in hidden:
+                if _read_name(k, read) and k not in hidden:
                     names.setdefault(k, None)
         for k in names:
             # The value the class resolves the name to, read from the defining class's
@@ -1325,24 +1345,29 @@ def _class_attribute_guards(modules: Sequence[torch.nn.Module], read: Optional[f
     return guards
 
 
-_CONTAINERS = (list, dict, set)
+_CONTAINERS = (list, dict, set, tuple)
 _UNGUARDED = object()
 
-# A list, dict or set longer than this is not compared on every call.
+# A list, dict, set or tuple holding more than this many items (all its levels counted) is
+# not compared on every call.
 _MAX_GUARDED_ITEMS = 64
+# How deep containers nested in containers are followed (``self.cfg["bias"][0]``).
+_MAX_GUARDED_DEPTH = 4
 
 
 class _ItemsOf:
-    """What a guard expects of a list or dict holding tensors beside plain values: the
-    same tensors (the graph holds the ones the trace read as constants: an item replaced,
-    ``self.biases[0] = b`` assigns nothing a module sees, would leave the plan reading the
-    old one) and equal plain values. Equal to a container of its ``kind`` holding them."""
+    """What a guard expects of a list, dict, set or tuple holding tensors or containers
+    beside plain values, at every level: the same tensors (the graph holds the ones the
+    trace read as constants: an item replaced, ``self.biases[0] = b`` or
+    ``self.cfg["bias"][0] = b`` assigns nothing a module sees, would leave the plan reading
+    the old one), the same kinds of containers holding what these expect, and equal plain
+    values. Equal to a container of its ``kind`` holding them."""
 
     __slots__ = ("kind", "items")
 
-    def __init__(self, value: Any):
-        self.kind = type(value)
-        self.items = dict(value) if self.kind is dict else list(value)
+    def __init__(self, kind: type, items: Any):
+        self.kind = kind
+        self.items = items
 
     def __eq__(self, other: Any) -> bool:
         if type(other) is not self.kind or len(other) != len(self.items):
@@ -1359,6 +1384,9 @@ class _ItemsOf:
             if isinstance(expected, torch.Tensor) or isinstance(now, torch.Tensor):
                 if now is not expected:
                     return False
+            elif type(expected) is _ItemsOf:
+                if not expected == now:
+                    return False
             elif type(now) is not type(expected) or now != expected:
                 return False
         return True
@@ -1373,25 +1401,67 @@ def _type_of(value: Any) -> type:
 
 def _guarded_value(value: Any) -> Any:
     """What a guard expects of ``value`` on every call: the value itself where it is plain
-    (not a class or function: a helper the code calls by name), a copy of a list, dict or
-    set of plain values; ``_UNGUARDED`` where it is neither."""
+    (not a class or function: a helper the code calls by name), a copy of a list, dict,
+    set or tuple of plain values, an :class:`_ItemsOf` of one holding tensors or other
+    such containers (``self.pairs = [(w, b)]``); ``_UNGUARDED`` where it is none of these."""
     kind = type(value)
     if kind in _FLAG_TYPES:
         return value
     if kind in _CONTAINERS:
-        if len(value) > _MAX_GUARDED_ITEMS:
-            return _UNGUARDED
-        items = value.items() if kind is dict else ((None, v) for v in value)
-        tensors = False
-        for k, v in items:
-            if kind is not set and isinstance(v, torch.Tensor):
-                tensors = True  # (a graph constant: compared by identity, below)
-                continue
-            for item in (k, v):
-                if not is_plain(item) or isinstance(item, type) or callable(item):
-                    return _UNGUARDED
-        return _ItemsOf(value) if tensors else kind(value)
+        budget = [_MAX_GUARDED_ITEMS]
+        expected = _guarded_items(value, budget, _MAX_GUARDED_DEPTH)
+        return expected
     if isinstance(value, (type, types.FunctionType, types.BuiltinFunctionType)) or not is_plain(value):
+        return _UNGUARDED
+    return value
+
+
+# What makes a container's copy hold more than plain values: the copy of a list of lists
+# made with list() would share the inner lists it compares with.
+_HELD = (_ItemsOf, list, dict, set)
+
+
+def _guarded_items(value: Any, budget: list, depth: int) -> Any:
+    """:func:`_guarded_value` of a container, its items counted against ``budget``; a
+    container nested in it is copied as well (an :class:`_ItemsOf` holds the copies)."""
+    kind = type(value)
+    budget[0] -= len(value)
+    if budget[0] < 0 or depth <= 0:
+        return _UNGUARDED
+    deep = False
+    if kind is dict:
+        items: Any = {}
+        for k, v in value.items():
+            if not is_plain(k) or isinstance(k, type) or callable(k):
+                return _UNGUARDED
+            items[k] = expected = _guarded_item(v, budget, depth)
+            if expected is _UNGUARDED:
+                return _UNGUARDED
+            deep = deep or type(expected) in _HELD or isinstance(expected, torch.Tensor)
+    else:
+        items = []
+        for v in value:
+            if kind is set:
+                if not is_plain(v) or isinstance(v, type) or callable(v):
+                    return _UNGUARDED
+                items.append(v)
+                continue
+            expected = _guarded_item(v, budget, depth)
+            if expected is _UNGUARDED:
+                return _UNGUARDED
+            items.append(expected)
+            deep = deep or type(expected) in _HELD or isinstance(expected, torch.Tensor)
+    if deep or (kind is tuple and not is_plain(value)):
+        return _ItemsOf(kind, items)
+    return kind(value)
+
+
+def _guarded_item(value: Any, budget: list, depth: int) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value  # (a graph constant: compared by identity)
+    if type(value) in _CONTAINERS:
+        return _guarded_items(value, budget, depth - 1)
+    if not is_plain(value) or isinstance(value, type) or callable(value):
         return _UNGUARDED
     return value
 
@@ -1486,11 +1556,57 @@ _DYNAMIC_READS = frozenset({"vars", "__dict__", "asdict", "astuple", "__getattri
 def _names_read(codes: dict[types.CodeType, dict]) -> Optional[frozenset[str]]:
     """The attribute names ``codes`` may read: those they load (``x.name``) and the
     strings among their constants (``getattr(x, "name")``); None (every name) where they
-    read attributes without naming them (``vars(x)``, ``x.__dict__``)."""
+    read attributes without naming them (``vars(x)``, ``x.__dict__``, ``getattr`` of a
+    name they compute: ``getattr(self, "scale_" + kind)``)."""
     names: set[str] = set()
     for code in codes:
+        if _computed_getattr(code):
+            return None
         names.update(_code_names(code))
     return None if names & _DYNAMIC_READS else frozenset(names)
+
+
+_CALLS = frozenset({"CALL", "PRECALL", "CALL_FUNCTION", "CALL_FUNCTION_KW", "CALL_FUNCTION_EX", "CALL_KW"})
+
+
+@functools.lru_cache(maxsize=4096)
+def _computed_getattr(code: types.CodeType) -> bool:
+    """Whether ``code`` (or code it defines) calls ``getattr`` (or ``hasattr``) with a name
+    that is not a string constant: which attributes it reads then cannot be told from the
+    code. Read from the bytecode, following the stack depth from the function's load to
+    its call: the instructions between the first argument's end (the last time one value
+    is on the stack) and the second's (the last time two are) must be one string
+    constant; anything else (a jump among them, an instruction whose stack effect is
+    unknown) counts as computed."""
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType) and _computed_getattr(const):
+            return True
+    if "getattr" not in code.co_names and "hasattr" not in code.co_names:
+        return False
+    instructions = list(dis.get_instructions(code))
+    for i, ins in enumerate(instructions):
+        if ins.opname not in ("LOAD_GLOBAL", "LOAD_NAME") or ins.argval not in ("getattr", "hasattr"):
+            continue
+        depth, ends = 0, {1: -1, 2: -1}
+        for j in range(i + 1, len(instructions)):
+            nxt = instructions[j]
+            if nxt.opname.startswith(("JUMP", "POP_JUMP", "FOR_ITER", "SEND", "RETURN")):
+                return True
+            try:
+                arg = nxt.arg if nxt.opcode >= dis.HAVE_ARGUMENT else None
+                depth += dis.stack_effect(nxt.opcode, arg, jump=False)
+            except ValueError:
+                return True
+            if depth < 0:
+                break
+            if depth in ends:
+                ends[depth] = j
+        else:
+            return True
+        second = instructions[ends[1] + 1 : ends[2] + 1] if ends[1] >= 0 else []
+        if not (len(second) == 1 and second[0].opname == "LOAD_CONST" and isinstance(second[0].argval, str)):
+            return True
+    return False
 
 
 @functools.lru_cache(maxsize=4096)

@@ -1,0 +1,189 @@
+"""Python state reached in ways a guard on a module's public lists and dicts does not see:
+containers nested in containers (``self.cfg["bias"][0]``), tuples holding tensors
+(``self.pairs = [(w, b)]``), ``_``-prefixed attributes and class attributes, and
+attributes read by ``getattr`` with a name the code computes. Each is changed between
+calls without assigning anything a module sees; every call equals eager."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from .test_patterns_state import D, Towers, run_against_eager
+
+
+def _stacked(model, x):
+    return torch.stack(model.branches(x)).sum(0)
+
+
+class Holder:
+    """A plain object a module holds (its assignments are watched; its lists' are not)."""
+
+
+class NestedTensor(Towers):
+    def __init__(self):
+        super().__init__()
+        self.cfg = {"bias": [torch.zeros(D)], "scale": 1.0}
+
+    def forward(self, x):
+        return _stacked(self, x) * self.cfg["scale"] + self.cfg["bias"][0]
+
+    def change(self, call):
+        self.cfg["bias"][0] = torch.full((D,), float(call))
+
+
+class PairsOfTensors(Towers):
+    def __init__(self):
+        super().__init__()
+        self.pairs = [(torch.ones(D), torch.zeros(D))]
+
+    def forward(self, x):
+        w, b = self.pairs[0]
+        return _stacked(self, x) * w + b
+
+    def change(self, call):
+        self.pairs[0] = (torch.full((D,), 0.5), torch.full((D,), float(call)))
+
+
+class TupleOfTensors(Towers):
+    def __init__(self):
+        super().__init__()
+        self.pair = (torch.ones(D), torch.zeros(D))
+
+    def forward(self, x):
+        return _stacked(self, x) * self.pair[0] + self.pair[1]
+
+    def change(self, call):
+        self.pair = (torch.full((D,), 0.5), torch.full((D,), float(call)))
+
+
+class NestedNumbers(Towers):
+    def __init__(self):
+        super().__init__()
+        self.grid = [[1.0, 1.0], [3.0]]
+        self.cfg = {"head": {"scale": 1.0}}
+
+    def forward(self, x):
+        return _stacked(self, x) * self.grid[0][1] + self.cfg["head"]["scale"]
+
+    def change(self, call):
+        if call % 2:
+            self.grid[0][1] = float(call) / 4
+        else:
+            self.cfg["head"]["scale"] = float(call)
+
+
+class PrivateContainers(Towers):
+    def __init__(self):
+        super().__init__()
+        self._biases = [torch.zeros(D)]
+        self._scales = {"all": 1.0}
+
+    def forward(self, x):
+        return _stacked(self, x) * self._scales["all"] + self._biases[0]
+
+    def change(self, call):
+        if call % 2:
+            self._biases[0] = torch.full((D,), float(call))
+        else:
+            self._scales["all"] = float(call) / 4
+
+
+class PrivateClassAttribute(Towers):
+    _SCALE = 1.0
+
+    def forward(self, x):
+        return _stacked(self, x) * self._SCALE
+
+    def change(self, call):
+        type(self)._SCALE = float(call) / 4
+
+
+class ComputedNames(Towers):
+    def __init__(self):
+        super().__init__()
+        self.kind = "a"
+        self.scale_a = [1.0]
+        self.opts = types.SimpleNamespace(bias_a=torch.zeros(D))
+
+    def forward(self, x):
+        scale = getattr(self, "scale_" + self.kind)[0]
+        return _stacked(self, x) * scale + getattr(self.opts, f"bias_{self.kind}")
+
+    def change(self, call):
+        if call % 2:
+            self.scale_a[0] = float(call) / 4
+        else:
+            self.opts.bias_a = torch.full((D,), float(call))
+
+
+class HeldPairs(Towers):
+    def __init__(self):
+        super().__init__()
+        self.state = Holder()
+        self.state.pairs = [(torch.zeros(D),)]
+
+    def forward(self, x):
+        return _stacked(self, x) + self.state.pairs[0][0]
+
+    def change(self, call):
+        self.state.pairs[0] = (torch.full((D,), float(call)),)
+
+
+GLOBAL_TABLE = {"bias": [torch.zeros(D)], "scale": [1.0]}
+
+
+class NestedGlobal(Towers):
+    def forward(self, x):
+        return _stacked(self, x) * GLOBAL_TABLE["scale"][0] + GLOBAL_TABLE["bias"][0]
+
+    changes_shared_state = True
+
+    def change(self, call):
+        if call % 2:
+            GLOBAL_TABLE["bias"][0] = torch.full((D,), float(call))
+        else:
+            GLOBAL_TABLE["scale"][0] = float(call) / 4
+
+
+CASES = {
+    "dict-holding-a-list-of-tensors": NestedTensor,
+    "list-of-tuples-of-tensors": PairsOfTensors,
+    "tuple-of-tensors-reassigned": TupleOfTensors,
+    "lists-and-dicts-of-numbers-nested": NestedNumbers,
+    "private-containers": PrivateContainers,
+    "private-class-attribute": PrivateClassAttribute,
+    "getattr-with-a-computed-name": ComputedNames,
+    "held-object-list-of-tuples": HeldPairs,
+    "global-dict-of-lists": NestedGlobal,
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("executor", ["serial", "threads"])
+def test_state_nested_private_or_named_at_run_time_changed_between_calls_is_seen(executor, case):
+    # The plan went on computing with what the trace read: a nested container's copy
+    # shared the inner lists it compared with (or held tensors and was not compared), a
+    # tuple of tensors was neither a flag nor a guarded container, ``_`` names were left
+    # out, and a name built at run time was not among the names the code reads.
+    make = CASES[case]
+    done = []
+
+    def change(model, call):
+        if call % 3 != 2:
+            return
+        if getattr(model, "changes_shared_state", False):
+            if done[-1:] == [call]:
+                return
+            done.append(call)
+        model.change(call)
+
+    try:
+        paths = run_against_eager(make(), executor, calls=16, change=change, training=False)
+    finally:
+        PrivateClassAttribute._SCALE = 1.0
+        GLOBAL_TABLE.update(bias=[torch.zeros(D)], scale=[1.0])
+    assert "plan:" + executor in paths, paths
+    assert paths[-1] == "plan:" + executor, paths
