@@ -80,7 +80,19 @@ def tracked(module: Any) -> bool:
     return ref is not None and ref() is module
 
 
-def _registered(module: Any, _name: str, value: Any) -> None:
+def _report_registration(module: Any, name: str) -> None:
+    # ``register_buffer``, ``register_parameter`` and ``add_module`` store into the
+    # module's tables without its ``__setattr__``: while a trace runs on this thread, the
+    # registration is a side effect the trace would not repeat (the tracer refuses it
+    # before it happens, as it does an assignment).
+    if _on_setattr:
+        callback = _on_setattr.get(threading.get_ident())
+        if callback is not None:
+            callback(module, name)
+
+
+def _registered(module: Any, name: str, value: Any) -> None:
+    _report_registration(module, name)
     if tracked(module):
         _bump()
         if isinstance(value, _module.Module):
@@ -88,7 +100,8 @@ def _registered(module: Any, _name: str, value: Any) -> None:
     return None
 
 
-def _registered_tensor(module: Any, _name: str, _value: Any) -> None:
+def _registered_tensor(module: Any, name: str, _value: Any) -> None:
+    _report_registration(module, name)
     if tracked(module):
         _bump()
     return None
