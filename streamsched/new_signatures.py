@@ -93,6 +93,13 @@ def new_signature(runner: Runner, key: Any, spec: Any, tensors: list[torch.Tenso
             why = "modules hold hooks this call structure has not met: planned if it comes back with them"
             st.last = AsWritten(make=lambda: _as_written_plan(runner, why))
             return runner.as_written(args, kwargs)
+    if structure is None and spec.static_leaves and runner.automatic() and _new_value(st, spec, structure_key):
+        # A plain argument (a temperature, a dropout ``p``) with a value this call
+        # structure has not met, where it has met others: the model as written, as for a
+        # size not met before; traced and planned if the value comes back.
+        why = "a plain argument has a value this call structure has not met: planned if it comes back"
+        st.last = AsWritten(make=lambda: _as_written_plan(runner, why))
+        return runner.as_written(args, kwargs)
     start = time.perf_counter()
     count_unsettled()
     # A trace bakes in the training flags of the modules it traced through, and is
@@ -109,6 +116,26 @@ def new_signature(runner: Runner, key: Any, spec: Any, tensors: list[torch.Tenso
     compiled, out = compile_signature(runner, traced, key, tensors)
     _join_structure(runner, compiled, structure_key, structure, shapes, time.perf_counter() - start)
     return out
+
+
+def _new_value(st: Any, spec: Any, structure_key: tuple) -> bool:
+    """Whether ``structure_key`` differs from a call structure met before only in the
+    values of plain arguments, and is met for the first time (noted: the next time it is
+    planned)."""
+    shape = (
+        str(spec.treedef),
+        spec.tensor_positions,
+        tuple([(i, type(v)) for i, v in spec.static_leaves]),
+        spec.positional,
+        structure_key[1:],
+    )
+    if st.valued_shapes.get_fresh(shape) is None:
+        st.valued_shapes.put(shape, True)
+        return False
+    if st.values_seen.get_fresh(structure_key) is not None:
+        return False
+    st.values_seen.put(structure_key, True)
+    return True
 
 
 def _bucket_plans(

@@ -294,6 +294,12 @@ class WrapperState:
         # two runs as written).
         self.hooked_modes: set[int] = set()
         self.hooked_seen: LRU = LRU(max(16, config.plan_cache_size))
+        # Call structures told apart only by the values of plain arguments: those met
+        # (with any value), and the structures with a value met once that then ran as
+        # written (``new_signatures``: a temperature or ``p`` new on every call is not
+        # traced and recorded on every call).
+        self.valued_shapes: LRU = LRU(max(16, config.plan_cache_size))
+        self.values_seen: LRU = LRU(max(16, config.plan_cache_size))
         # The hooks the model held when wrapped (planned at once, in every mode).
         self.wrapped_hooks = _hooks_in(_mode_flags(model))
         self.mode_id = self.mode_of(model)
@@ -377,6 +383,8 @@ class WrapperState:
         self.written.clear()
         self.structures.clear()
         self.hooked_seen.clear()
+        self.valued_shapes.clear()
+        self.values_seen.clear()
         self.last = None
         self.hot = None
         self.unsettle()
