@@ -223,6 +223,8 @@ def compile_signature(runner: Runner, traced: Traced, key: Any, tensors: list[to
     with recorder:
         result = run_and_record(traced.graph, traced.root, tensors, on_error, metas, recorder)
     _guard_dtypes(runner, traced)
+    if st.fusion is not None and isinstance(result, (tuple, list)):
+        st.fusion.returned(result)  # (before anything is stacked for this plan)
     input_keys = frozenset(recorder.key_of(t) for t in tensors)
     effects = Effects.from_accesses(recorder.accesses, input_keys, traced.graph)
     del recorder

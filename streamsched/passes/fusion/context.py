@@ -49,6 +49,10 @@ class FusionContext:
         self.direct_grads = False
         self._stacks: dict[tuple, StackedTensors] = {}
         self._claimed: dict[int, tuple] = {}
+        # Parameters and buffers (by id) a recorded call returned a view of: stacking
+        # one would move its storage from under that output, which the caller may write
+        # in place to write the parameter, as in eager (``returned``).
+        self._returned: set[int] = set()
         # Stacked parameters by stack key; they outlive invalidate() (an optimizer holds them).
         self._params: dict[tuple, StackedParameter] = {}
         # Each fused module with the configuration its kernel baked in (class, mode,
@@ -76,6 +80,27 @@ class FusionContext:
             return None
         return entry[0]
 
+    def returned(self, outputs: Sequence[Any]) -> None:
+        """A recorded call returned ``outputs``: note each parameter and buffer of the
+        model one of them is a view of (not the tensor itself, which keeps following its
+        storage), so that no stack takes its storage over. Eager's view writes the
+        parameter; one of storage moved into a stack would write the old copy."""
+        storages = set()
+        for out in outputs:
+            if isinstance(out, torch.Tensor) and out._base is not None and out.device.type != "meta":
+                try:
+                    storages.add(out.untyped_storage().data_ptr())
+                except (RuntimeError, NotImplementedError):
+                    continue
+        if not storages:
+            return
+        for t in (*self.model.parameters(), *self.model.buffers()):
+            try:
+                if t.untyped_storage().data_ptr() in storages:
+                    self._returned.add(id(t))
+            except (RuntimeError, NotImplementedError):
+                continue
+
     def stack_for(self, owners: Sequence[tuple[nn.Module, str]], concat: bool = False) -> StackedTensors:
         key = (tuple((id(m), n) for m, n in owners), concat)
         existing = self._stacks.get(key)
@@ -84,8 +109,9 @@ class FusionContext:
         tensors = [getattr(m, n) for m, n in owners]
         unique = len({id(t) for t in tensors}) == len(tensors)
         claimed = any(id(t) in self._claimed for t in tensors)
+        returned = any(id(t) in self._returned for t in tensors)
         reclaimed = {t: self._reclaimable(t) for t in tensors} if self.alias and unique and not claimed else {}
-        alias = self.alias and unique and not claimed
+        alias = self.alias and unique and not claimed and not returned
         share: Optional[StackedTensors] = None
         if alias and not all(_owns_storage(t) for t in tensors):
             # Views into stacks: re-stacked where no live wrapper of the model reads those
@@ -109,6 +135,8 @@ class FusionContext:
                 if not unique
                 else "already stacked for another group"
                 if claimed
+                else "a call returned a view of one (the caller may write it in place)"
+                if returned
                 else "fuse_params='copy'"
                 if not self.alias
                 else "parameters do not own their storage, or another live wrapper stacked them otherwise"
