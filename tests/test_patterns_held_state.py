@@ -1,11 +1,13 @@
 """Python state reached in ways a guard on a module's public lists and dicts does not see:
 containers nested in containers (``self.cfg["bias"][0]``), tuples holding tensors
-(``self.pairs = [(w, b)]``), ``_``-prefixed attributes and class attributes, and
+(``self.pairs = [(w, b)]``), sets of tensors, ``OrderedDict``s and named tuples,
+``_``-prefixed attributes and class attributes, and
 attributes read by ``getattr`` with a name the code computes. Each is changed between
 calls without assigning anything a module sees; every call equals eager."""
 
 from __future__ import annotations
 
+import collections
 import types
 
 import pytest
@@ -132,6 +134,33 @@ class HeldPairs(Towers):
         self.state.pairs[0] = (torch.full((D,), float(call)),)
 
 
+Pair = collections.namedtuple("Pair", "weight bias")
+
+
+class OtherContainers(Towers):
+    """A set of tensors, an ``OrderedDict`` and a named tuple in a list."""
+
+    def __init__(self):
+        super().__init__()
+        self.masks = {torch.ones(D)}
+        self.table = collections.OrderedDict(bias=torch.zeros(D))
+        self.pairs = [Pair(torch.ones(D), torch.zeros(D))]
+
+    def forward(self, x):
+        (mask,) = self.masks
+        return _stacked(self, x) * mask * self.pairs[0].weight + self.table["bias"] + self.pairs[0].bias
+
+    def change(self, call):
+        which = (call // 3) % 3
+        if which == 0:
+            self.masks.clear()
+            self.masks.add(torch.full((D,), 0.5))
+        elif which == 1:
+            self.table["bias"] = torch.full((D,), float(call))
+        else:
+            self.pairs[0] = Pair(torch.ones(D), torch.full((D,), float(call)))
+
+
 GLOBAL_TABLE = {"bias": [torch.zeros(D)], "scale": [1.0]}
 
 
@@ -157,6 +186,7 @@ CASES = {
     "private-class-attribute": PrivateClassAttribute,
     "getattr-with-a-computed-name": ComputedNames,
     "held-object-list-of-tuples": HeldPairs,
+    "set-ordered-dict-named-tuple": OtherContainers,
     "global-dict-of-lists": NestedGlobal,
 }
 

@@ -1275,7 +1275,7 @@ def _held_object_guards(held: Sequence[Any], watched: Sequence[bool], read: Opti
                 # (A tensor is baked into the graph as a constant: it must stay the same one.)
                 guards.append((attributes, k, GlobalValue(k, v, same=True)))
                 continue
-            if w and (type(v) not in _CONTAINERS or is_plain(v) or not _read_name(k, read)):
+            if w and (not _is_container(v) or is_plain(v) or not _read_name(k, read)):
                 continue  # (a watched object's plain attributes are its flags)
             expected = _guarded_value(v)
             if expected is _UNGUARDED:
@@ -1293,11 +1293,11 @@ def _module_container_guards(modules: Sequence[torch.nn.Module], read: Optional[
     for m in modules:
         for k, v in m.__dict__.items():
             if (
-                type(v) in _CONTAINERS
+                _is_container(v)
                 and _read_name(k, read)
                 and k not in _MODULE_TABLES
                 and not k.startswith("_streamsched")
-                and not (type(v) is tuple and is_plain(v))
+                and not is_plain(v)
             ):
                 expected = _guarded_value(v)
                 if expected is not _UNGUARDED:
@@ -1345,8 +1345,16 @@ def _class_attribute_guards(modules: Sequence[torch.nn.Module], read: Optional[f
     return guards
 
 
-_CONTAINERS = (list, dict, set, tuple)
+_CONTAINERS = (list, dict, set, tuple, frozenset, OrderedDict)
 _UNGUARDED = object()
+
+
+def _is_container(value: Any) -> bool:
+    """Whether ``value`` is a container :func:`_guarded_value` copies: a list, dict, set,
+    tuple, frozenset or ``OrderedDict``, or a named tuple."""
+    kind = type(value)
+    return kind in _CONTAINERS or (issubclass(kind, tuple) and isinstance(getattr(kind, "_fields", None), tuple))
+
 
 # A list, dict, set or tuple holding more than this many items (all its levels counted) is
 # not compared on every call.
@@ -1372,7 +1380,11 @@ class _ItemsOf:
     def __eq__(self, other: Any) -> bool:
         if type(other) is not self.kind or len(other) != len(self.items):
             return False
-        if self.kind is dict:
+        if self.kind in (set, frozenset):
+            # Tensors by identity (a set holds each once), plain values by equality.
+            held = {id(v) for v in other if isinstance(v, torch.Tensor)}
+            return all(id(v) in held if isinstance(v, torch.Tensor) else v in other for v in self.items)
+        if self.kind in (dict, OrderedDict):
             pairs = []
             for k, v in self.items.items():
                 if k not in other:
@@ -1407,7 +1419,7 @@ def _guarded_value(value: Any) -> Any:
     kind = type(value)
     if kind in _FLAG_TYPES:
         return value
-    if kind in _CONTAINERS:
+    if _is_container(value):
         budget = [_MAX_GUARDED_ITEMS]
         expected = _guarded_items(value, budget, _MAX_GUARDED_DEPTH)
         return expected
@@ -1418,7 +1430,7 @@ def _guarded_value(value: Any) -> Any:
 
 # What makes a container's copy hold more than plain values: the copy of a list of lists
 # made with list() would share the inner lists it compares with.
-_HELD = (_ItemsOf, list, dict, set)
+_HELD = (_ItemsOf, list, dict, set, OrderedDict)
 
 
 def _guarded_items(value: Any, budget: list, depth: int) -> Any:
@@ -1428,8 +1440,8 @@ def _guarded_items(value: Any, budget: list, depth: int) -> Any:
     budget[0] -= len(value)
     if budget[0] < 0 or depth <= 0:
         return _UNGUARDED
-    deep = False
-    if kind is dict:
+    deep = kind not in _CONTAINERS  # (a named tuple: rebuilt from its items by no call)
+    if kind in (dict, OrderedDict):
         items: Any = {}
         for k, v in value.items():
             if not is_plain(k) or isinstance(k, type) or callable(k):
@@ -1441,8 +1453,10 @@ def _guarded_items(value: Any, budget: list, depth: int) -> Any:
     else:
         items = []
         for v in value:
-            if kind is set:
-                if not is_plain(v) or isinstance(v, type) or callable(v):
+            if kind in (set, frozenset):
+                if isinstance(v, torch.Tensor):
+                    deep = True  # (compared by identity)
+                elif not is_plain(v) or isinstance(v, type) or callable(v):
                     return _UNGUARDED
                 items.append(v)
                 continue
@@ -1459,7 +1473,7 @@ def _guarded_items(value: Any, budget: list, depth: int) -> Any:
 def _guarded_item(value: Any, budget: list, depth: int) -> Any:
     if isinstance(value, torch.Tensor):
         return value  # (a graph constant: compared by identity)
-    if type(value) in _CONTAINERS:
+    if _is_container(value):
         return _guarded_items(value, budget, depth - 1)
     if not is_plain(value) or isinstance(value, type) or callable(value):
         return _UNGUARDED
