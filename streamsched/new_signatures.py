@@ -18,7 +18,7 @@ import torch
 from . import _generation
 from .errors import ProfileMismatchError, TraceError
 from .frontend.effects import EffectRecorder, Effects
-from .frontend.meta import run_and_record
+from .frontend.meta import fetch_attr, run_and_record
 from .frontend.nodes import node_label
 from .frontend.trace import Traced, dtype_probes, trace_model
 from .frontend.trace_guard import autocast_state
@@ -223,8 +223,10 @@ def compile_signature(runner: Runner, traced: Traced, key: Any, tensors: list[to
     with recorder:
         result = run_and_record(traced.graph, traced.root, tensors, on_error, metas, recorder)
     _guard_dtypes(runner, traced)
-    if st.fusion is not None and isinstance(result, (tuple, list)):
-        st.fusion.returned(result)  # (before anything is stacked for this plan)
+    if st.fusion is not None:
+        # (Before anything is stacked for this plan.)
+        outputs = result if isinstance(result, (tuple, list)) else ()
+        st.fusion.views_held([*outputs, *_attributes_read(traced), *traced.baked])
     input_keys = frozenset(recorder.key_of(t) for t in tensors)
     effects = Effects.from_accesses(recorder.accesses, input_keys, traced.graph)
     del recorder
@@ -256,6 +258,21 @@ def compile_signature(runner: Runner, traced: Traced, key: Any, tensors: list[to
     st.last = compiled
     st.last_path = "recorded"
     return compiled, rebuild(result)
+
+
+def _attributes_read(traced: Traced) -> list[Any]:
+    """The tensors ``traced``'s graph reads as attributes (``get_attr``: parameters,
+    buffers, tensor attributes, the constants the trace made of held tensors)."""
+    out = []
+    for node in traced.graph.nodes:
+        if node.op == "get_attr":
+            try:
+                value = fetch_attr(traced.root, node.target)
+            except AttributeError:
+                continue
+            if isinstance(value, torch.Tensor):
+                out.append(value)
+    return out
 
 
 def _join_structure(

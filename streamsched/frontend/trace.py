@@ -543,6 +543,10 @@ class Traced:
     (a dtype computed from it answered ``x.dtype``, a rank rested on it), and (module,
     name, rank) of each tensor attribute whose rank it relied on: the trace holds only
     while each still has that dtype or rank (:meth:`dtypes_hold`, asked on every call)."""
+    baked: tuple = ()
+    """The tensors that existed before the trace from which it computed constants (a
+    module's plain tensor attribute's ``.sum()``): guarded by version and place
+    (``dtype_guards``), and never taken into a fused stack (``FusionContext.views_held``)."""
 
     def dtypes_hold(self) -> bool:
         """Whether every parameter or buffer whose dtype the trace relied on still has
@@ -590,6 +594,7 @@ class Traced:
         self.opaque_functions = fresh.opaque_functions
         self.inlined_leaf_calls = fresh.inlined_leaf_calls
         self.dtype_guards = fresh.dtype_guards
+        self.baked = fresh.baked
         self.root.__dict__["_streamsched_traced"] = weakref.ref(self)
 
     def modules_unchanged(self) -> bool:
@@ -986,6 +991,7 @@ def _trace_once(
             exc._streamsched_failed_in = module  # type: ignore[attr-defined]
             raise exc
         copy_fresh_constants(graph, root, guard.fresh)
+        baked = tuple(guard.baked.values())
     except TraceError:
         raise
     except Exception as exc:  # fx raises many types; all mean "cannot trace"
@@ -1015,6 +1021,7 @@ def _trace_once(
     flags = tuple((m, _flag_values(m)) for m in modules)
     _generation.watch(k for _, values in flags for k, _ in values)
     state_flags, state_guards = _python_state(modules)
+    state_guards += _baked_guards(baked, modules)
     flags += state_flags
     traced = Traced(
         graph,
@@ -1032,10 +1039,35 @@ def _trace_once(
         ranks=ranks,
         dtypes=dtypes,
         dtype_guards=_assumptions(tracer.ranks.assumed) + state_guards,
+        baked=baked,
     )
     # The recording call re-traces through this where a leaf call misled the trace.
     root.__dict__["_streamsched_traced"] = weakref.ref(traced)
     return traced
+
+
+_VERSION = ("_version", "_version")  # (a getter of one name returns no tuple)
+
+
+def _baked_guards(baked: Sequence[torch.Tensor], modules: Sequence[torch.nn.Module]) -> tuple:
+    """Guards for the tensors the trace computed with as real tensors (``baked``: a
+    module's plain tensor attribute, an item of a list it holds, a global), whose results
+    it baked in as constants: each keeps its version (an in-place update, an optimizer
+    step on the weight a view of it shows, moves it), and a module attribute holding one
+    keeps holding it (a reassignment moves nothing the wrapper watches)."""
+    guards: list[tuple] = []
+    for t in baked:
+        if t.is_inference():  # (no version counter)
+            continue
+        version = t._version
+        guard = GlobalValue(_VERSION, (version, version), getter=operator.attrgetter(*_VERSION), types=(int, int))
+        guards.append((t, _VERSION, guard))
+    ids = {id(t) for t in baked}
+    for m in modules:
+        for k, v in m.__dict__.items():
+            if id(v) in ids and isinstance(v, torch.Tensor):
+                guards.append((m.__dict__, k, GlobalValue(k, v, same=True)))
+    return tuple(guards)
 
 
 def _guarded_table(owner: torch.nn.Module, name: str) -> dict:

@@ -124,16 +124,22 @@ class TraceSideEffectGuard(TorchDispatchMode):
         self.objects = {id(o) for o in reachable_objects(list(model.modules())) if _generation.watch_object(o)}
         self.trace_root = trace_root
         self.thread = threading.get_ident()
+        # Tensors that existed before the trace (attributes, globals, items of held lists:
+        # not graph values) that an op read to make a new tensor: the trace baked what it
+        # made in as a constant (``self.table.sum()``), which holds only while they keep
+        # their values. By id.
+        self.baked: dict[int, torch.Tensor] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
+        reads: list[torch.Tensor] = []
         if threading.get_ident() == self.thread:
             if _SEEDED is not None and _SEEDED in getattr(func, "tags", ()):
                 raise SideEffectDuringTrace(
                     f"{func._schema.name} draws random numbers from real tensors while tracing (not graph values): "
                     "they would be drawn once and every call would reuse them"
                 )
-            _, writes = op_accesses(func, args, kwargs)
+            reads, writes = op_accesses(func, args, kwargs)
             for t in writes:
                 key = storage_key(t)
                 if key is not None and key not in self.fresh:
@@ -144,7 +150,13 @@ class TraceSideEffectGuard(TorchDispatchMode):
                     )
         out = func(*args, **kwargs)
         if threading.get_ident() == self.thread:
-            for t in fresh_outputs(func, out):
+            made = fresh_outputs(func, out)
+            if made:
+                for t in reads:
+                    key = storage_key(t)
+                    if key is not None and key not in self.fresh and t.device.type != "meta":
+                        self.baked[id(t)] = t
+            for t in made:
                 key = storage_key(t)
                 if key is not None:
                     self.fresh.add(key)

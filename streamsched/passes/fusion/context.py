@@ -49,9 +49,9 @@ class FusionContext:
         self.direct_grads = False
         self._stacks: dict[tuple, StackedTensors] = {}
         self._claimed: dict[int, tuple] = {}
-        # Parameters and buffers (by id) a recorded call returned a view of: stacking
-        # one would move its storage from under that output, which the caller may write
-        # in place to write the parameter, as in eager (``returned``).
+        # Parameters and buffers (by id) a recorded call returned a view of, or its graph
+        # reads a view of: stacking one would move its storage from under that view
+        # (``views_held``).
         self._returned: set[int] = set()
         # Stacked parameters by stack key; they outlive invalidate() (an optimizer holds them).
         self._params: dict[tuple, StackedParameter] = {}
@@ -80,21 +80,27 @@ class FusionContext:
             return None
         return entry[0]
 
-    def returned(self, outputs: Sequence[Any]) -> None:
-        """A recorded call returned ``outputs``: note each parameter and buffer of the
-        model one of them is a view of (not the tensor itself, which keeps following its
-        storage), so that no stack takes its storage over. Eager's view writes the
-        parameter; one of storage moved into a stack would write the old copy."""
+    def views_held(self, tensors: Sequence[Any]) -> None:
+        """Note each parameter and buffer of the model that one of ``tensors`` (a recorded
+        call's outputs, the tensors its graph reads as attributes or constants) is a view
+        of, not being that tensor itself, so that no stack takes its storage over: the
+        storage moved into a stack, such a view would go on showing (and writing) the old
+        copy. Eager's view of a weight written by the caller writes the weight; a view a
+        module keeps (``self.rows = self.linear.weight.detach()[:2]``) follows every
+        optimizer step."""
+        owned = (*self.model.parameters(), *self.model.buffers())
+        own = {id(t) for t in owned}
         storages = set()
-        for out in outputs:
-            if isinstance(out, torch.Tensor) and out._base is not None and out.device.type != "meta":
+        for t in tensors:
+            # (A parameter read or returned itself follows its storage.)
+            if isinstance(t, torch.Tensor) and id(t) not in own and t.device.type != "meta" and not t.is_sparse:
                 try:
-                    storages.add(out.untyped_storage().data_ptr())
+                    storages.add(t.untyped_storage().data_ptr())
                 except (RuntimeError, NotImplementedError):
                     continue
         if not storages:
             return
-        for t in (*self.model.parameters(), *self.model.buffers()):
+        for t in owned:
             try:
                 if t.untyped_storage().data_ptr() in storages:
                     self._returned.add(id(t))
@@ -135,7 +141,7 @@ class FusionContext:
                 if not unique
                 else "already stacked for another group"
                 if claimed
-                else "a call returned a view of one (the caller may write it in place)"
+                else "a call returned a view of one, or the model holds one"
                 if returned
                 else "fuse_params='copy'"
                 if not self.alias
