@@ -8,6 +8,7 @@ calls without assigning anything a module sees; every call equals eager."""
 from __future__ import annotations
 
 import collections
+import functools
 import types
 
 import pytest
@@ -215,5 +216,177 @@ def test_state_nested_private_or_named_at_run_time_changed_between_calls_is_seen
     finally:
         PrivateClassAttribute._SCALE = 1.0
         GLOBAL_TABLE.update(bias=[torch.zeros(D)], scale=[1.0])
+    assert "plan:" + executor in paths, paths
+    assert paths[-1] == "plan:" + executor, paths
+
+
+# --- functions a forward calls by name, replaced between calls ---------------------------
+
+
+def activation(y):
+    return torch.tanh(y)
+
+
+def _relu_activation(y):
+    return torch.relu(y)
+
+
+ACTIVATION = torch.tanh
+
+
+class CallsAGlobalHelper(Towers):
+    def forward(self, x):
+        return activation(_stacked(self, x))
+
+
+class CallsAGlobalAlias(Towers):
+    def forward(self, x):
+        return ACTIVATION(_stacked(self, x))
+
+
+class CallsAStaticMethod(Towers):
+    ACT = staticmethod(torch.tanh)
+
+    def forward(self, x):
+        return self.ACT(_stacked(self, x))
+
+
+class CallsAMethod(Towers):
+    def finish(self, y):
+        return torch.tanh(y)
+
+    def forward(self, x):
+        return self.finish(_stacked(self, x))
+
+
+class CallsANamespaceFunction(Towers):
+    def __init__(self):
+        super().__init__()
+        self.cfg = types.SimpleNamespace(act=torch.tanh)
+
+    def forward(self, x):
+        return self.cfg.act(_stacked(self, x))
+
+
+class CallsAPartial(Towers):
+    def __init__(self):
+        super().__init__()
+        self.act = functools.partial(torch.nn.functional.leaky_relu, negative_slope=0.1)
+
+    def forward(self, x):
+        return self.act(_stacked(self, x))
+
+
+class Scaler:
+    def __init__(self, scale):
+        self.scale = scale
+
+    def apply(self, y):
+        return y * self.scale
+
+
+class CallsABoundMethod(Towers):
+    def __init__(self):
+        super().__init__()
+        self.fn = Scaler(1.0).apply
+
+    def forward(self, x):
+        return self.fn(_stacked(self, x))
+
+
+def _closure_model():
+    act = torch.tanh
+
+    class CallsAClosureVariable(Towers):
+        def forward(self, x):
+            return act(_stacked(self, x))
+
+    def replace(fn):
+        nonlocal act
+        act = fn
+
+    return CallsAClosureVariable, replace
+
+
+CallsAClosureVariable, _replace_closure_function = _closure_model()
+
+
+class CallsFunctionsInContainers(Towers):
+    def __init__(self):
+        super().__init__()
+        self.acts = [torch.tanh]
+        self.named = {"finish": torch.tanh}
+
+    def forward(self, x):
+        return self.named["finish"](self.acts[0](_stacked(self, x)))
+
+
+def _replace_function(case, model, relu):
+    global activation, ACTIVATION
+    if case == "global-helper":
+        activation = _relu_activation if relu else _ORIGINAL_ACTIVATION
+    elif case == "global-alias":
+        ACTIVATION = torch.relu if relu else torch.tanh
+    elif case == "static-method":
+        CallsAStaticMethod.ACT = staticmethod(torch.relu if relu else torch.tanh)
+    elif case == "method":
+        if relu:
+            CallsAMethod.finish = lambda self, y: torch.relu(y)
+        else:
+            CallsAMethod.finish = _ORIGINAL_FINISH
+    elif case == "closure-variable":
+        _replace_closure_function(torch.relu if relu else torch.tanh)
+    elif case == "partial":
+        model.act = functools.partial(torch.nn.functional.leaky_relu, negative_slope=0.5 if relu else 0.1)
+    elif case == "bound-method":
+        model.fn = Scaler(2.0 if relu else 1.0).apply
+    elif case == "functions-in-containers":
+        model.acts[0] = torch.relu if relu else torch.tanh
+        model.named["finish"] = torch.sigmoid if relu else torch.tanh
+    else:
+        model.cfg.act = torch.relu if relu else torch.tanh
+
+
+# Cases whose function each model holds itself (the others are shared: replaced once a call).
+OWN_FUNCTIONS = ("namespace-attribute", "partial", "bound-method", "functions-in-containers")
+
+
+_ORIGINAL_ACTIVATION = activation
+_ORIGINAL_FINISH = CallsAMethod.finish
+FUNCTION_CASES = {
+    "global-helper": CallsAGlobalHelper,
+    "global-alias": CallsAGlobalAlias,
+    "static-method": CallsAStaticMethod,
+    "method": CallsAMethod,
+    "namespace-attribute": CallsANamespaceFunction,
+    "closure-variable": CallsAClosureVariable,
+    "partial": CallsAPartial,
+    "bound-method": CallsABoundMethod,
+    "functions-in-containers": CallsFunctionsInContainers,
+}
+
+
+@pytest.mark.parametrize("case", sorted(FUNCTION_CASES))
+@pytest.mark.parametrize("executor", ["serial", "threads"])
+def test_a_function_the_forward_calls_by_name_replaced_between_calls_is_seen(executor, case):
+    # Traced code went through the function it found (or baked it into a node): another
+    # one put there (mock.patch of a helper, an activation switched in a config) left
+    # the plan computing with the old one.
+    done = []
+
+    def change(model, call):
+        if call % 3 != 2:
+            return
+        if case not in OWN_FUNCTIONS:  # shared by both models: once per call
+            if done[-1:] == [call]:
+                return
+            done.append(call)
+        _replace_function(case, model, relu=(call // 3) % 2 == 0)
+
+    try:
+        paths = run_against_eager(FUNCTION_CASES[case](), executor, calls=16, change=change, training=False)
+    finally:
+        if case not in OWN_FUNCTIONS:
+            _replace_function(case, None, relu=False)
     assert "plan:" + executor in paths, paths
     assert paths[-1] == "plan:" + executor, paths

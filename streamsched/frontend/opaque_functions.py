@@ -358,6 +358,10 @@ def _dispatcher(fn: Any) -> Any:
     return dispatch
 
 
+# The code of every dispatcher (a guard on a function takes one for the function it stands in for).
+DISPATCH_CODE = _dispatcher(len).__code__
+
+
 class patched:
     """For the length of a trace by ``tracer`` on this thread: each ``(namespace, name,
     function)`` of ``sites`` dispatches to the tracer. Patches are counted, so that traces

@@ -654,7 +654,10 @@ def _flag_values(owner: Any) -> tuple:
         kind = type(v)
         if kind in _FLAG_TYPES or (kind not in _NOT_FLAG_TYPES and is_plain(v)):
             values.append((k, v))
-        elif kind not in _NOT_FLAG_TYPES and not k.startswith("_streamsched") and holds_state(v):
+        elif (
+            kind not in _NOT_FLAG_TYPES and not k.startswith("_streamsched") and (holds_state(v) or kind in _CALLABLES)
+        ):
+            # (A partial or bound method the forward calls: replaced, it may compute otherwise.)
             values.append((k, _Same(v)))
     return tuple(values)
 
@@ -702,6 +705,8 @@ class _Attributes:
     def get(self, name: str, default: Any = None) -> Any:
         return getattr(self.obj, name, default)
 
+
+_CALLABLES = (functools.partial, types.MethodType)
 
 # What a module's __dict__ mostly holds besides flags (its registries and hook tables):
 # answered without asking is_plain.
@@ -1146,7 +1151,7 @@ class GlobalValue:
     (an ``operator.attrgetter`` or ``itemgetter`` of them all) reads them at once, and
     ``value`` is the tuple of their values, ``types`` of their types."""
 
-    __slots__ = ("name", "value", "same", "getter", "types")
+    __slots__ = ("name", "value", "same", "getter", "types", "functions")
 
     def __init__(self, name: Any, value: Any, same: bool = False, getter: Any = None, types: tuple = ()):
         self.name = name
@@ -1155,6 +1160,9 @@ class GlobalValue:
         self.same = same
         self.getter = getter
         self.types = types
+        # Whether ``value`` (a getter's tuple) holds functions (:class:`_Function`, held
+        # as the functions themselves: compared by identity first, at C speed).
+        self.functions = False
 
     def holds(self, namespace: Any) -> bool:
         getter = self.getter
@@ -1163,7 +1171,10 @@ class GlobalValue:
                 now = getter(namespace)
             except (AttributeError, KeyError):
                 return False
-            return now == self.value and tuple(map(type, now)) == self.types
+            if now == self.value and tuple(map(type, now)) == self.types:
+                return True
+            # A function a trace on some thread patched a dispatcher in for is itself.
+            return self.functions and tuple(map(_unpatched, now)) == self.value
         now = namespace.get(self.name, GlobalValue)
         if self.same:
             return now is self.value
@@ -1206,7 +1217,12 @@ def _grouped(guards: list[tuple]) -> tuple:
             items = items * 2
         make = operator.itemgetter if type(target) in (dict, types.MappingProxyType) else operator.attrgetter
         values = tuple(v for _, v in items)
-        guard = GlobalValue(tuple(names), values, getter=make(*names), types=tuple(map(_type_of, values)))
+        kinds = tuple(map(_type_of, values))
+        functions = any(type(v) is _Function for v in values)
+        if functions:
+            values = tuple(v.fn if type(v) is _Function else v for v in values)
+        guard = GlobalValue(tuple(names), values, getter=make(*names), types=kinds)
+        guard.functions = functions
         out.append((target, guard.name, guard))
     return tuple(out)
 
@@ -1263,6 +1279,8 @@ def _global_guards(codes: dict[types.CodeType, dict]) -> tuple[list[tuple], list
             expected = _guarded_value(value)
             if expected is not _UNGUARDED:
                 guards.append((namespace, name, GlobalValue(name, expected)))
+            elif _is_function(value):  # a helper called by name: the same function
+                guards.append((namespace, name, GlobalValue(name, _Function(value))))
             elif isinstance(value, torch.Tensor):  # baked in as a constant: the same tensor
                 guards.append((namespace, name, GlobalValue(name, value, same=True)))
             elif value is not GlobalValue and holds_state(value):
@@ -1275,10 +1293,17 @@ def _closure_guards(modules: Sequence[torch.nn.Module]) -> tuple[list[tuple], li
     forward reads (its closure), and the objects they hold (followed as held objects)."""
     guards: list[tuple] = []
     objects: list[Any] = []
+    seen: set[int] = set()
     for m in modules:
         fn = getattr(type(m), "forward", None)
         cells = getattr(fn, "__closure__", None) or ()
+        # A decorator's wrapper (``functools.wraps``) holds the function it wraps and its
+        # options in its cells, fixed when the class was made: no function of it is guarded.
+        wrapper = hasattr(fn, "__wrapped__")
         for name, cell in zip(getattr(getattr(fn, "__code__", None), "co_freevars", ()), cells):
+            if id(cell) in seen:  # (the forward of a class many modules share)
+                continue
+            seen.add(id(cell))
             try:
                 value = cell.cell_contents
             except ValueError:  # an empty cell
@@ -1286,6 +1311,9 @@ def _closure_guards(modules: Sequence[torch.nn.Module]) -> tuple[list[tuple], li
             expected = _guarded_value(value)
             if expected is not _UNGUARDED:
                 guards.append((_Cell(cell), name, GlobalValue(name, expected)))
+            elif _is_function(value):
+                if not wrapper:
+                    guards.append((_Cell(cell), name, GlobalValue(name, _Function(value))))
             elif holds_state(value):
                 objects.append(value)
     return guards, objects
@@ -1309,7 +1337,7 @@ def _held_object_guards(held: Sequence[Any], watched: Sequence[bool], read: Opti
                 continue
             if w and (not _is_container(v) or is_plain(v) or not _read_name(k, read)):
                 continue  # (a watched object's plain attributes are its flags)
-            expected = _guarded_value(v)
+            expected = _Function(v) if _is_function(v) else _guarded_value(v)
             if expected is _UNGUARDED:
                 continue
             guards.append((attributes, k, GlobalValue(k, expected)))
@@ -1372,12 +1400,18 @@ def _class_attribute_guards(modules: Sequence[torch.nn.Module], read: Optional[f
             # dict (no descriptor runs: only plain values are guarded, and those have none).
             value = next(base.__dict__[k] for base in cls.__mro__ if k in base.__dict__)
             expected = _guarded_value(value)
+            if expected is _UNGUARDED and read is not None and isinstance(value, (staticmethod, *_FUNCTIONS)):
+                # A method or function the code names (``self.ACT(y)``, ``self.helper(y)``):
+                # the same one, as the guard reads it (the class's own dict holds the
+                # staticmethod, a base's is read through the class: its function).
+                expected = _Function(value if k in cls.__dict__ else getattr(cls, k))
             if expected is not _UNGUARDED:
                 guards.append((_Attributes(cls), k, GlobalValue(k, expected)))
     return guards
 
 
 _CONTAINERS = (list, dict, set, tuple, frozenset, OrderedDict)
+_FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType)
 _UNGUARDED = object()
 
 
@@ -1428,7 +1462,7 @@ class _ItemsOf:
             if isinstance(expected, torch.Tensor) or isinstance(now, torch.Tensor):
                 if now is not expected:
                     return False
-            elif type(expected) is _ItemsOf:
+            elif type(expected) in (_ItemsOf, _Function):
                 if not expected == now:
                     return False
             elif type(now) is not type(expected) or now != expected:
@@ -1438,9 +1472,51 @@ class _ItemsOf:
     __hash__ = None  # type: ignore[assignment]
 
 
+class _Function:
+    """What a guard expects of a name holding a function (a helper a forward calls by
+    name, ``ACT = torch.tanh``, a namespace's ``act``): that very function, the
+    dispatcher a trace on some thread patches in for it counting as it
+    (``opaque_functions``). Traced code calling it was traced through it, or baked it
+    into a node: another one put there (``module.act = relu``, ``mock.patch``) must
+    re-trace."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Any):
+        self.fn = getattr(fn, "__wrapped__", fn) if _is_dispatcher(fn) else fn
+
+    def __eq__(self, other: Any) -> bool:
+        if other is self.fn:
+            return True
+        return _is_dispatcher(other) and other.__wrapped__ is self.fn
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _is_dispatcher(fn: Any) -> bool:
+    return getattr(fn, "__code__", None) is opaque_functions.DISPATCH_CODE
+
+
+def _unpatched(value: Any) -> Any:
+    return value.__wrapped__ if _is_dispatcher(value) else value
+
+
+def _is_function(value: Any) -> bool:
+    """A function a name may hold and code call: Python's, a built-in (``torch.tanh``), a
+    ``functools.partial``, a bound method; not a class or a module of the model (those
+    are followed otherwise)."""
+    if isinstance(value, _FUNCTIONS):
+        return True
+    return type(value) in _CALLABLES
+
+
 def _type_of(value: Any) -> type:
-    """The type a guarded value's owner must hold: a container's for :class:`_ItemsOf`."""
-    return value.kind if type(value) is _ItemsOf else type(value)
+    """The type a guarded value's owner must hold: a container's for :class:`_ItemsOf`, a
+    function's for :class:`_Function`."""
+    kind = type(value)
+    if kind is _ItemsOf:
+        return value.kind
+    return type(value.fn) if kind is _Function else kind
 
 
 def _guarded_value(value: Any) -> Any:
@@ -1462,7 +1538,7 @@ def _guarded_value(value: Any) -> Any:
 
 # What makes a container's copy hold more than plain values: the copy of a list of lists
 # made with list() would share the inner lists it compares with.
-_HELD = (_ItemsOf, list, dict, set, OrderedDict)
+_HELD = (_ItemsOf, list, dict, set, OrderedDict, _Function)
 
 
 def _guarded_items(value: Any, budget: list, depth: int) -> Any:
@@ -1507,6 +1583,8 @@ def _guarded_item(value: Any, budget: list, depth: int) -> Any:
         return value  # (a graph constant: compared by identity)
     if _is_container(value):
         return _guarded_items(value, budget, depth - 1)
+    if _is_function(value):
+        return _Function(value)  # (``self.acts[0](y)``: the same function)
     if not is_plain(value) or isinstance(value, type) or callable(value):
         return _UNGUARDED
     return value
