@@ -24,6 +24,7 @@ import threading
 import weakref
 from typing import Any, Callable, Iterable
 
+from torch import Tensor
 from torch.nn.modules import module as _module
 
 _generation = 0
@@ -100,11 +101,30 @@ def _registered(module: Any, name: str, value: Any) -> None:
     return None
 
 
-def _registered_tensor(module: Any, name: str, _value: Any) -> None:
+# Buffers given another tensor under a name they held one under (``self.last = y`` on a
+# registered buffer, ``register_buffer`` again): traces read buffers on every call, so a
+# wrapper that sees only such changes re-checks little (``new_signatures.revalidate``).
+_buffer_replacements = 0
+
+
+def buffer_replacements() -> int:
+    """A counter of buffers of tracked modules given another tensor under their name."""
+    return _buffer_replacements
+
+
+def _registered_tensor(module: Any, name: str, value: Any) -> None:
     _report_registration(module, name)
     if tracked(module):
+        buffers = module.__dict__.get("_buffers")
+        if buffers is not None and _is_tensor(buffers.get(name)) and _is_tensor(value):
+            global _buffer_replacements
+            _buffer_replacements += 1
         _bump()
     return None
+
+
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, Tensor)
 
 
 _handles = (

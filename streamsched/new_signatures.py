@@ -370,6 +370,23 @@ def revalidate(runner: Runner) -> bool:
         st.generation = _generation.current()
         st.hook_registrations = _generation.hook_registrations()
         return False
+    replaced = _generation.buffer_replacements() - st.buffer_replacements
+    st.buffer_replacements = _generation.buffer_replacements()
+    if (
+        replaced
+        and st.changes + replaced == _generation.changes()
+        and st.hook_registrations == _generation.hook_registrations()
+        and placement_probe(module)[1] == st.probed
+    ):
+        # Only buffers were given other tensors under their names (a branch keeping its
+        # last output in one, ``self.last = y.detach()``, on every call): traces read
+        # buffers on every call, the dtypes they relied on are compared on every call,
+        # and no module moved. A fused stack holding one is re-stacked.
+        if st.fusion is not None:
+            st.fusion.check_buffers()
+        st.generation = _generation.current()
+        st.changes = _generation.changes()
+        return False
     if st.nested is not None:
         st.nested.refresh()  # a child swapped: nest the new one
     # A module hook registered since: a hooked module runs as a call of its own.

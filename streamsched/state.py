@@ -265,6 +265,7 @@ class WrapperState:
         self.lock = threading.RLock()
         self.generation = _generation.current()
         self.changes = _generation.changes()  # the same, less modules' modes switched
+        self.buffer_replacements = _generation.buffer_replacements()
         # The model's first parameter (or buffer) and its (dtype, device) when traces were
         # made: ``model.to(...)``, ``.half()``, ``.cuda()`` on the model itself (not the
         # wrapper) moves no generation, and traced code may have read them as constants
@@ -395,6 +396,7 @@ class WrapperState:
             self.nested.invalidate()
         self.generation = _generation.current()
         self.changes = _generation.changes()
+        self.buffer_replacements = _generation.buffer_replacements()
         self.probe, self.probed = placement_probe(model)
         self.dtype_guarded = []
         self.dtype_probes = ()

@@ -265,6 +265,14 @@ class FusionContext:
         for stack in self._stacks.values():
             stack.check(full)
 
+    def check_buffers(self) -> None:
+        """:meth:`check_all` (full) of the stacks of buffers only: buffers were given
+        other tensors, no parameter was."""
+        for stack in self._stacks.values():
+            module, name = stack.owners[0]
+            if name in module._buffers:
+                stack.check(True)
+
     def _retire_params(self, keys: set) -> None:
         """Members of a released stack are stacked into another group: the stacked
         parameter an optimizer may hold over the old group no longer reaches them."""
