@@ -23,11 +23,13 @@ from .frontend.nodes import node_label
 from .frontend.trace import Traced, dtype_probes, trace_model
 from .frontend.trace_guard import autocast_state
 from .observe.schedule_profiles import check_profile, load_profile, profile_costs
+from .planning import signatures
 from .planning.choice import Trial
 from .planning.plan import Plan, signature_text_of
 from .planning.planner import device_of, make_schedule, signature_text
-from .planning.signatures import Structure
+from .planning.signatures import Structure, sizes_text
 from .runtime.program import ProgramCache, annotate_exception, compile_program
+from .settled_calls import SettledCalls, settles
 from .state import UNIFORM_SCHEDULE_MARGIN, AsWritten, Compiled, alias_pattern, count_unsettled, placement_probe
 
 if TYPE_CHECKING:
@@ -58,10 +60,19 @@ def new_signature(runner: Runner, key: Any, spec: Any, tensors: list[torch.Tenso
     structure_key = (spec.key, tuple([m[1:] + (len(m[0]),) for m in sizes]), *key[2:])
     structure = st.structures.get_fresh(structure_key)
     shapes = tuple([tuple(m[0]) for m in sizes])
+    if structure is None and not key[3] and signatures.FIRST_CALL_AS_WRITTEN and runner.automatic():
+        # Without gradients, a call structure's first call runs as written too
+        # (planning.signatures): what it costs to trace, record and plan is paid only
+        # where one of its sizes comes back. A decoding loop, a new size every call,
+        # never pays it.
+        structure = Structure(runner.config.plan_cache_size)
+        st.structures.put(structure_key, structure)
     if structure is not None and runner.automatic():
         verdict = structure.admit(shapes, structure.bucket_of(shapes))
         if verdict is not None:
             like, why = structure.plan, verdict.why
+            if verdict.fresh:
+                _count_new_sizes(runner, structure, sizes, tensors, args, kwargs)
             written = st.last = AsWritten()
             # Made when asked: by then ``every_size`` says whether it stands for this
             # call's sizes or for every size of the structure.
@@ -136,6 +147,35 @@ def _new_value(st: Any, spec: Any, structure_key: tuple) -> bool:
         return False
     st.values_seen.put(structure_key, True)
     return True
+
+
+def _count_new_sizes(
+    runner: Runner, structure: Structure, sizes: tuple, tensors: list, args: tuple, kwargs: dict
+) -> None:
+    """A new size ran as written: let the call's settled layout count the structure's next
+    new sizes and run them as written itself (``SizeTable.fresh``), where the layout
+    reads the call's tensors in the plan key's order (both count in ``structure.seen``)."""
+    st = runner.st
+    if st.observer is not None or not settles(args, kwargs):
+        return
+    settled = st.settled_layout(args, kwargs)
+    if settled is not None and (settled.sizes is None or settled.sizes.structure is structure):
+        return
+    ordered = [a for a in args if type(a) is torch.Tensor]
+    ordered += [kwargs[k] for k in sorted(kwargs) if type(kwargs[k]) is torch.Tensor]
+    if len(ordered) != len(tensors) or any(a is not t for a, t in zip(ordered, tensors)):
+        return
+    metas = [m[1:] for m in sizes]
+
+    def plan_for(shapes: tuple) -> Plan:
+        why = f"sizes {sizes_text(shapes)} are new to this call structure: they are planned if they come back"
+        signature = signature_text_of([(tuple(s), *m) for s, m in zip(shapes, metas)])
+        return _as_written_plan(runner, why, structure.plan, signature)
+
+    if settled is None:
+        settled = SettledCalls(st.generation, args, kwargs, None, tensors=True, sizes={})
+        st.settle(settled)
+    settled.count_new_sizes(structure, plan_for)
 
 
 def _bucket_plans(
@@ -286,14 +326,15 @@ def _join_structure(
     """Keep the compiled signature with its call structure (the signature without its
     sizes), which decides its sizes' buckets once: take a bucket's verdict, or try it."""
     st = runner.st
-    if structure is None:
-        structure = Structure(runner.config.plan_cache_size)
+    if structure is None or structure.plan is None:
+        if structure is None:
+            structure = Structure(runner.config.plan_cache_size)
+            st.structures.put(structure_key, structure)
         structure.planned.put(shapes, True)
         # Nothing side by side, nothing batched: the trial's verdict holds for
         # every size (planning.signatures).
         plan = compiled.plan
         structure.uniform = plan.num_streams <= 1 and not plan.fused_groups
-        st.structures.put(structure_key, structure)
     compiled.structure, compiled.sizes = structure, shapes
     structure.plan = compiled.plan
     # What a plan of a new size costs, against what a decided schedule saves.
@@ -324,7 +365,7 @@ def _as_written_plan(
     written. ``leaf_calls``: its forward's, counted with the nested children's share
     (``Runner.forward_nesting``)."""
     if like is None:
-        plan = Plan.as_written(type(runner.module).__name__, why)
+        plan = Plan.as_written(type(runner.module).__name__, why, signature)
         if leaf_calls is not None:
             plan = plan.model_copy(update={"leaf_calls": leaf_calls[1], "nested_leaf_calls": dict(leaf_calls[2])})
         return plan

@@ -250,7 +250,7 @@ class Runner:
         if st.observer is not None or not settles(args, kwargs):
             return
         settled = st.settled_layout(args, kwargs)
-        if settled is not None and (settled.sizes is None or settled.admits(args, kwargs, settled.sizes)):
+        if settled is not None and (settled.sizes is None or settled.sizes.holds(shapes_of(args, kwargs))):
             return  # settled already (this call came another way: a hook on the wrapper)
         if written.every_size:
             st.settle(SettledCalls(st.generation, args, kwargs, written, tensors=True))

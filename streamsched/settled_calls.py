@@ -11,7 +11,12 @@ Two kinds of call run the model as written whatever their sizes, once decided:
   written for every size (``planning.signatures``: a *uniform* structure). Greedy decoding
   without a cache grows the input every call: every call has a new size;
 - a call of tensors and plain values at a size settled to run as written (its size
-  bucket's verdict), through a table of the layout's settled shapes.
+  bucket's verdict), through a table of the layout's settled shapes;
+- a call of tensors and plain values at a size its call structure has never met, where
+  the size policy would run it as written for being new (``planning.signatures``: not
+  seen, not planned, its bucket neither decided nor under trial): it is counted as seen,
+  as the full path would count it, and the next call of that size takes the full path.
+  A decoding loop brings a new size on every call, from its first.
 
 All such a call needs is the forward itself. Binding, the plan key (every tensor's
 shape, dtype, device and grad flag, the modules' modes, autocast) and the LRU lookups
@@ -38,7 +43,7 @@ import torch
 
 from .frontend.binder import is_plain
 from .frontend.trace_guard import autocast_state
-from .planning.signatures import size_bucket
+from .planning.signatures import ANY_SIZE, size_bucket
 
 __all__ = ["BucketCall", "SettledCalls", "SizeTable", "settles", "shapes_of", "tensor_meta", "value_entry"]
 
@@ -54,6 +59,9 @@ MAX_SETTLED_SIZES = 256
 # they admitted that it remembers (forgotten all at once when full).
 MAX_SETTLED_BUCKETS = 64
 MAX_BUCKET_HITS = 1024
+# New sizes a layout counts itself (``SizeTable.fresh``; the size policy's own table,
+# which evicts, holds at least as many): past that, new sizes take the full path.
+MAX_FRESH_SIZES = 1024
 
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
 
@@ -90,7 +98,7 @@ class SizeTable(dict):
     length of a settled bucket once: a table of sizes alone would send each length through
     the full path first."""
 
-    __slots__ = ("buckets", "hits")
+    __slots__ = ("buckets", "hits", "structure", "fresh")
 
     def __init__(self, *args: Any):
         super().__init__(*args)
@@ -99,6 +107,26 @@ class SizeTable(dict):
         # one lookup (a decoding loop meets each length again on every sequence). Not
         # the table itself, whose room is for sizes settled one by one.
         self.hits: dict = {}
+        # Where the layout's new sizes run as written: its call structure
+        # (``planning.signatures.Structure``, whose tables of sizes seen once and planned
+        # are keyed in the order ``shapes_of`` reads them). A shape in neither this table
+        # nor a bucket, that the structure's size policy would run as written because it
+        # is new (``Structure.admit``: not seen, not planned, its bucket neither decided
+        # nor under trial, no churn), is counted in its ``seen`` here and runs as written
+        # (``fresh``: what ``sm.plan`` says, one record whose shapes each such call sets:
+        # nothing allocated per call). Any other takes the full path.
+        # A decoding loop brings a new size on every call: each would otherwise pay
+        # binding, the plan key and the size policy, a tenth of a small model's call.
+        self.structure: Any = None
+        self.fresh: Optional[BucketCall] = None
+
+    def holds(self, key: tuple) -> bool:
+        """Whether shapes ``key`` are settled here (in the table, or in a settled bucket
+        and not planned): read without counting a new size."""
+        found = self.get(key)
+        if found is None and self.buckets:
+            return size_bucket(key) in self.buckets
+        return bool(found)
 
 
 def tensor_meta(t: torch.Tensor) -> tuple:
@@ -155,6 +183,13 @@ class SettledCalls:
         sizes = self.sizes
         if sizes is not None and len(sizes) < MAX_SETTLED_SIZES:
             sizes[shapes] = reported
+
+    def count_new_sizes(self, structure: Any, plan_for: Callable[[tuple], Any]) -> None:
+        """Sizes of this layout new to ``structure`` run as written, counted in its
+        ``seen`` (``SizeTable.structure``)."""
+        sizes = self.sizes
+        if sizes is not None:
+            sizes.structure, sizes.fresh = structure, BucketCall(plan_for, ())
 
     def add_bucket(self, shapes: tuple, plan_for: Callable[[tuple], Any], planned: Any = ()) -> None:
         """The size bucket of ``shapes`` settled to run as written (decided for the model as
@@ -246,7 +281,9 @@ def _tensor_layout_check(
     the settled one's type and equal to it; then, where ``sizes`` is ``None``, whether each
     tensor has the settled one's number of dimensions, else what the table holds for the
     tensors' shapes (``shapes_of``: they hold the ranks), or a ``BucketCall`` where it holds
-    their size bucket (``None`` where it holds neither)."""
+    their size bucket, or, where the layout's new sizes run as written
+    (``SizeTable.structure``) and the shapes are new to its structure, the table's
+    ``fresh`` record, the shapes counted as seen (``None`` where none of these holds)."""
     names: dict[str, Any] = {
         "_Tensor": torch.Tensor,
         "_grad": torch.is_grad_enabled,
@@ -255,6 +292,7 @@ def _tensor_layout_check(
         "_AC": autocast,
         "_MISSING": _MISSING,
         "_bucket": size_bucket,
+        "_ANY_SIZE": ANY_SIZE,
         "_BucketCall": BucketCall,
     }
     if autocast == () and _any_autocast is not None:
@@ -296,14 +334,31 @@ def _tensor_layout_check(
     # The ranks: read where every size is admitted (a table's shapes hold them already).
     lines.append(f"if sizes is None: return {' and '.join(ranks) or 'True'}")
     lines.append(f"key = ({''.join(shapes)})")
-    lines.append("found = sizes.get(key)")
-    lines.append("if found is None and sizes.buckets:")
+    lines.append("if sizes:")  # (a layout whose new sizes run as written may have none settled)
+    lines.append("    found = sizes.get(key)")
+    lines.append("    if found is not None: return found")
+    lines.append("if sizes.buckets:")
     lines.append("    found = sizes.hits.get(key)")
-    lines.append("    if found is None:")
-    lines.append("        plan_for = sizes.buckets.get(_bucket(key))")
-    lines.append("        if plan_for is None: return None")
+    lines.append("    if found is not None: return found")
+    lines.append("    plan_for = sizes.buckets.get(_bucket(key))")
+    lines.append("    if plan_for is not None:")
     lines.append("        found = _BucketCall(plan_for, key)")
     lines.append(f"        if len(sizes.hits) >= {MAX_BUCKET_HITS}: sizes.hits.clear()")
     lines.append("        sizes.hits[key] = found")
+    lines.append("        return found")
+    # A new size of a layout whose new sizes run as written: counted, as the size policy
+    # counts it (the next call of these shapes takes the full path, which plans them).
+    # (Structure.admit's verdict for a new size, written out.)
+    lines.append("structure = sizes.structure")
+    lines.append("if structure is None: return None")
+    lines.append("seen = structure.seen")
+    lines.append(f"if key in seen or key in structure.planned or structure.churning or len(seen) >= {MAX_FRESH_SIZES}:")
+    lines.append("    return None")
+    lines.append("if structure.decisions or structure.trying:")
+    lines.append("    bucket = _ANY_SIZE if structure.uniform else _bucket(key)")
+    lines.append("    if bucket in structure.decisions or bucket in structure.trying: return None")
+    lines.append("seen[key] = 1")
+    lines.append("found = sizes.fresh")
+    lines.append("found.shapes = key")
     lines.append("return found")
     return _compiled_check(lines, names)

@@ -10,7 +10,10 @@ signature without the sizes: argument structure, dtypes, devices, ranks, modes) 
 
 - **seen once:** the call runs the model as written (what eager costs, exactly eager's
   result); only a size that comes back is planned (:data:`PLAN_AFTER`). A decoding loop,
-  whose input never has the same size twice, runs as written on every call.
+  whose input never has the same size twice, runs as written on every call. Without
+  gradients that holds for a structure's first call too (:data:`FIRST_CALL_AS_WRITTEN`):
+  nothing is traced before one of its sizes comes back (the structure is made with no
+  plan; :attr:`Structure.plan` is ``None`` until then).
 - **a size bucket being decided:** while the trial of one size of a bucket runs, other
   sizes of that bucket run as written (one trial per bucket, not one per size). A trial
   whose size does not come back (:data:`STALL_CALLS` calls of other sizes of its bucket
@@ -67,11 +70,20 @@ __all__ = [
     "MAX_HANDOFFS",
     "RARE_CALLS",
     "PAYBACK_CALLS",
+    "FIRST_CALL_AS_WRITTEN",
 ]
 
 # A size is planned on its second call: one call of a size never seen again (a decoding
 # step) runs as written.
 PLAN_AFTER = 2
+# Without gradients (inference, ``no_grad``, ``inference_mode``: decoding, ``generate``),
+# the first call of a call structure runs as written too (the structure is traced and
+# planned when one of its sizes comes back): a decoding loop or a one-off ``generate``
+# pays no trace, recording call nor plan. With gradients the first call is planned at
+# once: a training step comes back at its size, and the optimizer is built over the
+# fused parameters its plan stacked (``sm.fused_parameters()`` after one call). False:
+# every first call is planned at once.
+FIRST_CALL_AS_WRITTEN = True
 # Sizes planned, evicted and planned again before the structure stops planning new ones.
 CHURN_REPLANS = 3
 # Or distinct sizes planned, in multiples of the plan cache: far more sizes than the cache
@@ -285,6 +297,7 @@ class Structure:
             return AsWritten(
                 False,
                 lambda: f"sizes {sizes_text(sizes)} are new to this call structure: they are planned if they come back",
+                fresh=True,
             )
         self.seen.pop(sizes, None)
         if sizes in self.planned:
@@ -310,6 +323,10 @@ class AsWritten(NamedTuple):
     # repay a plan per size: :meth:`Structure.planned_in` keep their plans), not only for
     # these sizes (churn: new sizes of every bucket run as written).
     whole_bucket: bool = False
+    # Whether the call runs as written because its sizes are new (counted in
+    # :attr:`Structure.seen`): any new size of the structure would run so, and the
+    # wrapper's settled layouts may count the next ones themselves (settled_calls.py).
+    fresh: bool = False
 
 
 def _bucket_text(bucket: tuple) -> str:

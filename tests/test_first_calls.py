@@ -1,0 +1,225 @@
+"""The first calls of a call structure (planning.signatures, settled_calls.py): without
+gradients its first call runs as written, nothing traced (with them it is planned at
+once); a size is traced and planned when it comes back;
+and while the structure's size policy would run a new size as written for being new, the
+settled layout's shortcut counts it and runs it without the full path. A model that wins
+from a plan at a fixed size still gets it. Each test compares every call with eager and
+counts the full path's calls (``Runner.call``) to tell which way a call went."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import streamsched as ss
+from benchmarks.zoo import CriticEnsemble, MultiTaskHeads, ParallelFCN
+from streamsched.planning import signatures
+from streamsched.runner import Runner
+from streamsched.testing import assert_path, last_path
+
+from .helpers import assert_close
+from .test_dynamic_calls import Towers
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
+
+@pytest.fixture(autouse=True)
+def _inference():
+    """Calls without gradients (a decoding loop, ``generate``), unless a test enables them."""
+    with torch.no_grad():
+        yield
+
+
+@pytest.fixture
+def full_calls(monkeypatch) -> list:
+    """Appends one entry per call that took the full path."""
+    calls: list = []
+    full = Runner.call
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return full(self, *args, **kwargs)
+
+    monkeypatch.setattr(Runner, "call", counted)
+    return calls
+
+
+@pytest.fixture
+def schedule_faster(monkeypatch) -> None:
+    """The ``auto`` trial times the schedule faster than the model as written, on every
+    machine: what a test of the paths, not of the timings, needs."""
+    original = Runner._timed
+
+    def timed(self, compiled, name, *args, **kwargs):
+        out, _ = original(self, compiled, name, *args, **kwargs)
+        return out, 1e-3 if name == "eager" else 1e-4
+
+    monkeypatch.setattr(Runner, "_timed", timed)
+
+
+def test_a_growing_input_never_traces_and_takes_the_full_path_once(full_calls):
+    """A decoding loop: a new size on every call, from the first. Nothing is traced; after
+    the first call (the full path, which finds the structure new) every call is counted
+    and run as written by the shortcut."""
+    model = Towers()
+    sm = ss.StreamScheduledModule(model)
+    with torch.no_grad():
+        for n in range(1, 120):
+            x = torch.randn(n, 16)
+            assert_close(sm(x), model(x))
+            assert_path(sm, "as-written")
+            assert sm.plan.signature == f"float32[{n}, 16]"
+            assert "new to this call structure" in sm.plan.reason
+    assert len(full_calls) == 1
+    assert len(sm._ss.traces) == 0 and len(sm.plans) == 0
+
+
+def test_a_size_the_shortcut_counted_is_planned_when_it_comes_back(full_calls):
+    model = Towers()
+    sm = ss.StreamScheduledModule(model)
+    for n in (3, 5, 9):
+        x = torch.randn(n, 16)
+        assert_close(sm(x), model(x))
+        assert_path(sm, "as-written")
+    assert len(full_calls) == 1  # 5 and 9: the shortcut
+    x = torch.randn(5, 16)  # came back: traced, recorded and planned
+    assert_close(sm(x), model(x))
+    assert_path(sm, "recorded")
+    assert len(full_calls) == 2 and len(sm.plans) == 1
+
+
+def test_a_planned_size_is_not_taken_for_a_new_one(full_calls, schedule_faster):
+    """The structure's planned sizes leave its table of sizes seen once: the shortcut must
+    not count them as new (their plan would never run again)."""
+    model = Towers()
+    sm = ss.StreamScheduledModule(model)
+    x = torch.randn(6, 16)
+    for path in ("as-written", "recorded"):
+        assert_close(sm(x), model(x))
+        assert_path(sm, path)
+    for n in (7, 11, 13):  # new sizes between: the shortcut counts them
+        y = torch.randn(n, 16)
+        assert_close(sm(y), model(y))
+        assert_path(sm, "as-written")
+    for _ in range(40):  # its trial's calls (the schedule's and the model's as written)
+        x = torch.randn(6, 16)
+        assert_close(sm(x), model(x))
+        assert_path(sm, "plan", "as-written")
+        if sm.plan.trial is not None:
+            break
+    assert sm.plan.trial is not None and sm.plan.executor != "eager"
+    for _ in range(3):  # then the kept schedule
+        x = torch.randn(6, 16)
+        assert_close(sm(x), model(x))
+        assert_path(sm, "plan")
+
+
+def test_sizes_of_a_bucket_under_trial_take_the_full_path(full_calls):
+    """While a size bucket's trial runs at one size, its other sizes run as written
+    through the full path, which counts them towards the trial's stall."""
+    model = Towers()
+    sm = ss.StreamScheduledModule(model)
+    for _ in range(2):  # 20 is recorded: the trial of the bucket 32 runs at 20
+        x = torch.randn(20, 16)
+        sm(x)
+    assert_path(sm, "recorded")
+    structure = next(iter(sm._ss.structures.values()))
+    assert structure.trying
+    before = len(full_calls)
+    for n in (21, 22, 23):  # new sizes, but of the bucket under trial
+        x = torch.randn(n, 16)
+        assert_close(sm(x), model(x))
+        assert_path(sm, "as-written")
+        assert "being decided by the trial" in sm.plan.reason
+    assert len(full_calls) == before + 3
+    assert structure.waits[signatures.size_bucket(((20, 16),))] == 3
+
+
+def test_with_gradients_the_first_call_is_planned_at_once():
+    """A training step comes back at its size, and the optimizer is built over the fused
+    parameters its first call's plan stacked."""
+    model = Towers()
+    sm = ss.StreamScheduledModule(model)
+    with torch.enable_grad():
+        x = torch.randn(4, 16)
+        assert_close(sm(x), model(x))
+        assert_path(sm, "recorded")
+        for n in (5, 6, 7):  # new sizes run as written, counted by the shortcut from here on
+            x = torch.randn(n, 16)
+            assert_close(sm(x), model(x))
+            assert_path(sm, "as-written")
+
+
+def test_the_first_call_can_be_planned_at_once(monkeypatch):
+    """``FIRST_CALL_AS_WRITTEN = False``: the wrapper's former way, the first call traced,
+    recorded and planned."""
+    monkeypatch.setattr(signatures, "FIRST_CALL_AS_WRITTEN", False)
+    model = Towers()
+    sm = ss.StreamScheduledModule(model)
+    x = torch.randn(4, 16)
+    assert_close(sm(x), model(x))
+    assert_path(sm, "recorded")
+
+
+def test_an_explicit_executor_plans_the_first_call():
+    model = Towers()
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    x = torch.randn(4, 16)
+    assert_close(sm(x), model(x))
+    assert_path(sm, "recorded")
+    x = torch.randn(4, 16)
+    assert_close(sm(x), model(x))
+    assert_path(sm, "plan:serial")
+
+
+@pytest.mark.parametrize(
+    "make, shape",
+    [
+        (lambda: ParallelFCN(64), (8, 64 * 20)),
+        (lambda: CriticEnsemble(32), (16, 23)),
+        (lambda: MultiTaskHeads(), (16, 64)),
+    ],
+    ids=["parallel_fcn", "critic_ensemble", "multitask_heads"],
+)
+def test_a_model_that_wins_from_a_plan_at_a_fixed_size_gets_it(make, shape, schedule_faster):
+    """At a fixed size: the first call as written, the second recorded, the trial's calls,
+    then the compiled plan on every call."""
+    torch.manual_seed(0)
+    model = make().eval()
+    sm = ss.StreamScheduledModule(model)
+    paths = []
+    with torch.no_grad():
+        for _ in range(40):  # until the trial decided
+            x = torch.randn(*shape)
+            assert_close(sm(x), model(x), atol=1e-4, rtol=1e-4)
+            paths.append(last_path(sm))
+            if sm.plan.trial is not None:
+                break
+        assert paths[:2] == ["as-written", "recorded"], paths
+        assert sm.plan.trial is not None and sm.plan.executor != "eager", paths
+        for _ in range(3):
+            x = torch.randn(*shape)
+            assert_close(sm(x), model(x), atol=1e-4, rtol=1e-4)
+            assert_path(sm, "plan")
+
+
+def test_a_planned_size_whose_trial_stalled_is_not_taken_for_a_new_one(full_calls):
+    """A trial handed over after a stall leaves its bucket neither decided nor under
+    trial, and its size out of the table of sizes seen once (it was planned): when that
+    size comes back it runs its plan's trial through the full path, not as a new size."""
+    model = Towers()
+    sm = ss.StreamScheduledModule(model)
+    for _ in range(2):  # 17 is recorded: the trial of the bucket 32 runs at 17
+        x = torch.randn(17, 16)
+        sm(x)
+    assert_path(sm, "recorded")
+    for i in range(signatures.STALL_CALLS):  # other sizes of the bucket: the trial stalls
+        x = torch.randn(18 + i % 15, 16)
+        assert_close(sm(x), model(x))
+    structure = next(iter(sm._ss.structures.values()))
+    assert not structure.trying and not structure.decisions and (17, 16) in [s[0] for s in structure.planned]
+    before = len(full_calls)
+    x = torch.randn(17, 16)
+    assert_close(sm(x), model(x))
+    assert len(full_calls) == before + 1
+    assert "new to this call structure" not in sm.plan.reason
