@@ -101,6 +101,18 @@ def one_intra_op_thread():
 
 
 @pytest.fixture
+def plan_first_calls(monkeypatch):
+    """The first call of a call structure is traced and planned at once, with or without
+    gradients (``planning.signatures.FIRST_CALL_AS_WRITTEN = False``; by default a first
+    call without gradients runs as written): for tests that compare the recorded call and
+    the plan's calls with eager from the first call on, which is what they check, not the
+    first-call policy (``tests/test_first_calls.py`` checks that)."""
+    from streamsched.planning import signatures
+
+    monkeypatch.setattr(signatures, "FIRST_CALL_AS_WRITTEN", False)
+
+
+@pytest.fixture
 def emulated_cuda(_cuda_device):
     """The emulated device of a `cuda`-marked test (skips where a real GPU runs the test)."""
     if _cuda_device is None:
