@@ -60,11 +60,18 @@ def new_signature(runner: Runner, key: Any, spec: Any, tensors: list[torch.Tenso
     structure_key = (spec.key, tuple([m[1:] + (len(m[0]),) for m in sizes]), *key[2:])
     structure = st.structures.get_fresh(structure_key)
     shapes = tuple([tuple(m[0]) for m in sizes])
-    if structure is None and not key[3] and signatures.FIRST_CALL_AS_WRITTEN and runner.automatic():
-        # Without gradients, a call structure's first call runs as written too
-        # (planning.signatures): what it costs to trace, record and plan is paid only
-        # where one of its sizes comes back. A decoding loop, a new size every call,
-        # never pays it.
+    if (
+        structure is None
+        and not key[3]
+        and not runner.module.training
+        and signatures.FIRST_CALL_AS_WRITTEN
+        and runner.automatic()
+        and not isinstance(st.traces.get(_trace_key(st, spec, tensors)[0]), TraceError)
+    ):
+        # In inference (the model in eval(), no gradients), a call structure's first call
+        # runs as written too (planning.signatures): what it costs to trace, record and
+        # plan is paid only where one of its sizes comes back. A decoding loop, a new size
+        # every call, never pays it.
         structure = Structure(runner.config.plan_cache_size)
         st.structures.put(structure_key, structure)
     if structure is not None and runner.automatic():
@@ -118,11 +125,13 @@ def new_signature(runner: Runner, key: Any, spec: Any, tensors: list[torch.Tenso
     # of that state only against the state the trace started in (frontend.trace).
     # The inputs' ranks too: a traced shape's length is its value's rank (frontend.ranks).
     # And their dtypes: the dtypes of its values follow from them (and the parameters').
-    ranks = tuple(t.dim() for t in tensors)
-    dtypes = tuple(t.dtype for t in tensors)
-    trace_key = (spec.key, st.mode_id, autocast_state(), ranks, dtypes)
+    trace_key, ranks, dtypes = _trace_key(st, spec, tensors)
     traced = _trace(runner, trace_key, spec, ranks, dtypes)
     if isinstance(traced, TraceError):
+        if structure is not None and structure.plan is None:
+            # Made by the structure's first call, run as written: an untraceable structure
+            # has no sizes to decide (eager dispatch, as its first call would have run).
+            st.structures.pop(structure_key, None)
         return runner.eager_dispatch(key, spec, tensors, traced, trace_key, args, kwargs)
     compiled, out = compile_signature(runner, traced, key, tensors)
     _join_structure(runner, compiled, structure_key, structure, shapes, time.perf_counter() - start)
@@ -147,6 +156,13 @@ def _new_value(st: Any, spec: Any, structure_key: tuple) -> bool:
         return False
     st.values_seen.put(structure_key, True)
     return True
+
+
+def _trace_key(st: Any, spec: Any, tensors: list) -> tuple:
+    """``(trace key, ranks, dtypes)`` of a call: its traces are cached under that key."""
+    ranks = tuple(t.dim() for t in tensors)
+    dtypes = tuple(t.dtype for t in tensors)
+    return (spec.key, st.mode_id, autocast_state(), ranks, dtypes), ranks, dtypes
 
 
 def _count_new_sizes(

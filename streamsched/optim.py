@@ -82,7 +82,10 @@ def fused_parameters(sm: Any, param_groups: Optional[ParamGroups] = None) -> Uni
     group, so members with different options raise :class:`StackedLayoutError`, as does a
     group some of whose members are in no parameter group.
 
-    Fusion is planned on the first call with an input, so call the model once before
+    Fusion is planned on the first call with an input, so call the model once before, in
+    ``train()`` or with gradients (in inference, ``eval()`` without gradients, a call
+    structure's first call runs as written and its plan is made when the same sizes come
+    back: ``planning.signatures.FIRST_CALL_AS_WRITTEN``)
     (a :class:`RuntimeError` says so otherwise; also after ``invalidate()`` or ``.to()``,
     which drop the plans). A model that could not be traced (``strict=False``) has
     nothing fused: its parameters are returned as they are. Parameters fused only by a plan made
@@ -98,7 +101,8 @@ def fused_parameters(sm: Any, param_groups: Optional[ParamGroups] = None) -> Uni
         raise RuntimeError(
             f"fused_parameters(): {type(sm.module).__name__} has no plan yet; fusion is planned on the first call "
             "with an input, so call the wrapped model once (for example on one batch, under torch.no_grad()) "
-            "before building the optimizer"
+            "before building the optimizer (in train(), or with gradients: a model in eval() called without "
+            "them runs its first call as written, and is planned when a call of the same sizes comes back)"
         )
     with st.lock:
         flat = st.fusion.stacked_parameters()

@@ -390,6 +390,7 @@ def test_a_module_on_the_second_device_leaves_the_current_device_alone(cuda_grap
     assert len(graphs_of(sm)) == int(cuda_graph)
 
 
+@pytest.mark.usefixtures("plan_first_calls")  # the trial begins on the first call
 def test_the_executor_trial_synchronizes_the_modules_device(request):
     emu = emulated(request)
     if emu is None:

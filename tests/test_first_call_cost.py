@@ -29,6 +29,9 @@ from streamsched.testing import assert_path
 
 from .helpers import assert_close
 
+# The recorded call and the plan's calls are compared with eager from the first call on.
+pytestmark = pytest.mark.usefixtures("plan_first_calls")
+
 # --- module paths ----------------------------------------------------------------------
 
 

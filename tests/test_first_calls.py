@@ -1,6 +1,6 @@
-"""The first calls of a call structure (planning.signatures, settled_calls.py): without
-gradients its first call runs as written, nothing traced (with them it is planned at
-once); a size is traced and planned when it comes back;
+"""The first calls of a call structure (planning.signatures, settled_calls.py): in
+inference (eval(), no gradients) its first call runs as written, nothing traced
+(otherwise it is planned at once); a size is traced and planned when it comes back;
 and while the structure's size policy would run a new size as written for being new, the
 settled layout's shortcut counts it and runs it without the full path. A model that wins
 from a plan at a fixed size still gets it. Each test compares every call with eager and
@@ -8,8 +8,11 @@ counts the full path's calls (``Runner.call``) to tell which way a call went."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
+from torch import nn
 
 import streamsched as ss
 from benchmarks.zoo import CriticEnsemble, MultiTaskHeads, ParallelFCN
@@ -25,7 +28,8 @@ pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 @pytest.fixture(autouse=True)
 def _inference():
-    """Calls without gradients (a decoding loop, ``generate``), unless a test enables them."""
+    """Calls without gradients (a decoding loop, ``generate``), unless a test enables them;
+    the tests' models are put in ``eval()``."""
     with torch.no_grad():
         yield
 
@@ -61,7 +65,7 @@ def test_a_growing_input_never_traces_and_takes_the_full_path_once(full_calls):
     """A decoding loop: a new size on every call, from the first. Nothing is traced; after
     the first call (the full path, which finds the structure new) every call is counted
     and run as written by the shortcut."""
-    model = Towers()
+    model = Towers().eval()
     sm = ss.StreamScheduledModule(model)
     with torch.no_grad():
         for n in range(1, 120):
@@ -75,7 +79,7 @@ def test_a_growing_input_never_traces_and_takes_the_full_path_once(full_calls):
 
 
 def test_a_size_the_shortcut_counted_is_planned_when_it_comes_back(full_calls):
-    model = Towers()
+    model = Towers().eval()
     sm = ss.StreamScheduledModule(model)
     for n in (3, 5, 9):
         x = torch.randn(n, 16)
@@ -91,7 +95,7 @@ def test_a_size_the_shortcut_counted_is_planned_when_it_comes_back(full_calls):
 def test_a_planned_size_is_not_taken_for_a_new_one(full_calls, schedule_faster):
     """The structure's planned sizes leave its table of sizes seen once: the shortcut must
     not count them as new (their plan would never run again)."""
-    model = Towers()
+    model = Towers().eval()
     sm = ss.StreamScheduledModule(model)
     x = torch.randn(6, 16)
     for path in ("as-written", "recorded"):
@@ -117,7 +121,7 @@ def test_a_planned_size_is_not_taken_for_a_new_one(full_calls, schedule_faster):
 def test_sizes_of_a_bucket_under_trial_take_the_full_path(full_calls):
     """While a size bucket's trial runs at one size, its other sizes run as written
     through the full path, which counts them towards the trial's stall."""
-    model = Towers()
+    model = Towers().eval()
     sm = ss.StreamScheduledModule(model)
     for _ in range(2):  # 20 is recorded: the trial of the bucket 32 runs at 20
         x = torch.randn(20, 16)
@@ -135,12 +139,14 @@ def test_sizes_of_a_bucket_under_trial_take_the_full_path(full_calls):
     assert structure.waits[signatures.size_bucket(((20, 16),))] == 3
 
 
-def test_with_gradients_the_first_call_is_planned_at_once():
-    """A training step comes back at its size, and the optimizer is built over the fused
-    parameters its first call's plan stacked."""
-    model = Towers()
+@pytest.mark.parametrize("train, grad", [(True, False), (False, True), (True, True)])
+def test_outside_inference_the_first_call_is_planned_at_once(train, grad):
+    """In train() or with gradients: a training step comes back at its size, and an
+    optimizer is built over the fused parameters its first call's plan stacked (after one
+    call under no_grad, as docs/training.md does)."""
+    model = Towers().train(train)
     sm = ss.StreamScheduledModule(model)
-    with torch.enable_grad():
+    with torch.set_grad_enabled(grad):
         x = torch.randn(4, 16)
         assert_close(sm(x), model(x))
         assert_path(sm, "recorded")
@@ -154,7 +160,7 @@ def test_the_first_call_can_be_planned_at_once(monkeypatch):
     """``FIRST_CALL_AS_WRITTEN = False``: the wrapper's former way, the first call traced,
     recorded and planned."""
     monkeypatch.setattr(signatures, "FIRST_CALL_AS_WRITTEN", False)
-    model = Towers()
+    model = Towers().eval()
     sm = ss.StreamScheduledModule(model)
     x = torch.randn(4, 16)
     assert_close(sm(x), model(x))
@@ -162,7 +168,7 @@ def test_the_first_call_can_be_planned_at_once(monkeypatch):
 
 
 def test_an_explicit_executor_plans_the_first_call():
-    model = Towers()
+    model = Towers().eval()
     sm = ss.StreamScheduledModule(model, executor="serial")
     x = torch.randn(4, 16)
     assert_close(sm(x), model(x))
@@ -207,7 +213,7 @@ def test_a_planned_size_whose_trial_stalled_is_not_taken_for_a_new_one(full_call
     """A trial handed over after a stall leaves its bucket neither decided nor under
     trial, and its size out of the table of sizes seen once (it was planned): when that
     size comes back it runs its plan's trial through the full path, not as a new size."""
-    model = Towers()
+    model = Towers().eval()
     sm = ss.StreamScheduledModule(model)
     for _ in range(2):  # 17 is recorded: the trial of the bucket 32 runs at 17
         x = torch.randn(17, 16)
@@ -223,3 +229,35 @@ def test_a_planned_size_whose_trial_stalled_is_not_taken_for_a_new_one(full_call
     assert_close(sm(x), model(x))
     assert len(full_calls) == before + 1
     assert "new to this call structure" not in sm.plan.reason
+
+
+class _Untraceable(nn.Module):
+    """Control flow on a tensor's value: its forward cannot be traced."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 8)
+        self.b = nn.Linear(16, 8)
+
+    def forward(self, x):
+        if float(x.sum()) > 1e9:
+            return self.a(x)
+        return self.a(x) + self.b(x)
+
+
+def test_an_untraceable_structure_keeps_no_sizes_after_its_first_call():
+    """Its first call runs as written, the second finds it untraceable: it then runs as
+    an untraceable structure always has (eager dispatch, then as written once quiet), with
+    no size policy to keep (which counted each call of its one size as a re-planned size
+    and called it churn)."""
+    model = _Untraceable().eval()
+    sm = ss.StreamScheduledModule(model)
+    paths = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(12):
+            x = torch.randn(4, 16)
+            assert_close(sm(x), model(x))
+            paths.append(last_path(sm))
+    assert paths[:2] == ["as-written", "eager-dispatch"], paths
+    assert "churn" not in sm.plan.reason and len(sm._ss.structures) == 0, sm.plan.reason

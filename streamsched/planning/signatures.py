@@ -10,8 +10,9 @@ signature without the sizes: argument structure, dtypes, devices, ranks, modes) 
 
 - **seen once:** the call runs the model as written (what eager costs, exactly eager's
   result); only a size that comes back is planned (:data:`PLAN_AFTER`). A decoding loop,
-  whose input never has the same size twice, runs as written on every call. Without
-  gradients that holds for a structure's first call too (:data:`FIRST_CALL_AS_WRITTEN`):
+  whose input never has the same size twice, runs as written on every call. In inference
+  (``eval()``, no gradients) that holds for a structure's first call too
+  (:data:`FIRST_CALL_AS_WRITTEN`):
   nothing is traced before one of its sizes comes back (the structure is made with no
   plan; :attr:`Structure.plan` is ``None`` until then).
 - **a size bucket being decided:** while the trial of one size of a bucket runs, other
@@ -76,13 +77,13 @@ __all__ = [
 # A size is planned on its second call: one call of a size never seen again (a decoding
 # step) runs as written.
 PLAN_AFTER = 2
-# Without gradients (inference, ``no_grad``, ``inference_mode``: decoding, ``generate``),
-# the first call of a call structure runs as written too (the structure is traced and
-# planned when one of its sizes comes back): a decoding loop or a one-off ``generate``
-# pays no trace, recording call nor plan. With gradients the first call is planned at
-# once: a training step comes back at its size, and the optimizer is built over the
-# fused parameters its plan stacked (``sm.fused_parameters()`` after one call). False:
-# every first call is planned at once.
+# In inference (the model in ``eval()``, no gradients: ``no_grad``, ``inference_mode``;
+# a decoding loop, ``generate``), the first call of a call structure runs as written too
+# (the structure is traced and planned when one of its sizes comes back): a decoding loop
+# or a one-off ``generate`` pays no trace, recording call nor plan. Otherwise the first
+# call is planned at once: a training step comes back at its size, and an optimizer is
+# built over the fused parameters its plan stacked after one call (``no_grad`` or not:
+# ``sm.fused_parameters()``). False: every first call is planned at once.
 FIRST_CALL_AS_WRITTEN = True
 # Sizes planned, evicted and planned again before the structure stops planning new ones.
 CHURN_REPLANS = 3
