@@ -192,6 +192,7 @@ def _count_new_sizes(
         settled = SettledCalls(st.generation, args, kwargs, None, tensors=True, sizes={})
         st.settle(settled)
     settled.count_new_sizes(structure, plan_for)
+    st.counting = True
 
 
 def _bucket_plans(

@@ -185,6 +185,8 @@ class Runner:
             return new_signature(self, key, spec, tensors, args, kwargs)
         st.last = entry
         st.hot = (key, entry)
+        if st.counting and not entry.as_written:
+            st.stop_counting()
         if st.observer is None:
             if entry.as_written:
                 return self.run_as_written(entry, spec, args, kwargs)

@@ -262,6 +262,8 @@ class WrapperState:
         # every call, an optional argument passed every other call).
         self.settled: Optional[SettledCalls] = None
         self.settled_more: tuple = ()
+        # Whether a settled layout counts its call structure's new sizes (stop_counting).
+        self.counting = False
         self.lock = threading.RLock()
         self.generation = _generation.current()
         self.changes = _generation.changes()  # the same, less modules' modes switched
@@ -366,6 +368,25 @@ class WrapperState:
             if record is not None and record.generation == generation and record.admits(args, kwargs, None):
                 return record
         return None
+
+    def stop_counting(self) -> None:
+        """A plan of a call structure runs: its settled layouts stop counting its new sizes
+        (``SizeTable.structure``; a layout that counted nothing else is dropped). Its calls
+        would each pay the layout check before the full path, which runs the plan; a new
+        size met on the full path lets the layout count them again."""
+        self.counting = False
+        kept = []
+        for record in (self.settled, *self.settled_more):
+            if record is None:
+                continue
+            sizes = record.sizes
+            if sizes is not None and sizes.structure is not None:
+                sizes.structure = None
+                if not sizes and not sizes.buckets:
+                    continue
+            kept.append(record)
+        self.settled = kept[0] if kept else None
+        self.settled_more = tuple(kept[1:])
 
     def unsettle(self) -> None:
         """Forget every settled layout: the next calls take the full path."""

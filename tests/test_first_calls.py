@@ -203,6 +203,9 @@ def test_a_model_that_wins_from_a_plan_at_a_fixed_size_gets_it(make, shape, sche
                 break
         assert paths[:2] == ["as-written", "recorded"], paths
         assert sm.plan.trial is not None and sm.plan.executor != "eager", paths
+        # Once a plan runs, no settled layout counts new sizes: each planned call would
+        # pay its check before the full path.
+        assert sm._ss.settled is None and sm._ss.settled_more == ()
         for _ in range(3):
             x = torch.randn(*shape)
             assert_close(sm(x), model(x), atol=1e-4, rtol=1e-4)
