@@ -169,7 +169,7 @@ def _count_new_sizes(
     runner: Runner, structure: Structure, sizes: tuple, tensors: list, args: tuple, kwargs: dict
 ) -> None:
     """A new size ran as written: let the call's settled layout count the structure's next
-    new sizes and run them as written itself (``SizeTable.fresh``), where the layout
+    new sizes and run them as written itself (``SizeTable.structure``), where the layout
     reads the call's tensors in the plan key's order (both count in ``structure.seen``)."""
     st = runner.st
     if st.observer is not None or not settles(args, kwargs):

@@ -59,7 +59,7 @@ MAX_SETTLED_SIZES = 256
 # they admitted that it remembers (forgotten all at once when full).
 MAX_SETTLED_BUCKETS = 64
 MAX_BUCKET_HITS = 1024
-# New sizes a layout counts itself (``SizeTable.fresh``; the size policy's own table,
+# New sizes a layout counts itself (in ``Structure.seen``, the size policy's own table,
 # which evicts, holds at least as many): past that, new sizes take the full path.
 MAX_FRESH_SIZES = 1024
 
