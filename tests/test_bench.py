@@ -106,6 +106,11 @@ def test_peers_of_the_reference_case_compute_the_same_function(tmp_path):
     # fusion happened in the fused variants and not in the others
     assert rows["streamsched serial"]["info"]["fused_groups"] > 0
     assert rows["streamsched serial, no fusion"]["info"]["fused_groups"] == 0
+    # the default (auto) runs an inference structure's first call as written: its one-off
+    # cost and its plan are those of the call that planned, the second
+    assert rows["streamsched"]["info"]["fused_groups"] > 0
+    assert rows["streamsched"]["setup_what"].startswith("first two calls")
+    assert rows["streamsched serial"]["setup_what"] == "first call (trace + fuse + plan)"
     assert rows["streamsched threads"]["info"]["executor"] == "threads"
     train = report["cases"][1]
     assert {row["name"] for row in train["rows"]} == {
