@@ -20,6 +20,7 @@ from .errors import ProfileMismatchError, TraceError
 from .frontend.effects import EffectRecorder, Effects
 from .frontend.meta import fetch_attr, run_and_record
 from .frontend.nodes import node_label
+from .frontend.opaque_outputs import OutputCheck
 from .frontend.trace import Traced, dtype_probes, trace_model
 from .frontend.trace_guard import autocast_state
 from .observe.schedule_profiles import check_profile, load_profile, profile_costs
@@ -299,6 +300,7 @@ def compile_signature(runner: Runner, traced: Traced, key: Any, tensors: list[to
         planned.plan = planned.plan.model_copy(update={"notes": notes})
     compiled = Compiled(planned, program, rebuild, runner.cuda_graph and planned.plan.device.startswith("cuda"))
     compiled.nested_sites = runner.opaque_sites(planned.plan)
+    compiled.checks = any(isinstance(n.target, OutputCheck) for n in traced.graph.nodes)
     if effects.writes_inputs:
         compiled.alias_pattern = alias_pattern(tensors)
     if runner.auto:

@@ -25,6 +25,7 @@ from .errors import HooksWarning, TraceError, UntraceableWarning, raised_in, use
 from .frontend.checkpointing import in_checkpoint_region
 from .frontend.hooks import global_hooks, has_hooks
 from .frontend.leafcalls import counting_dispatch
+from .frontend.opaque_outputs import OpaqueOutputChanged
 from .frontend.trace import dtypes_same
 from .frontend.trace_guard import autocast_state
 from .nesting import NestedPlans
@@ -190,9 +191,44 @@ class Runner:
         if st.observer is None:
             if entry.as_written:
                 return self.run_as_written(entry, spec, args, kwargs)
+            if entry.checks:
+                return self.checked(entry, tensors, args, kwargs)
             if entry.trial is not None and self.trials:
                 return self.trial(entry, entry.trial, tensors, args, kwargs)
+        elif entry.checks:
+            return self.checked(entry, tensors, args, kwargs)
         return entry.rebuild(self.run(entry, tensors))
+
+    def checked(self, compiled: Compiled, tensors: list[torch.Tensor], args: tuple, kwargs: dict) -> Any:
+        """A call of a plan that reads opaque calls' values through checks of their
+        structure (``frontend.opaque_outputs``): a value of another structure (a mask
+        builder returning a mask for a padded batch where the trace saw ``None`` for an
+        unpadded one of the same shape) stops the plan before the code that reads it.
+        Where the plan writes no state (no in-place write to a storage it did not
+        allocate), the partial run left nothing behind but the random numbers it drew,
+        which are put back: the call runs the model as written, and so do this
+        signature's later calls (its structure changes between calls; a plan per
+        structure would re-record at every change). A plan that writes state raises."""
+        cuda = compiled.device.startswith("cuda")
+        rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state(compiled.device) if cuda else None
+        try:
+            if self.st.observer is None and compiled.trial is not None and self.trials:
+                return self.trial(compiled, compiled.trial, tensors, args, kwargs)
+            return compiled.rebuild(self.run(compiled, tensors))
+        except OpaqueOutputChanged as exc:
+            if compiled.schedule.effects:
+                raise
+            torch.set_rng_state(rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state(cuda_rng, compiled.device)
+            why = (
+                f"an opaque call's output structure changed between calls of this signature ({exc.changed}): "
+                "calls with this signature run the model as written"
+            )
+            compiled.run_as_written(why)
+            self.st.hot = None
+            return self.as_written(args, kwargs)
 
     def revalidate(self) -> None:
         """Some module somewhere was re-wired, switched mode or had a flag set: drop the

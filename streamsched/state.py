@@ -121,6 +121,7 @@ class Compiled:
         "nested_sites",
         "graphs",
         "direct",
+        "checks",
     )
 
     # Its calls run as written (``as_written``) without nesting the forward's children; the
@@ -159,6 +160,9 @@ class Compiled:
         # (verdict, function, nvtx_wanted): how the runner calls the plan while the
         # verdict is this one (runner.Runner.direct).
         self.direct: Optional[tuple] = None
+        # Whether the program reads opaque calls' values through structure checks
+        # (frontend.opaque_outputs.OutputCheck): its calls run through Runner.checked.
+        self.checks = False
 
     @property
     def plan(self) -> Plan:
@@ -186,6 +190,11 @@ class Compiled:
     def _decide(self, verdict: dict, as_written: bool) -> None:
         self.verdict, self._shown, self.as_written, self.trial = verdict, None, as_written, None
         self.executor = self.plan.schedule_executor
+
+    def run_as_written(self, why: str) -> None:
+        """Calls with this signature run the model's own forward from now on (``why``:
+        what ``sm.plan`` says), whatever the trial would have decided."""
+        self._decide({"executor": "eager", "reason": why}, True)
 
     def apply(self, decision: Decision) -> None:
         """A size of a bucket already decided: no trial (or no more of it). A bucket

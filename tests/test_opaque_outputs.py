@@ -4,11 +4,13 @@ A leaf call's value is a proxy while tracing, and ``if g is not None:`` is true 
 proxy: the trace took the branch eager never takes and fed ``None`` to a Linear (XLNet's
 relative attention returns ``(h, None)``). The recording call finds such values, the
 trace learns the call's structure and is made again, and the call goes on in the new
-graph; later calls check the structure and refuse another one loudly."""
+graph; later calls check the structure: another one runs the call as written (or, where
+the plan wrote state before the check, is refused loudly)."""
 
 from __future__ import annotations
 
 import copy
+from typing import Optional
 
 import pytest
 import torch
@@ -163,30 +165,128 @@ def test_a_branch_on_none_that_reads_nothing_of_it():
     assert len(_checks(sm)) == 1
 
 
-def test_a_structure_that_changes_between_calls_is_refused_loudly():
-    class Flaky(nn.Module):
+class Flaky(nn.Module):
+    """``(2x, x)`` for inputs of positive sum, ``(2x, None)`` else: its structure is the
+    data's (transformers' mask builders return ``None`` for a batch without padding and a
+    mask for one with padding, of the same shape)."""
+
+    def forward(self, x):
+        return x * 2, (x if x.sum() > 0 else None)
+
+
+class FlakyModel(nn.Module):
+    def __init__(self, before: Optional[nn.Module] = None):
+        super().__init__()
+        self.before = before if before is not None else nn.Identity()
+        self.flaky = Flaky()
+        self.lin = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x):
+        a, b = self.flaky(self.before(x))
+        if b is not None:
+            a = a + self.lin(b)
+        return self.out(a)
+
+
+@pytest.mark.parametrize("executor", ["auto", "serial"])
+def test_a_structure_that_changes_between_calls_of_one_signature_runs_as_written(executor):
+    """A plan made for ``(tensor, None)`` meets ``(tensor, tensor)``: its check stops it
+    before the code that reads the value, and the call (and the signature's later ones)
+    run the model as written, equal to eager, instead of raising."""
+    model = FlakyModel()
+    ref = copy.deepcopy(model)
+    sm = ss.StreamScheduledModule(model, executor=executor, leaf_modules=[Flaky])
+    for call in range(10):
+        x = -torch.rand(3, 8) if call < 4 or call == 8 else torch.rand(3, 8)
+        for p in [*model.parameters(), *ref.parameters()]:
+            p.grad = None
+        out, expected = sm(x), ref(x)
+        assert_close(out, expected, what=f"call {call}")
+        out.pow(2).sum().backward()
+        expected.pow(2).sum().backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert_close(p.grad, q.grad, what=f"grad {name} (call {call})")
+        if call == 0:
+            assert_path(sm, "recorded")
+        elif call < 6:  # the auto trial may run the model as written meanwhile
+            assert_path(sm, "plan:serial", *(("as-written",) if executor == "auto" or call > 3 else ()))
+        else:
+            assert_path(sm, "as-written")
+    assert sm.plan.executor == "eager" and "output structure changed" in sm.plan.reason, sm.plan.reason
+
+
+def test_the_random_numbers_a_stopped_plan_drew_are_put_back():
+    """Dropout before the check draws its mask in the plan, which then stops: the call
+    run as written draws the same mask eager does."""
+    model = FlakyModel(nn.Dropout(0.5)).train()
+    ref = copy.deepcopy(model)
+    sm = ss.StreamScheduledModule(model, executor="serial", leaf_modules=[Flaky])
+    for call in range(4):
+        x = (-torch.rand(3, 8) - 1) if call < 2 else (torch.rand(3, 8) + 1)
+        torch.manual_seed(call)
+        out = sm(x)
+        torch.manual_seed(call)
+        expected = ref(x)
+        assert_close(out, expected, what=f"call {call}")
+    assert_path(sm, "as-written")
+
+
+def test_a_structure_that_changes_after_a_plan_wrote_state_is_refused_loudly():
+    """A module counting its calls in a buffer updates it before the check: the call
+    cannot be run again, and the plan refuses it instead of counting it twice."""
+
+    class Counting(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("calls", torch.zeros(()))
+
         def forward(self, x):
-            return x * 2, (x if x.sum() > 0 else None)
+            self.calls.add_(1)
+            return x
+
+    model = FlakyModel(Counting())
+    sm = ss.StreamScheduledModule(model, executor="serial", leaf_modules=[Flaky])
+    negative = -torch.rand(3, 8)
+    sm(negative)
+    sm(negative)
+    assert_path(sm, "plan:serial")
+    with pytest.raises(OpaqueOutputChanged, match="flaky"):
+        sm(torch.rand(3, 8))  # (tensor, tensor): the trace would skip eager's branch
+    assert float(model.before.calls) == 3
+
+
+def test_a_new_size_whose_structure_is_not_the_learned_one_is_learned_again():
+    """The learned structure holds for the call structure, all sizes: a mask builder
+    returning ``None`` up to a window length and a mask beyond it (a sliding-window
+    decoder generating without a cache) meets the other structure on the recording call
+    of a new size, which learns it and records the call (not raise)."""
+
+    class Window(nn.Module):
+        def forward(self, x):
+            return x * 2, (x if x.shape[0] > 4 else None)
 
     class Model(nn.Module):
         def __init__(self):
             super().__init__()
-            self.flaky = Flaky()
+            self.window = Window()
             self.lin = nn.Linear(8, 8)
 
         def forward(self, x):
-            a, b = self.flaky(x)
+            a, b = self.window(x)
             if b is not None:
                 a = a + self.lin(b)
             return a
 
-    sm = ss.StreamScheduledModule(Model(), executor="serial", leaf_modules=[Flaky])
-    negative = -torch.rand(3, 8)
-    assert_close(sm(negative), sm.module(negative))  # learns (tensor, None)
-    assert_close(sm(negative), sm.module(negative))
-    assert_path(sm, "plan:serial")
-    with pytest.raises(OpaqueOutputChanged, match="flaky"):
-        sm(torch.rand(3, 8))  # (tensor, tensor): the trace would skip eager's branch
+    model = Model()
+    sm = ss.StreamScheduledModule(model, executor="serial", leaf_modules=[Window])
+    seen = set()
+    for rows in (3, 3, 6, 6, 3, 6, 2, 2):
+        x = torch.randn(rows, 8)
+        assert_close(sm(x), model(x), what=f"{rows} rows")
+        # 2 rows: recorded with the structure learned at 6 rows, learned again.
+        assert_path(sm, "plan:serial" if rows in seen else "recorded")
+        seen.add(rows)
 
 
 def test_a_none_inside_an_object_the_trace_cannot_rebuild_is_refused():

@@ -63,7 +63,12 @@ _CONSTANTS = (type(None), bool, int, float, str)
 
 
 class OpaqueOutputChanged(RuntimeError):
-    """An opaque call returned another structure than the trace was made for."""
+    """An opaque call returned another structure than the trace was made for.
+    ``changed``: which call, what it returned and what the trace was made for."""
+
+    def __init__(self, changed: str, message: str):
+        super().__init__(message)
+        self.changed = changed
 
 
 class Skeleton:
@@ -246,11 +251,14 @@ class OutputCheck:
     def __call__(self, value: Any) -> Any:
         if not self.skeleton.matches(value):
             got = skeleton_of(value)
+            returned = got.shape if got else type(value).__name__
             raise OpaqueOutputChanged(
-                f"'{self.label}' returned {got.shape if got else type(value).__name__} where the trace was made "
+                f"'{self.label}' returned {returned}, the trace {self.skeleton.shape}",
+                f"'{self.label}' returned {returned} where the trace was made "
                 f"for {self.skeleton.shape}: its output structure (None-ness) changes between calls "
-                "of one signature, which a trace cannot follow. Make its caller a @streamsched.branch or list the "
-                "caller's class in leaf_modules=, so that the code reading it runs as written."
+                "of one signature, which a trace cannot follow, and the plan writes state in place, so the call "
+                "cannot be run again as written. Make its caller a @streamsched.branch or list the "
+                "caller's class in leaf_modules=, so that the code reading it runs as written.",
             )
         return value
 
@@ -285,11 +293,16 @@ def misleads(node: fx.Node, value: Any, in_sequence: Callable[[fx.Node], bool] =
     proxy: a ``None`` anywhere in a structure the tracer can hand the traced code instead
     (``if g is not None:`` may have been decided on the proxy, even where nothing reads
     ``g``), or a value the graph reads other than as it is (:func:`consistent`). Tensors
-    never; values already read through an :class:`OutputCheck` never (the check runs
-    next)."""
+    never, unless read through an :class:`OutputCheck`: a value read through one misled
+    the trace where it has another structure than the check's (the trace was made for
+    the structure learned on an earlier call: learned again)."""
+    checks = [u.target for u in node.users if u.op == "call_function" and isinstance(u.target, OutputCheck)]
+    if checks:
+        # Read through a check: the trace was made for a learned structure. Another one
+        # on a recording call (a new size of the call structure: a mask builder returns
+        # None up to a window length and a tensor beyond it) is learned in its place.
+        return not checks[0].skeleton.matches(value)
     if isinstance(value, torch.Tensor):
-        return False
-    if any(u.op == "call_function" and isinstance(u.target, OutputCheck) for u in node.users):
         return False
     if node.meta.get(_STRUCTURE_READ):
         return True  # code asked the proxy what it is (a capture hook's isinstance): learn it

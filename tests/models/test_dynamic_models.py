@@ -108,3 +108,71 @@ def test_an_encoder_with_a_new_sequence_length_every_batch():
     assert paths.count("recorded") <= 6
     assert all(p != "recorded" for p in paths[-6:]), paths
     assert len(sm.plans) <= 6
+
+
+def _mistral_sliding() -> torch.nn.Module:
+    cfg = transformers.MistralConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        sliding_window=4,
+    )
+    return transformers.MistralForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("executor", ["auto", "serial"])
+def test_a_decoder_fed_batches_with_and_without_padding_of_one_shape(executor):
+    """transformers builds no mask for a batch without padding (``None``: causal
+    attention) and a mask for one with padding, of the same shape: the plan made for one
+    meets the other (its check stops it) and the calls run as written, equal to eager,
+    in eval and in training with every gradient."""
+    torch.manual_seed(0)
+    model = _llama()
+    ref = __import__("copy").deepcopy(model)
+    sm = ss.StreamScheduledModule(model, executor=executor)
+    paths = []
+    for train in (False, True):
+        model.train(train)
+        ref.train(train)
+        for call in range(6):
+            ids = torch.randint(1, VOCAB, (2, 10))
+            mask = torch.ones_like(ids)
+            if call >= 3:
+                mask[1, 7:] = 0
+            for p in [*model.parameters(), *ref.parameters()]:
+                p.grad = None
+            with torch.set_grad_enabled(train):
+                out = sm(input_ids=ids, attention_mask=mask, use_cache=False).logits
+                expected = ref(input_ids=ids, attention_mask=mask, use_cache=False).logits
+                paths.append(last_path(sm))
+                torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+                if train:
+                    out.sum().backward()
+                    expected.sum().backward()
+            if train:
+                for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+                    torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5, msg=name)
+    assert paths[0] == "recorded" and paths[1].startswith("plan:"), paths
+    assert paths[5] == "as-written" and paths[-1] == "as-written", paths
+
+
+def test_generate_without_a_cache_past_the_sliding_window_twice():
+    """Without a cache every step is a new length; the mask builder returns ``None`` up
+    to the window and a mask past it. The second ``generate`` records the lengths it
+    comes back with, each with the structure that length returns."""
+    torch.manual_seed(0)
+    model = _mistral_sliding().eval()
+    prompt = torch.randint(1, VOCAB, (2, 3))
+    kwargs = dict(max_new_tokens=6, do_sample=False, use_cache=False, pad_token_id=0)
+    with torch.no_grad():
+        expected = model.generate(prompt, **kwargs)
+        sm = ss.StreamScheduledModule(model)
+        try:
+            for _ in range(3):
+                assert torch.equal(sm.attach().generate(prompt, **kwargs), expected)
+        finally:
+            sm.detach()
