@@ -1,7 +1,7 @@
 """A process-wide counter that moves whenever a *tracked* module (one inside the tree of
 a wrapped model, see :func:`track`) registers a submodule, parameter or buffer
-(``setattr`` of one, ``register_*``), deletes an attribute (``del model.head``,
-``del model.layers[0]``), or sets a *watched* plain attribute: ``training``
+(``setattr`` of one, ``register_*``; not the one it holds under that name already),
+deletes an attribute (``del model.head``, ``del model.layers[0]``), or sets a *watched* plain attribute: ``training``
 (``.train()``, ``.eval()``, ``bn.training = False``) and every flag a trace read from a
 traced-through module (``drop_prob``, ``use_cache``...), whose value the trace baked in.
 
@@ -94,7 +94,7 @@ def _report_registration(module: Any, name: str) -> None:
 
 def _registered(module: Any, name: str, value: Any) -> None:
     _report_registration(module, name)
-    if tracked(module):
+    if tracked(module) and module.__dict__.get("_modules", {}).get(name) is not value:
         _bump()
         if isinstance(value, _module.Module):
             track(value)
@@ -114,7 +114,10 @@ def buffer_replacements() -> int:
 
 def _registered_tensor(module: Any, name: str, value: Any) -> None:
     _report_registration(module, name)
-    if tracked(module):
+    # A tensor assigned where it is already (``self.pos = self.pos.to(device, dtype)``
+    # of one already there, on every call of CTRL's forward) changes nothing: counted,
+    # every later call would re-check the model's modules and traces.
+    if tracked(module) and not _already(module, name, value):
         buffers = module.__dict__.get("_buffers")
         if buffers is not None and _is_tensor(buffers.get(name)) and _is_tensor(value):
             global _buffer_replacements
@@ -125,6 +128,15 @@ def _registered_tensor(module: Any, name: str, value: Any) -> None:
 
 def _is_tensor(value: Any) -> bool:
     return isinstance(value, Tensor)
+
+
+def _already(module: Any, name: str, value: Any) -> bool:
+    """Whether ``value`` is the parameter or buffer ``module`` holds as ``name`` already
+    (the registration hooks run before it is stored)."""
+    held = module.__dict__
+    return value is not None and (
+        held.get("_parameters", {}).get(name) is value or held.get("_buffers", {}).get(name) is value
+    )
 
 
 _handles = (
