@@ -204,11 +204,12 @@ class Runner:
         structure (``frontend.opaque_outputs``): a value of another structure (a mask
         builder returning a mask for a padded batch where the trace saw ``None`` for an
         unpadded one of the same shape) stops the plan before the code that reads it.
-        Where the plan writes no state (no in-place write to a storage it did not
-        allocate), the partial run left nothing behind but the random numbers it drew,
-        which are put back: the call runs the model as written, and so do this
-        signature's later calls (its structure changes between calls; a plan per
-        structure would re-record at every change). A plan that writes state raises."""
+        Where the plan writes no state (no in-place write to a storage the call did
+        not allocate: ``Effects.writes_state``), the partial run left nothing behind but
+        the random numbers it drew, which are put back: the call runs the model as
+        written, and so do this signature's later calls (its structure changes between
+        calls; a plan per structure would re-record at every change). A plan that
+        writes state raises."""
         cuda = compiled.device.startswith("cuda")
         rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state(compiled.device) if cuda else None
@@ -217,7 +218,7 @@ class Runner:
                 return self.trial(compiled, compiled.trial, tensors, args, kwargs)
             return compiled.rebuild(self.run(compiled, tensors))
         except OpaqueOutputChanged as exc:
-            if compiled.schedule.effects:
+            if compiled.schedule.effects.writes_state:
                 raise
             torch.set_rng_state(rng)
             if cuda_rng is not None:

@@ -216,6 +216,26 @@ def test_a_structure_that_changes_between_calls_of_one_signature_runs_as_written
     assert sm.plan.executor == "eager" and "output structure changed" in sm.plan.reason, sm.plan.reason
 
 
+def test_a_plan_writing_only_what_the_call_allocated_runs_as_written_when_stopped():
+    """A write in place into a tensor the call made itself (a mixture of experts adds
+    each expert's rows into a ``zeros`` of its own with ``index_add_``) leaves nothing
+    behind when the plan is stopped: the call runs as written, as with no write."""
+
+    class Scatter(nn.Module):
+        def forward(self, x):
+            out = torch.zeros_like(x)
+            out.index_add_(0, torch.arange(x.shape[0]), x * 3)
+            return out
+
+    model = FlakyModel(Scatter())
+    ref = copy.deepcopy(model)
+    sm = ss.StreamScheduledModule(model, executor="serial", leaf_modules=[Flaky])
+    for call in range(5):
+        x = -torch.rand(3, 8) if call < 3 else torch.rand(3, 8)
+        assert_close(sm(x), ref(x), what=f"call {call}")
+    assert_path(sm, "as-written")
+
+
 def test_the_random_numbers_a_stopped_plan_drew_are_put_back():
     """Dropout before the check draws its mask in the plan, which then stops: the call
     run as written draws the same mask eager does."""

@@ -337,6 +337,11 @@ class Effects:
     last writer before it in eager order; ``None``: the state before the call). The race
     checker holds every run to it, so a reordering is caught, not only a race."""
     outputs_written: frozenset = frozenset()
+    writes_state: bool = False
+    """Whether some node writes a storage no node of the call allocated (a buffer, a
+    parameter, an input, a tensor a module holds): a call stopped part way has changed
+    state; one that writes only what the call allocated (``index_add_`` into a
+    ``zeros`` of its own) has not."""
     """Nodes whose own fresh output (or a view of it) a later node writes in place: a
     rewrite must not make such a value share storage with another one (fusion's cat of
     a group's outputs as a view of the kernel's output, say), or the write would show
@@ -394,7 +399,10 @@ class Effects:
         after = effect_edges(accesses)
         if graph is not None:
             after = _prune_implied(after, graph)
-        return cls(after, reads, writes, len(location), bool(written & input_keys), sees, frozenset(outputs_written))
+        state = bool(written - set(allocated_by))
+        return cls(
+            after, reads, writes, len(location), bool(written & input_keys), sees, frozenset(outputs_written), state
+        )
 
 
 def _prune_implied(after: dict[str, set[str]], graph: Any) -> dict[str, set[str]]:
