@@ -298,6 +298,8 @@ TIMM: list[ModelSpec] = [
     _timm("hiera_tiny_224", size=224),
     _timm("mambaout_femto"),
     _timm("rdnet_tiny"),
+    _timm("dla60x_c"),
+    _timm("repghostnet_050"),
 ]
 
 
@@ -585,6 +587,63 @@ TRANSFORMERS: list[ModelSpec] = [
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
+    ),
+]
+
+TRANSFORMERS += [
+    _hf("mpnet", "MPNetConfig", "MPNetModel", _TOKENS, **_SMALL),
+    _hf("convbert", "ConvBertConfig", "ConvBertModel", _TOKENS, note="span-based dynamic convolution", **_SMALL),
+    _hf("roformer", "RoFormerConfig", "RoFormerModel", _TOKENS, **_SMALL),
+    _hf(
+        "ctrl",
+        "CTRLConfig",
+        "CTRLLMHeadModel",
+        _DECODER_TOKENS,
+        note="its forward assigns a buffer to itself every call",
+        vocab_size=VOCAB,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        dff=37,
+        n_positions=64,
+    ),
+    _hf(
+        "cohere2",
+        "Cohere2Config",
+        "Cohere2ForCausalLM",
+        _DECODER_TOKENS,
+        note="sliding-window and global layers",
+        **dict(_DECODER, sliding_window=8),
+    ),
+    _hf(
+        "swinv2",
+        "Swinv2Config",
+        "Swinv2ForImageClassification",
+        pixels(2, 32),
+        image_size=32,
+        patch_size=4,
+        embed_dim=16,
+        depths=[1, 1],
+        num_heads=[2, 2],
+        window_size=4,
+        num_labels=5,
+    ),
+    _hf(
+        "upernet_convnext",
+        "UperNetConfig",
+        "UperNetForSemanticSegmentation",
+        pixels(2, 64),
+        note="pyramid pooling branches over a ConvNeXt backbone",
+        backbone_config=dict(
+            model_type="convnext",
+            hidden_sizes=[8, 16, 24, 32],
+            depths=[1, 1, 1, 1],
+            out_features=["stage1", "stage2", "stage3", "stage4"],
+        ),
+        hidden_size=16,
+        auxiliary_in_channels=24,
+        auxiliary_channels=8,
+        num_labels=3,
     ),
 ]
 
