@@ -243,3 +243,67 @@ def test_opaque_function_module_calls_are_not_scheduled():
     assert sm.plan.opaque == []
     assert [f.function for f in sm.plan.opaque_functions] == [f"{__name__}.apply_twice"]
     assert sm.plan.coverage_calls == (2, 4)
+
+
+_APPLY = torch.autograd.Function.__dict__["apply"]
+
+
+class ScaledBackward(torch.autograd.Function):
+    """Forward doubles; backward scales by ``k`` (not the forward's derivative, as a
+    straight-through estimator's or a gradient reversal's is not)."""
+
+    @staticmethod
+    def forward(ctx, x, k):
+        ctx.k = k
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.k, None
+
+
+class CustomGradBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return ScaledBackward.apply(self.lin(x), -3.0)
+
+
+class CustomGradModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(CustomGradBlock() for _ in range(2))
+        self.heads = nn.ModuleList(nn.Linear(6, 3) for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return torch.stack([h(x) for h in self.heads])
+
+
+def test_an_autograd_function_keeps_its_own_backward():
+    """A trace would run ``Function.apply``'s forward on proxies and record its ops, and
+    the plan would differentiate those instead of calling the Function's backward: the
+    module calling it runs as written (its backward in place), the rest is scheduled."""
+    import copy
+
+    model = CustomGradModel()
+    ref = copy.deepcopy(model)
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    for call in range(3):
+        x = torch.randn(4, 6)
+        for p in [*model.parameters(), *ref.parameters()]:
+            p.grad = None
+        out, expected = sm(x), ref(x)
+        assert_path(sm, "recorded" if call == 0 else "plan:serial")
+        assert_close(out, expected, what=f"call {call}")
+        weights = torch.randn(expected.shape)
+        (out * weights).sum().backward()
+        (expected * weights).sum().backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert_close(p.grad, q.grad, what=f"grad {name} (call {call})")
+    assert any("ScaledBackward.apply" in o.reason for o in sm.plan.opaque), sm.plan
+    # Outside a trace, apply is the Function's own.
+    assert torch.autograd.Function.__dict__["apply"] is _APPLY

@@ -303,7 +303,30 @@ def _install_random_refusals() -> dict[tuple[Any, str], Any]:
         if fn is not None:
             originals[(namespace, name)] = fn
             setattr(namespace, name, _refusing(f"{module_name}.{name}", fn, seeds=True))
+    apply = torch.autograd.Function.__dict__.get("apply")  # a classmethod (in C in newer torch)
+    if apply is not None and hasattr(apply, "__get__"):
+        originals[(torch.autograd.Function, "apply")] = apply
+        torch.autograd.Function.apply = classmethod(_refusing_apply(apply))  # type: ignore[method-assign]
     return originals
+
+
+def _refusing_apply(apply: Any) -> Any:
+    """``torch.autograd.Function.apply``, refusing graph values on a tracing thread: fx
+    would run the Function's ``forward`` on proxies and record its ops, and the plan
+    would differentiate those ops instead of calling its ``backward`` (a straight-through
+    estimator, a gradient reversal, YOSO's approximate attention gradient: silently
+    other gradients). The module calling it runs as written, its ``backward`` in place."""
+
+    def refusing(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        if _RANDOM_REFUSAL.tracing() and _has_proxy(args, kwargs):
+            raise SideEffectDuringTrace(
+                f"{cls.__qualname__}.apply (a torch.autograd.Function) is called on traced values: a trace would "
+                "record its forward's ops and differentiate them instead of calling its backward"
+            )
+        return apply.__get__(None, cls)(*args, **kwargs)
+
+    refusing.__wrapped__ = apply  # type: ignore[attr-defined]
+    return refusing
 
 
 _RANDOM_REFUSAL = PatchWhileTracing(_install_random_refusals)
