@@ -595,6 +595,14 @@ TRANSFORMERS += [
     _hf("convbert", "ConvBertConfig", "ConvBertModel", _TOKENS, note="span-based dynamic convolution", **_SMALL),
     _hf("roformer", "RoFormerConfig", "RoFormerModel", _TOKENS, **_SMALL),
     _hf(
+        "yoso",
+        "YosoConfig",
+        "YosoModel",
+        _TOKENS,
+        note="an autograd Function with its own (approximate) backward",
+        **dict(_SMALL, max_position_embeddings=80),
+    ),
+    _hf(
         "ctrl",
         "CTRLConfig",
         "CTRLLMHeadModel",
