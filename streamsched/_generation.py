@@ -3,7 +3,8 @@ a wrapped model, see :func:`track`) registers a submodule, parameter or buffer
 (``setattr`` of one, ``register_*``; not the one it holds under that name already),
 deletes an attribute (``del model.head``, ``del model.layers[0]``), or sets a *watched* plain attribute: ``training``
 (``.train()``, ``.eval()``, ``bn.training = False``) and every flag a trace read from a
-traced-through module (``drop_prob``, ``use_cache``...), whose value the trace baked in.
+traced-through module (``drop_prob``, ``use_cache``...), whose value the trace baked in
+(assigned a value other than the one it holds).
 
 Wrappers compare it with the value they last validated against: unchanged means no
 module of a wrapped model was re-wired, so the per-call check costs one integer
@@ -304,11 +305,22 @@ def assignments() -> int:
     return _assignments
 
 
+_PLAIN = (bool, int, float, str)
+_MISSING = object()
+
+
+def _unchanged(module: Any, name: str, value: Any) -> bool:
+    """Whether ``module`` holds ``value`` as ``name`` already (the object itself, or an
+    equal plain value): NLLB-MoE's router assigns ``self.input_dtype`` on every call."""
+    old = module.__dict__.get(name, _MISSING)
+    return old is value or (type(old) is type(value) and type(value) in _PLAIN and old == value)
+
+
 def _setattr(self, name: str, value: Any) -> None:
     if name in _watched and tracked(self):
         if name == "training":
             _bump_mode()
-        else:
+        elif not _unchanged(self, name, value):
             _bump()
             global _assignments
             _assignments += 1

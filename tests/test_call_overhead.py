@@ -192,6 +192,54 @@ def test_a_forward_assigning_its_own_tensors_and_modules_to_themselves_moves_no_
     assert_close(sm(x), model(x))
 
 
+class RecordsItsDtype(nn.Module):
+    """Assigns a flag on every call, always the same value (NLLB-MoE's router runs
+    ``self.input_dtype = hidden_states.dtype``); run as written (a leaf)."""
+
+    def __init__(self):
+        super().__init__()
+        self.flag = True
+        self.input_dtype = torch.float32
+
+    def forward(self, x):
+        self.input_dtype = x.dtype
+        self.flag = True
+        return x * 2
+
+
+class ReadsAFlag(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.flag = True
+        self.router = RecordsItsDtype()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.router(x)
+        return self.lin(y) if self.flag else y
+
+
+def test_a_watched_flag_assigned_the_value_it_has_moves_no_generation(monkeypatch):
+    """``flag`` is watched (the trace read it); assigning it the value it holds changes
+    nothing and re-checks nothing. Another value still counts, and is seen."""
+    model = ReadsAFlag()
+    sm = ss.StreamScheduledModule(model, executor="serial", leaf_modules=[RecordsItsDtype])
+    x = torch.randn(2, 4)
+    for _ in range(3):
+        sm(x)
+    checks = []
+    original = Runner.revalidate
+    monkeypatch.setattr(Runner, "revalidate", lambda self: (checks.append(1), original(self))[1])
+    before = _generation.current()
+    for _ in range(5):
+        assert_close(sm(x), model(x))
+    assert _generation.current() == before and checks == []
+    model.flag = False
+    assert _generation.current() > before
+    assert_close(sm(x), model(x))
+    assert checks == [1]
+
+
 # --- the wrapper's own call: shortcuts past nn.Module.__call__, the bind and the key ---
 
 
