@@ -175,7 +175,9 @@ def test_a_decoder_fed_batches_with_and_without_padding_of_one_shape(family, exe
             if train:
                 for (name, p), q in zip(model.named_parameters(), ref.parameters()):
                     torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5, msg=name)
-    assert paths[0] == "recorded" and paths[1].startswith("plan:"), paths
+    # (Under auto the first inference call may run as written, the second record.)
+    first = paths.index("recorded")
+    assert first <= 1 and paths[first + 1].startswith("plan:"), paths
     assert paths[5] == "as-written" and paths[-1] == "as-written", paths
 
 
