@@ -18,6 +18,7 @@ from streamsched import cli
 from streamsched.observe import schedule_profiles as profiles
 from streamsched.observe.schedule_profiles import load_profile, measure_profile, profile_costs
 from streamsched.observe.timeline import ObservedCall, TaskSpan
+from streamsched.testing import last_path
 
 from .helpers import Towers
 
@@ -115,7 +116,11 @@ def test_cli_refuses_a_profile_that_spread_too_wide(monkeypatch, capsys, tmp_pat
     real = profiles.measure_profile
 
     def measure_with_a_busy_round(sm, *inputs, **options):
-        sm(*inputs)  # plans (record_runs' warm-up, which the stand-in skips)
+        # record_runs' warm-up, which the stand-in skips: in inference the first call runs
+        # as written and the second plans
+        sm(*inputs)
+        sm(*inputs)
+        assert last_path(sm) != "as-written"
         monkeypatch.setattr(profiles, "record_runs", _fake_rounds(sm._ss.last, per_round))
         return real(sm, *inputs, **options)
 
@@ -139,7 +144,9 @@ def test_cli_sets_a_slowed_round_aside(monkeypatch, capsys, tmp_path):
     real = profiles.measure_profile
 
     def measure(sm, *inputs, **options):
+        sm(*inputs)  # as written (an inference structure's first call), then planned
         sm(*inputs)
+        assert last_path(sm) != "as-written"
         monkeypatch.setattr(profiles, "record_runs", _fake_rounds(sm._ss.last, per_round))
         return real(sm, *inputs, **options)
 
@@ -159,7 +166,11 @@ def test_cli_warns_about_an_unsteady_task_in_a_steady_total(monkeypatch, capsys,
     real = profiles.measure_profile
 
     def measure(sm, *inputs, **options):
-        sm(*inputs)  # plans (record_runs' warm-up, which the stand-in skips)
+        # record_runs' warm-up, which the stand-in skips: in inference the first call runs
+        # as written and the second plans
+        sm(*inputs)
+        sm(*inputs)
+        assert last_path(sm) != "as-written"
         monkeypatch.setattr(profiles, "record_runs", _fake_rounds(sm._ss.last, per_round))
         return real(sm, *inputs, **{**options, "rounds": 2})
 
