@@ -29,7 +29,7 @@ from .frontend.opaque_outputs import OpaqueOutputChanged
 from .frontend.trace import dtypes_same
 from .frontend.trace_guard import autocast_state
 from .nesting import NestedPlans
-from .new_signatures import new_signature, revalidate
+from .new_signatures import _as_written_plan, new_signature, revalidate
 from .observe.nvtx_ranges import NvtxRanges
 from .planning.choice import Trial
 from .planning.signatures import RARE_CALLS
@@ -54,6 +54,16 @@ __all__ = ["Runner"]
 
 # Eager-dispatch calls in a row that launch no branch before a call structure runs as written.
 _QUIET_CALLS = 3
+
+# State traces read changing this often (re-traces within calls) settles the wrapper to
+# run the model as written for a window of calls (``Runner.retrace``): the first window,
+# and the longest, doubled each time the churn is found going on when one ends. A trace
+# and its recording call cost tens of forwards of a small model; one per longest window
+# is about 2-3% of its calls' time.
+CHURN_RETRACES = 3
+CHURN_CALLS = 8
+CHURN_FIRST_WINDOW = 64
+CHURN_MAX_WINDOW = 2048
 
 log = logging.getLogger(__name__)
 
@@ -118,15 +128,19 @@ class Runner:
         if _saved_tensors_hooks(False) is not None and in_checkpoint_region():
             # Its recomputation must save what this call saves: the way every call has.
             return self.as_written(args, kwargs)
+        if st.churned_until > st.calls and self.automatic():
+            return self.churned(args, kwargs, inside_model_call)
         if st.generation != _generation.current():
             self.revalidate()
         probe = st.probe
         if probe is not None and (probe.dtype, probe.device) != st.probed:
             log.info("streamsched: %s was moved or cast; re-tracing", type(self.module).__name__)
-            st.clear(self.module)
+            self.retrace()
         elif st.dtype_probes and not dtypes_same(st.dtype_probes):
-            log.info("streamsched: a parameter of %s was cast; re-tracing", type(self.module).__name__)
-            st.clear(self.module)
+            log.info("streamsched: state %s's traces read changed; re-tracing", type(self.module).__name__)
+            self.retrace()
+        if st.churned_until > st.calls and self.automatic():
+            return self.churned(args, kwargs, inside_model_call)  # a re-trace just now began it
         module = self.module
         if inside_model_call:
             if global_hooks():  # they fire on every submodule call: the forward as written
@@ -235,7 +249,63 @@ class Runner:
         """Some module somewhere was re-wired, switched mode or had a flag set: drop the
         caches that no longer hold (``new_signatures.revalidate``)."""
         if revalidate(self):
-            self.st.clear(self.module)
+            self.retrace()
+
+    def retrace(self) -> None:
+        """The state the traces read changed (a flag, a global, a held tensor, the model
+        cast): drop every trace and plan, and note when. Where that happens again and
+        again (``CHURN_RETRACES`` times within ``CHURN_CALLS`` calls: a temperature
+        annealed, a held tensor replaced, an optimizer step on a weight a kept view shows,
+        every call), each call would trace and record the model anew: the call structures
+        run as written for a window of calls instead (``new_signature``), doubling while
+        the churn goes on when the window ends (``CHURN_MAX_WINDOW`` at most); once it
+        stops, the next trace is planned and tried as any other."""
+        st = self.st
+        st.clear(self.module)
+        calls = st.calls
+        if calls < st.churned_until:
+            return  # running as written: nothing was traced
+        recent = st.churn
+        recent.append(calls)
+        del recent[:-CHURN_RETRACES]
+        if st.churn_window and calls - st.churned_until <= CHURN_CALLS:
+            window = min(2 * st.churn_window, CHURN_MAX_WINDOW)  # it went on after the window
+        elif len(recent) == CHURN_RETRACES and calls - recent[0] < CHURN_CALLS:
+            window = CHURN_FIRST_WINDOW
+        else:
+            return
+        st.churn_window = window
+        st.churned_until = calls + window
+        recent.clear()
+
+        def why() -> Any:
+            left = max(st.churned_until - st.calls, 0)
+            return _as_written_plan(
+                self,
+                "the state the traces read (module attributes, held objects and tensors, globals) changed call "
+                f"after call, each a re-trace: runs as written for {left} more calls, then is traced again",
+            )
+
+        st.churned = AsWritten(make=why)
+        name = type(self.module).__name__
+        log.info("streamsched: %s re-traced call after call; running it as written for %d calls", name, window)
+
+    def churned(self, args: tuple, kwargs: dict, inside_model_call: bool) -> Any:
+        """A call while the state the traces read changes call after call
+        (:meth:`retrace`): the model as written, with nothing traced, keyed or compared
+        (the generation, moved by every flag assigned, is looked at once the window ends;
+        no trace is left to check). Hooks fire as on any call."""
+        st = self.st
+        st.calls += 1
+        module = self.module
+        if not inside_model_call and (
+            (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks)
+            and has_hooks(module)
+            or global_hooks()
+        ):
+            return self.with_hooks(args, kwargs)
+        st.last = st.churned
+        return self.as_written(args, kwargs)
 
     # --- the model as written ---------------------------------------------------------
 

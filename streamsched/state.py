@@ -322,6 +322,13 @@ class WrapperState:
         self.warned_hooks = False
         # An untraceable forward's children, scheduled by plans of their own (nesting.py).
         self.nested: Optional[NestedPlans] = None
+        # Re-traces because the state traces read changed (``Runner.retrace``): the calls
+        # (``calls``) at the latest few, and, once they came too often, the window of
+        # calls that run as written (until ``churned_until``) and its length.
+        self.churn: list[int] = []
+        self.churned_until = 0
+        self.churn_window = 0
+        self.churned: Any = None  # what sm.plan reports for those calls
 
     def settle(self, record: SettledCalls) -> None:
         """Make ``record`` the settled layout checked first. The one it replaces is kept
