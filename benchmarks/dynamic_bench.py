@@ -120,6 +120,18 @@ class Untraceable(Branchy):
         return torch.stack(outs).sum(0)
 
 
+class Annealed(Branchy):
+    """Branchy scaled by a temperature the caller anneals (``model.tau = f(step)``)."""
+
+    def __init__(self, d: int = 16):
+        super().__init__(d)
+        self.tau = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        outs = [m(x) for m in self.mlps] + [self.a(x), self.b(x)]
+        return torch.stack(outs).sum(0) * self.tau
+
+
 class Cache:
     """A stand-in for transformers' ``DynamicCache``: an object holding tensors."""
 
@@ -288,7 +300,18 @@ def _small_cases() -> list[Case]:
         with torch.enable_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(i % 2)):
             yield
 
+    xs = [torch.randn(8, 16) for _ in range(240)]
+
+    def annealed(f: Callable[..., Any]) -> list:
+        model = getattr(f, "module", f)  # the wrapper's model is the one it calls
+        outs = []
+        for i, x in enumerate(xs):
+            model.tau = 1.0 / (1 + i)  # a new value on every call: each one re-traced before
+            outs.append(f(x))
+        return outs
+
     return [
+        Case("small_tau_annealed", "Annealed (Branchy), model.tau set anew before every call", Annealed, annealed),
         Case(
             "small_decode_growing",
             "Branchy, the input grown by one row every call (1 to 240 rows)",

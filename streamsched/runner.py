@@ -91,6 +91,8 @@ class Runner:
         self.may_run_as_written = (
             not config.sync_log and config.chaos is None and not self.cuda_graph and config.grad_handoff != "direct"
         )
+        # Whether calls may settle to run as written (``automatic`` less the observer).
+        self.may_settle = self.auto and self.may_run_as_written
         # Whether an ``auto`` trial may time the calls (sync_log and chaos run the schedule).
         self.trials = not config.sync_log and config.chaos is None
         # Whether this wrapper is a nested child's (nesting.py): its schedule must save
