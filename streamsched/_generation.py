@@ -229,7 +229,7 @@ if not getattr(_module.Module.__delattr__, "_streamsched", False):
 
 # Plain attributes whose assignment moves the counter. Traces add the names of the flags
 # they bake in (``watch``); the set only grows, and checking it costs one set lookup.
-_watched: set[str] = {"training"}
+_watched: set[str] = {"training", "forward"}
 # While a trace runs on some thread, an assignment to a module attribute from that thread
 # is a side effect the trace would not repeat: the tracer registers a callback here.
 _on_setattr: dict[int, Callable[[Any, str], None]] = {}

@@ -288,7 +288,12 @@ class StreamScheduledModule(nn.Module):
                 except Exception as exc:
                     self._runner.annotate(exc)
                     raise
-            if st.churned_until > st.calls and st.observer is None and self._runner.may_settle:
+            if (
+                st.churned_until > st.calls
+                and st.observer is None
+                and self._runner.may_settle
+                and "forward" not in self.module.__dict__  # (Runner.own_forward; attached: the entry)
+            ):
                 # The state the traces read changes call after call (Runner.retrace): the
                 # forward as written, as Runner.churned runs it, where the model holds no
                 # hook of its own (that call runs through the model's __call__).

@@ -128,6 +128,8 @@ class _NestedForward:
     """The ``forward`` a nested child has while its parent's forward runs."""
 
     __slots__ = ("site",)
+    # A forward that enters a wrapper, not one of the user's (Runner.call, trace flags).
+    enters_wrapper = True
 
     def __init__(self, site: _Site):
         self.site = site

@@ -131,6 +131,9 @@ class Runner:
         if _saved_tensors_hooks(False) is not None and in_checkpoint_region():
             # Its recomputation must save what this call saves: the way every call has.
             return self.as_written(args, kwargs)
+        own = self.module.__dict__.get("forward")
+        if own is not None and not getattr(own, "enters_wrapper", False):
+            return self.own_forward(args, kwargs)
         if st.churned_until > st.calls and self.automatic():
             return self.churned(args, kwargs, inside_model_call)
         if st.generation != _generation.current():
@@ -309,6 +312,24 @@ class Runner:
             return self.with_hooks(args, kwargs)
         st.last = st.churned
         return self.as_written(args, kwargs)
+
+    def own_forward(self, args: tuple, kwargs: dict) -> Any:
+        """A call of a model given a ``forward`` of its own instance (``model.forward =
+        f``, as accelerate's hooks and test doubles do): eager's ``model(x)`` calls that,
+        where a trace reads the class's ``forward``. The model as written, through its own
+        ``__call__`` (its hooks fire as in eager), until the attribute is deleted."""
+        st = self.st
+        st.calls += 1
+        name = type(self.module).__name__
+        st.last = AsWritten(
+            make=lambda: _as_written_plan(
+                self,
+                f"{name} has an instance attribute 'forward' of its own, which eager calls instead of "
+                f"{name}.forward (the code a trace reads): runs as written while it is there",
+            )
+        )
+        st.last_path = "as-written"
+        return self.module(*args, **kwargs)
 
     # --- the model as written ---------------------------------------------------------
 

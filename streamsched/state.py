@@ -494,6 +494,8 @@ class AttachedForward:
     """The ``forward`` an attached model gets (``StreamScheduledModule.attach``)."""
 
     __slots__ = ("wrapper", "_signature")
+    # A forward that enters a wrapper, not one of the user's (Runner.call, trace flags).
+    enters_wrapper = True
 
     def __init__(self, wrapper: Any):
         self.wrapper = wrapper

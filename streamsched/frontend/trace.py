@@ -654,10 +654,12 @@ def _flag_values(owner: Any) -> tuple:
         kind = type(v)
         if kind in _FLAG_TYPES or (kind not in _NOT_FLAG_TYPES and is_plain(v)):
             values.append((k, v))
-        elif (
+        elif (k == "forward" and not getattr(v, "enters_wrapper", False)) or (
             kind not in _NOT_FLAG_TYPES and not k.startswith("_streamsched") and (holds_state(v) or kind in _CALLABLES)
         ):
-            # (A partial or bound method the forward calls: replaced, it may compute otherwise.)
+            # (A partial or bound method the forward calls, or an instance's own forward,
+            # which nn.Module.__call__ runs instead of its class's: replaced or deleted,
+            # the module computes otherwise.)
             values.append((k, _Same(v)))
     return tuple(values)
 
