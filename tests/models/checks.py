@@ -347,6 +347,10 @@ class Lockstep:
         self.kernels_checked: set = set()
         # The path of every call, and of the calls whose output types were compared.
         self.paths: list[str] = []
+        # Signatures whose first call ran as written (a call structure's first call in
+        # inference under auto, planning.signatures.FIRST_CALL_AS_WRITTEN): their next
+        # call records, as a first call does.
+        self.deferred: set = set()
         self.structure_paths: list[str] = []
         self.seen = PATHS_SEEN.setdefault((spec.name, options_name(options)), Counter())
         # (args, kwargs, every module's training flag) of each call: replayed in float64
@@ -439,11 +443,22 @@ class Lockstep:
         plan (explicit executor) or the trial's choice. A first call under eager dispatch
         may be followed by a recording call for the same reason (the forward registered
         those hooks while traced, which a trace refuses: hf_bert_hidden_states_attentions);
-        from then on the same rules hold."""
+        from then on the same rules hold. Under ``auto``, a call structure's first call in
+        inference (``eval()``, no gradients) runs as written and its next call is the
+        first one: it is not counted as a call of the signature."""
         path = last_path(self.sm)
-        self.paths.append(path)
         self.seen[path] += 1
         before = self.last_of.get(signature)
+        training, grad = signature[0][0], signature[1]
+        if (
+            before is None
+            and path == "as-written"
+            and not (self.explicit or training or grad)
+            and signature not in self.deferred
+        ):
+            self.deferred.add(signature)
+            return path  # the next call of the signature is its first planned one
+        self.paths.append(path)
         self.last_of[signature] = path
         if path == "recorded":
             self.recordings[signature] = self.recordings.get(signature, 0) + 1
