@@ -20,7 +20,7 @@ from .errors import ProfileMismatchError, TraceError
 from .frontend.effects import EffectRecorder, Effects
 from .frontend.meta import fetch_attr, run_and_record
 from .frontend.nodes import node_label
-from .frontend.opaque_outputs import OutputCheck
+from .frontend.opaque_outputs import OutputCheck, check_recorded_structures
 from .frontend.trace import Traced, dtype_probes, trace_model
 from .frontend.trace_guard import autocast_state
 from .observe.schedule_profiles import check_profile, load_profile, profile_costs
@@ -281,6 +281,9 @@ def compile_signature(runner: Runner, traced: Traced, key: Any, tensors: list[to
     with recorder:
         result = run_and_record(traced.graph, traced.root, tensors, on_error, metas, recorder)
     _guard_dtypes(runner, traced)
+    # A leaf call that returned a tensor here may return None on a later call (the
+    # reverse of what the recording call's re-trace learns): read it through a check.
+    check_recorded_structures(traced.graph, traced.root, metas)
     if st.fusion is not None:
         # (Before anything is stacked for this plan.)
         outputs = result if isinstance(result, (tuple, list)) else ()

@@ -437,3 +437,65 @@ def test_the_output_tree_names_the_container_of_each_leaf():
     assert tree.leaf_parents() == [dict, tuple, list, list, Pair, Pair]
     assert OutputTree.of((1, None)).leaf_parents() == [tuple, tuple]
     assert OutputTree.of(7).leaf_parents() == [None]
+
+
+@pytest.mark.parametrize("executor", ["auto", "serial"])
+def test_a_tensor_on_the_recording_call_then_none_runs_as_written(executor):
+    """The opposite change: the recording call's value is ``(tensor, tensor)``, which the
+    proxy stood for, so the trace went on through ``if b is not None:``; a later call of
+    the signature returns ``(tensor, None)``. The plan's check on what the leaf returned
+    stops it before ``self.lin(None)``, and the call (and the signature's later ones) run
+    the model as written, equal to eager, instead of raising a TypeError."""
+    model = FlakyModel()
+    ref = copy.deepcopy(model)
+    sm = ss.StreamScheduledModule(model, executor=executor, leaf_modules=[Flaky])
+    for call in range(10):
+        x = torch.rand(3, 8) if call < 4 or call == 8 else -torch.rand(3, 8)
+        for p in [*model.parameters(), *ref.parameters()]:
+            p.grad = None
+        out, expected = sm(x), ref(x)
+        assert_close(out, expected, what=f"call {call}")
+        out.pow(2).sum().backward()
+        expected.pow(2).sum().backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert_close(p.grad, q.grad, what=f"grad {name} (call {call})")
+        if call == 0:
+            assert_path(sm, "recorded")
+        elif call < 4:  # the auto trial may run the model as written meanwhile
+            assert_path(sm, "plan:serial", *(("as-written",) if executor == "auto" else ()))
+        else:
+            assert_path(sm, "as-written")
+    assert sm.plan.executor == "eager" and "output structure changed" in sm.plan.reason, sm.plan.reason
+
+
+def test_a_tensor_then_none_before_a_call_the_recording_learned():
+    """The same, where a later leaf call's ``None`` made the recording call trace again:
+    what it noted of the calls before that one holds in the new trace."""
+
+    class HalfNone(nn.Module):
+        def forward(self, x):
+            return x + 1, None
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.flaky, self.pair = Flaky(), HalfNone()
+            self.lin, self.out = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            a, b = self.flaky(x)
+            if b is not None:
+                a = a + self.lin(b)
+            h, g = self.pair(a)
+            if g is not None:
+                h = h + self.lin(g)
+            return self.out(h)
+
+    model = Model()
+    ref = copy.deepcopy(model)
+    sm = ss.StreamScheduledModule(model, executor="serial", leaf_modules=[Flaky, HalfNone])
+    for call in range(5):
+        x = torch.rand(3, 8) if call < 3 else -torch.rand(3, 8)
+        assert_close(sm(x), ref(x), what=f"call {call}")
+        assert_path(sm, "recorded" if call == 0 else "plan:serial" if call < 3 else "as-written")
+    assert len(_checks(sm)) == 2

@@ -19,7 +19,7 @@ from .._gc import cyclic_gc_paused
 from . import node_meta
 from .leafcalls import recording_counter, store_counts
 from .nodes import submodule_resolver
-from .opaque_outputs import leaf_label, misleads
+from .opaque_outputs import copy_recorded_structures, leaf_label, misleads, note_recorded_structure
 from .rank_checks import RankAssumptionError, check_relied
 
 __all__ = ["TensorMeta", "ValueMeta", "describe", "run_and_record", "tensor_metas"]
@@ -174,12 +174,10 @@ class _RecordingRun:
             if node.op == "output":
                 result = value
             else:
-                if (
-                    self.traced is not None
-                    and leaf_label(node) is not None
-                    and misleads(node, value, self._in_sequence)
-                ):
-                    node = self._trace_again(i, node, value)
+                if self.traced is not None and leaf_label(node) is not None:
+                    if misleads(node, value, self._in_sequence):
+                        node = self._trace_again(i, node, value)
+                    note_recorded_structure(node, value)
                 self._check_relied_ranks(node, value)
                 self._keep(i, node, value)
             i += 1
@@ -256,6 +254,7 @@ class _RecordingRun:
         self.submodule = _submodules(self.root)
         renamed = _same_prefix(old, nodes, i)
         self.env = {renamed[n]: v for n, v in self.env.items()}
+        copy_recorded_structures(old[:i], renamed)
         if self.record is not None:
             for n in old[: i + 1]:
                 if n in self.record:

@@ -385,3 +385,62 @@ def learn(model: Any, spec_key: Hashable, path: str, index: int, skeleton: Skele
     if table is None:
         table = _LEARNED[model] = {}
     table[(spec_key, path, index)] = skeleton
+
+
+_RECORDED = "streamsched_recorded_structure"
+
+
+def note_recorded_structure(node: fx.Node, value: Any) -> None:
+    """Note the structure of leaf call ``node``'s value on the recording call (for
+    :func:`check_recorded_structures`)."""
+    node.meta[_RECORDED] = skeleton_of(value)
+
+
+def copy_recorded_structures(nodes: list[fx.Node], renamed: dict[fx.Node, fx.Node]) -> None:
+    """What the recording call noted of ``nodes`` goes to their counterparts in a new
+    trace (``renamed``: old node to new)."""
+    for node in nodes:
+        skeleton = node.meta.get(_RECORDED)
+        if skeleton is not None and node in renamed:
+            renamed[node].meta[_RECORDED] = skeleton
+
+
+def _may_return_none(node: fx.Node, root: torch.nn.Module) -> bool:
+    """Whether leaf call ``node`` runs code that may return ``None`` on some call: an
+    opaque function, a ``@streamsched.branch`` function, or a module that is not a
+    ``torch.nn`` built-in (whose forwards return what their arguments make)."""
+    if node.op == "call_function":
+        return isinstance(node.target, (OpaqueFunction, BranchCall))
+    if node.op != "call_module":
+        return False
+    try:
+        module = root.get_submodule(str(node.target))
+    except AttributeError:  # pragma: no cover - a graph's modules are its root's
+        return True
+    return not type(module).__module__.startswith("torch.nn.")
+
+
+def check_recorded_structures(graph: fx.Graph, root: torch.nn.Module, metas: dict) -> int:
+    """After the recording call: every leaf call that may return ``None`` (see
+    :func:`_may_return_none`) and returned a structure without one (a tensor, a tuple of
+    tensors) is read through an :class:`OutputCheck` of that structure. The proxy stood
+    for the value correctly, so the graph is the one a trace knowing it would make
+    (``if out is not None:`` went eager's way); but a later call of the signature
+    returning ``None`` there (a mask builder for a batch without padding, after a padded
+    one) would feed it to code made for a tensor. The check stops the plan first
+    (``Runner.checked``: the call runs as written, or raises where the plan wrote
+    state). ``metas``: the recording call's value descriptions, by node (the check's is
+    its call's). Returns how many checks were added."""
+    added = 0
+    for node in list(graph.nodes):
+        skeleton = node.meta.get(_RECORDED)
+        if skeleton is None or skeleton.has_none() or node not in metas or not _may_return_none(node, root):
+            continue
+        if any(u.op == "call_function" and isinstance(u.target, OutputCheck) for u in node.users):
+            continue
+        with graph.inserting_after(node):
+            check = graph.call_function(OutputCheck(skeleton, leaf_label(node) or node.name), (node,))
+        node.replace_all_uses_with(check, delete_user_cb=lambda user, check=check: user is not check)
+        metas[check] = metas[node]
+        added += 1
+    return added
