@@ -283,7 +283,7 @@ def compile_signature(runner: Runner, traced: Traced, key: Any, tensors: list[to
     _guard_dtypes(runner, traced)
     # A leaf call that returned a tensor here may return None on a later call (the
     # reverse of what the recording call's re-trace learns): read it through a check.
-    check_recorded_structures(traced.graph, traced.root, metas)
+    check_recorded_structures(traced, metas)
     if st.fusion is not None:
         # (Before anything is stacked for this plan.)
         outputs = result if isinstance(result, (tuple, list)) else ()

@@ -420,7 +420,7 @@ def _may_return_none(node: fx.Node, root: torch.nn.Module) -> bool:
     return not type(module).__module__.startswith("torch.nn.")
 
 
-def check_recorded_structures(graph: fx.Graph, root: torch.nn.Module, metas: dict) -> int:
+def check_recorded_structures(traced: Any, metas: dict) -> int:
     """After the recording call: every leaf call that may return ``None`` (see
     :func:`_may_return_none`) and returned a structure without one (a tensor, a tuple of
     tensors) is read through an :class:`OutputCheck` of that structure. The proxy stood
@@ -430,7 +430,10 @@ def check_recorded_structures(graph: fx.Graph, root: torch.nn.Module, metas: dic
     one) would feed it to code made for a tensor. The check stops the plan first
     (``Runner.checked``: the call runs as written, or raises where the plan wrote
     state). ``metas``: the recording call's value descriptions, by node (the check's is
-    its call's). Returns how many checks were added."""
+    its call's). ``traced``: the :class:`~streamsched.frontend.trace.Traced` whose graph
+    gets them (it holds its program as traced first: a re-trace compares with that).
+    Returns how many checks were added."""
+    graph, root = traced.graph, traced.root
     added = 0
     for node in list(graph.nodes):
         skeleton = node.meta.get(_RECORDED)
@@ -438,6 +441,8 @@ def check_recorded_structures(graph: fx.Graph, root: torch.nn.Module, metas: dic
             continue
         if any(u.op == "call_function" and isinstance(u.target, OutputCheck) for u in node.users):
             continue
+        if not added:
+            traced.hold_traced_program()
         with graph.inserting_after(node):
             check = graph.call_function(OutputCheck(skeleton, leaf_label(node) or node.name), (node,))
         node.replace_all_uses_with(check, delete_user_cb=lambda user, check=check: user is not check)

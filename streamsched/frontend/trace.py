@@ -547,6 +547,22 @@ class Traced:
     """The tensors that existed before the trace from which it computed constants (a
     module's plain tensor attribute's ``.sum()``): guarded by version and place
     (``dtype_guards``), and never taken into a fused stack (``FusionContext.views_held``)."""
+    traced_program: Optional[tuple] = None
+    """``(graph, program text)`` of the graph as traced, held before the recording call
+    added checks of what leaf calls returned (``opaque_outputs.check_recorded_structures``):
+    :meth:`same_program` compares a re-trace with the program as traced."""
+
+    def hold_traced_program(self) -> None:
+        """Hold the program text of the graph as it is now (before checks are added)."""
+        if self.traced_program is None or self.traced_program[0] is not self.graph:
+            self.traced_program = (self.graph, self.graph.python_code("self").src)
+
+    def program_text(self) -> str:
+        """The program as traced (without the checks the recording call added)."""
+        held = self.traced_program
+        if held is not None and held[0] is self.graph:
+            return held[1]
+        return self.graph.python_code("self").src
 
     def dtypes_hold(self) -> bool:
         """Whether every parameter or buffer whose dtype the trace relied on still has
@@ -619,7 +635,7 @@ class Traced:
 
     def same_program(self, other: Traced) -> bool:
         """Whether ``other`` (a re-trace) records exactly this trace's program."""
-        return self.graph.python_code("self").src == other.graph.python_code("self").src
+        return self.program_text() == other.program_text()
 
     def opaque_paths(self) -> dict[str, str]:
         """Each module call that runs opaque because its class could not be traced: path -> reason."""
