@@ -19,6 +19,7 @@ from torch import fx, nn
 from .. import _generation
 from ..branch import BranchCall
 from . import node_meta
+from .opaque_outputs import OutputCheck
 
 __all__ = [
     "node_label",
@@ -143,6 +144,9 @@ def node_label(node: fx.Node) -> str:
     fused = node_meta.fused_label(node)
     if fused:
         return fused
+    if node.op == "call_function" and isinstance(node.target, OutputCheck) and isinstance(node.args[0], fx.Node):
+        # The check of what a leaf call returned goes by the call's name.
+        return node_label(node.args[0])
     scope = scope_of(node)
     name = target_name(node)
     return f"{scope}.{name}" if scope else name
