@@ -1,0 +1,92 @@
+"""What the ``auto`` trial times on the CPU: the call's wall time less the time the
+system kept the calling thread off the cores while it was ready to run (another process
+on a loaded machine). Waits that are the way's own (a sleep, a lock, lanes) stay."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+import streamsched as ss
+from streamsched import runner as runner_module
+from streamsched.runtime.serial import SerialExecutor
+from streamsched.testing import assert_path
+
+from .helpers import Towers, assert_close
+
+
+def test_time_off_the_cores_is_not_charged_to_the_schedule(monkeypatch):
+    """The schedule's trial calls each lose 40 ms to other processes (the thread's run-queue
+    wait grows by as much as its wall time: simulated), the model as written really waits
+    20 ms per call. The trial keeps the schedule: preemption decides nothing."""
+    waited = [0]
+    monkeypatch.setattr(runner_module, "runqueue_wait_ns", lambda: waited[0])
+
+    def preempted(self, *args, _run=SerialExecutor.run, **kwargs):
+        time.sleep(0.04)
+        waited[0] += 40_000_000
+        return _run(self, *args, **kwargs)
+
+    def waits(self, x, _forward=Towers.forward):
+        time.sleep(0.02)
+        return _forward(self, x)
+
+    monkeypatch.setattr(SerialExecutor, "run", preempted)
+    monkeypatch.setattr(Towers, "forward", waits)
+    model = Towers(3, 16)
+    sm = ss.StreamScheduledModule(model, executor="auto", num_streams=1)
+    compiled = None
+    for _ in range(30):
+        x = torch.randn(4, 16)
+        with torch.no_grad():
+            assert_close(sm(x), model(x), atol=1e-5)
+        compiled = sm._ss.last
+        if compiled.trial is None and compiled.verdict is not None:
+            break
+    assert compiled is not None and compiled.verdict is not None, "the trial did not finish"
+    assert not compiled.as_written, sm.plan.reason
+    with torch.no_grad():
+        sm(torch.randn(4, 16))
+    assert_path(sm, "plan:serial")
+
+
+def test_the_way_s_own_waits_still_count(monkeypatch):
+    """A schedule that really waits 20 ms (a sleep: no run-queue time) loses to the model
+    as written busy for 5 ms more than it: the trial times the wait, not the CPU."""
+    monkeypatch.setattr(runner_module, "runqueue_wait_ns", lambda: 0)
+
+    def slow(self, *args, _run=SerialExecutor.run, **kwargs):
+        time.sleep(0.02)
+        return _run(self, *args, **kwargs)
+
+    def busy(self, x, _forward=Towers.forward):
+        end = time.thread_time() + 0.005
+        while time.thread_time() < end:
+            pass
+        return _forward(self, x)
+
+    monkeypatch.setattr(SerialExecutor, "run", slow)
+    monkeypatch.setattr(Towers, "forward", busy)
+    model = Towers(3, 16)
+    sm = ss.StreamScheduledModule(model, executor="auto", num_streams=1)
+    for _ in range(30):
+        x = torch.randn(4, 16)
+        with torch.no_grad():
+            assert_close(sm(x), model(x), atol=1e-5)
+        if last_ran_as_written(sm):
+            break
+    assert sm.plan.executor == "eager", sm.plan.reason
+    with torch.no_grad():
+        sm(torch.randn(4, 16))
+    assert_path(sm, "as-written")
+
+
+def last_ran_as_written(sm) -> bool:
+    compiled = sm._ss.last
+    return compiled is not None and compiled.as_written
+
+
+def test_the_run_queue_wait_is_read_where_linux_has_it():
+    waited = runner_module.runqueue_wait_ns()
+    assert waited is None or (isinstance(waited, int) and waited >= 0)
