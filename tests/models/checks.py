@@ -297,8 +297,15 @@ def loss_of(out: Any) -> torch.Tensor:
 def double_copy(model: nn.Module) -> nn.Module:
     """A float64 copy of ``model`` for reference runs. transformers' default MoE experts
     kernel (``grouped_mm``) has no float64 version: the copy uses its loop over experts
-    (the same mathematics)."""
-    m64 = copy.deepcopy(model).double()
+    (the same mathematics). A tensor attribute a forward left holding its graph
+    (RecurrentGemma keeps its last recurrent state) is copied detached: ``deepcopy``
+    refuses tensors that are not graph leaves."""
+    memo: dict = {}
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, torch.Tensor) and not value.is_leaf:
+                memo[id(value)] = value.detach().clone()
+    m64 = copy.deepcopy(model, memo).double()
     if hasattr(m64, "set_experts_implementation") and getattr(m64.config, "_experts_implementation", None):
         m64.set_experts_implementation("eager")
     return m64
