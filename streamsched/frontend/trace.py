@@ -44,7 +44,7 @@ import torch.utils._pytree as pytree
 from torch import fx
 
 from .. import _generation
-from ..branch import BranchCall, is_branch_module
+from ..branch import _BRANCH_ATTR, BranchCall, is_branch_module
 from ..errors import TraceError
 from . import opaque_functions
 from .binder import CallBinder, CallSpec, is_plain
@@ -1659,6 +1659,11 @@ def _function_code(value: Any) -> Optional[tuple[types.CodeType, dict]]:
     fn = value.__func__ if isinstance(value, (staticmethod, classmethod, types.MethodType)) else value
     if isinstance(fn, property):
         fn = fn.fget
+    if getattr(fn, _BRANCH_ATTR, False):
+        # A @streamsched.branch function is one opaque task: its body runs on every call,
+        # so nothing it reads is baked into a plan (guarded, a list it appends to would
+        # fail its guard on every call and re-trace the model each time).
+        return None
     fn = getattr(fn, "__wrapped__", fn)  # functools.wraps, lru_cache
     if isinstance(fn, types.FunctionType) and not _library_namespace(fn.__globals__):
         return fn.__code__, fn.__globals__
