@@ -30,7 +30,7 @@ from .planning.plan import Plan, signature_text_of
 from .planning.planner import device_of, make_schedule, signature_text
 from .planning.signatures import Structure, sizes_text
 from .runtime.program import ProgramCache, annotate_exception, compile_program
-from .settled_calls import SettledCalls, settles
+from .settled_calls import SettledCalls, settles, tensors_of
 from .state import UNIFORM_SCHEDULE_MARGIN, AsWritten, Compiled, alias_pattern, count_unsettled, placement_probe
 
 if TYPE_CHECKING:
@@ -178,8 +178,7 @@ def _count_new_sizes(
     settled = st.settled_layout(args, kwargs)
     if settled is not None and (settled.sizes is None or settled.sizes.structure is structure):
         return
-    ordered = [a for a in args if type(a) is torch.Tensor]
-    ordered += [kwargs[k] for k in sorted(kwargs) if type(kwargs[k]) is torch.Tensor]
+    ordered = tensors_of(args, kwargs)
     if len(ordered) != len(tensors) or any(a is not t for a, t in zip(ordered, tensors)):
         return
     metas = [m[1:] for m in sizes]

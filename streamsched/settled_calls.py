@@ -45,7 +45,16 @@ from .frontend.binder import is_plain
 from .frontend.trace_guard import autocast_state
 from .planning.signatures import ANY_SIZE, size_bucket
 
-__all__ = ["BucketCall", "SettledCalls", "SizeTable", "settles", "shapes_of", "tensor_meta", "value_entry"]
+__all__ = [
+    "BucketCall",
+    "SettledCalls",
+    "SizeTable",
+    "settles",
+    "shapes_of",
+    "tensor_meta",
+    "tensors_of",
+    "value_entry",
+]
 
 _MISSING = object()
 
@@ -251,9 +260,18 @@ def settles(args: tuple, kwargs: dict) -> bool:
     return found
 
 
+def tensors_of(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """A call's tensors in the order a layout reads them: the positional arguments' first,
+    then the keywords' by name."""
+    tensors = [a for a in args if type(a) is torch.Tensor]
+    tensors += [kwargs[k] for k in sorted(kwargs) if type(kwargs[k]) is torch.Tensor]
+    return tensors
+
+
 def shapes_of(args: tuple, kwargs: dict) -> tuple:
-    """The key of a tensor layout's table of sizes: each tensor's shape, the positional
-    arguments' first, then the keywords' by name (the order ``admits`` reads them in)."""
+    """The key of a tensor layout's table of sizes: each tensor's shape, in
+    :func:`tensors_of`'s order (the order ``admits`` reads them in; written out: this
+    runs on settled calls)."""
     shapes = [a.shape for a in args if type(a) is torch.Tensor]
     for name in sorted(kwargs):
         v = kwargs[name]
