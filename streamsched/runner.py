@@ -753,9 +753,13 @@ class Runner:
         try:
             # (A clock with no thread_time is one a caller put in its place: its own.)
             thread_time = None if cuda else getattr(time, "thread_time", None)
+            # The run-queue readings lie inside the wall clock's: a wait the system
+            # imposed between two readings is one the wall time holds, so the difference
+            # never takes off more than the call's own span held (a preemption just before
+            # the first reading or after the last one is in neither).
+            start = time.perf_counter()
             waited = None if thread_time is None else runqueue_wait_ns()
             cpu_start = thread_time() if waited is not None else 0.0
-            start = time.perf_counter()
             if executor is None:
                 out = self.as_written(args, kwargs)
             else:
@@ -763,9 +767,8 @@ class Runner:
                 out = compiled.rebuild(self._execute(compiled, executor, tensors))
             if cuda:
                 torch.cuda.synchronize(device)
-            wall = time.perf_counter() - start
             if waited is None or thread_time is None:
-                return out, wall
+                return out, time.perf_counter() - start
             # The time the system kept this thread off the cores while it was ready to run
             # (other processes on a loaded machine) is no cost of the way: left out. Its
             # waits for lanes, locks or sleeps stay. (UperNet's trial calls took 4-5x
@@ -773,6 +776,7 @@ class Runner:
             # than eager was kept on that noise.) Never less than the thread's CPU time.
             cpu = thread_time() - cpu_start
             after = runqueue_wait_ns()
+            wall = time.perf_counter() - start
             if after is None:
                 return out, wall
             return out, max(wall - (after - waited) * 1e-9, cpu)

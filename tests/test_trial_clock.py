@@ -90,3 +90,37 @@ def last_ran_as_written(sm) -> bool:
 def test_the_run_queue_wait_is_read_where_linux_has_it():
     waited = runner_module.runqueue_wait_ns()
     assert waited is None or (isinstance(waited, int) and waited >= 0)
+
+
+def test_a_preemption_around_the_call_is_not_taken_off_its_time(monkeypatch):
+    """The system may keep the thread off the cores just before or after a run-queue
+    reading. Such a wait, counted between the two readings, must lie inside the call's
+    wall time too: taken off a span that never held it, it would make a 20 ms call
+    look shorter than the 20 ms it sleeps. Each simulated reading is preceded by 10 ms
+    off the cores."""
+    waited = [0]
+
+    def preempted_then_read():
+        time.sleep(0.01)
+        waited[0] += 10_000_000
+        return waited[0]
+
+    monkeypatch.setattr(runner_module, "runqueue_wait_ns", preempted_then_read)
+
+    def sleeps(self, x, _forward=Towers.forward):
+        time.sleep(0.02)
+        return _forward(self, x)
+
+    monkeypatch.setattr(Towers, "forward", sleeps)
+    model = Towers(3, 16)
+    sm = ss.StreamScheduledModule(model, executor="auto", num_streams=1)
+    for _ in range(30):
+        x = torch.randn(4, 16)
+        with torch.no_grad():
+            assert_close(sm(x), model(x), atol=1e-5)
+        compiled = sm._ss.last
+        if compiled.trial is None and compiled.verdict is not None:
+            break
+    trial = sm.plan.trial
+    assert trial is not None and "eager" in trial.best_us, sm.plan.reason
+    assert trial.best_us["eager"] >= 20_000, trial.best_us
