@@ -13,6 +13,14 @@ call read that wants one (its inputs and the model's parameters) is computed:
   (Not ``register_multi_grad_hook``: over leaf tensors it makes ``torch.autograd.grad``
   raise.)
 
+On the CPU, the time the system kept the backward's thread off the cores while it was
+ready to run (other processes on a loaded machine: ``_clock``) is taken off, as the
+forward's timer does: read once at the start and once when the autograd engine finishes
+the backward (a callback it runs then), never per end hook. What waited between the last
+end and that callback is not in the span: at most that stretch of the wait is left in,
+so the figure never drops below the backward's own time (the wait can only be
+under-subtracted). A backward run on another thread than its start's keeps the wall time.
+
 On CUDA the ends are CUDA events recorded on the stream running the hook, and the time
 is the device's (``elapsed_time``), read after the last one completed. The hooks sit
 only on trial calls, are removed when the sample is read (or given up), and change no
@@ -31,11 +39,14 @@ Example (what the wrapper does on a trial call)::
 
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 from typing import Any, Optional, Sequence
 
 import torch
+
+from . import _clock
 
 __all__ = ["BackwardSample", "grad_outputs"]
 
@@ -60,7 +71,7 @@ def grad_outputs(value: Any, out: Optional[list] = None) -> list[torch.Tensor]:
 class BackwardSample:
     """The backward time of one trial call, once its backward ran (module docstring)."""
 
-    __slots__ = ("_started", "_ended", "_handles", "_hooked", "_cuda")
+    __slots__ = ("_started", "_ended", "_handles", "_hooked", "_cuda", "_waited", "_finished")
 
     # Read by the fused groups' gradient hand-off (passes/fusion/params.py, an earlier
     # layer): a parameter hooked only by a sample's timers counts as not hooked.
@@ -74,6 +85,10 @@ class BackwardSample:
         # graph behind them, alive), to take their emptied hook dicts off.
         self._hooked: list = []
         self._cuda = cuda
+        # CPU: (thread, run-queue ns) read at the start, and (thread, run-queue ns, clock)
+        # read when the engine finished the backward.
+        self._waited: Any = None
+        self._finished: Any = None
 
     @classmethod
     def attach(
@@ -103,7 +118,14 @@ class BackwardSample:
         if self._cuda:
             self._ended.synchronize()
             return self._started.elapsed_time(self._ended) / 1e3
-        return self._ended - self._started
+        wall = self._ended - self._started
+        waited, finished = self._waited, self._finished
+        if waited is None or finished is None or waited[0] != finished[0] or None in (waited[1], finished[1]):
+            return wall
+        # The wait read spans [start, finish]; the stretch after the last end, at most
+        # (finish - end) long, may hold part of it: left in, so none is over-subtracted.
+        off = (finished[1] - waited[1]) * 1e-9 - max(finished[2] - self._ended, 0.0)
+        return wall - off if off > 0.0 else wall
 
     def _now(self) -> Any:
         if self._cuda:
@@ -113,8 +135,21 @@ class BackwardSample:
         return time.perf_counter()
 
     def _start(self, grad: Any) -> None:
-        if self._started is None:
-            self._started = self._now()
+        if self._started is not None:
+            return
+        self._started = self._now()
+        if self._cuda:
+            return
+        self._waited = (threading.get_ident(), _clock.runqueue_wait_ns())
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        except RuntimeError:  # not inside a backward the engine runs: the wall time stands
+            pass
+
+    def _finish(self) -> None:
+        """Run by the autograd engine when the backward is done (CPU only)."""
+        waited = _clock.runqueue_wait_ns()
+        self._finished = (threading.get_ident(), waited, time.perf_counter())
 
     def _end(self, grad: Any) -> None:
         self._ended = self._now()

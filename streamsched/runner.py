@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from . import _generation
+from ._clock import runqueue_wait_ns
 from .backward_timing import BackwardSample
 from .config import SchedulerConfig
 from .errors import HooksWarning, TraceError, UntraceableWarning, raised_in, user_stacklevel
@@ -69,19 +70,6 @@ CHURN_MAX_WINDOW = 4096
 log = logging.getLogger(__name__)
 
 _saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
-
-
-_SCHEDSTAT = "/proc/thread-self/schedstat"
-
-
-def runqueue_wait_ns() -> Optional[int]:
-    """Nanoseconds the calling thread has waited on a run queue so far (ready to run,
-    another task on the core), from Linux's ``schedstat``; ``None`` where there is none."""
-    try:
-        with open(_SCHEDSTAT, "rb") as f:
-            return int(f.read().split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 class Runner:

@@ -231,8 +231,11 @@ def random_dag_spec(draw_int, n_ops: int, d_in: int) -> list[tuple[str, tuple[in
 
 
 def spin(seconds: float) -> None:
-    """Busy-wait (a sleep would hand the core to other processes, and on a busy machine the
-    call after it waits for the core to come back: that would be timed as the next call's)."""
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
+    """Busy-wait for ``seconds`` of this thread's CPU time (a sleep would hand the core to
+    other processes, and on a busy machine the call after it waits for the core to come
+    back: that would be timed as the next call's). CPU time, not wall time: the trial
+    takes the time a loaded machine keeps the thread off the cores out of its figures,
+    so a wall-clock spin, preempted, would look shorter than it was planted."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
         pass

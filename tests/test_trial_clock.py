@@ -9,6 +9,7 @@ import time
 import torch
 
 import streamsched as ss
+from streamsched import _clock
 from streamsched import runner as runner_module
 from streamsched.runtime.serial import SerialExecutor
 from streamsched.testing import assert_path
@@ -20,8 +21,10 @@ def test_time_off_the_cores_is_not_charged_to_the_schedule(monkeypatch):
     """The schedule's trial calls each lose 40 ms to other processes (the thread's run-queue
     wait grows by as much as its wall time: simulated), the model as written really waits
     20 ms per call. The trial keeps the schedule: preemption decides nothing."""
+    # The simulated wait on top of the real one: a loaded machine's real waits (a sleep
+    # that wakes late) are taken off both ways as they would be.
     waited = [0]
-    monkeypatch.setattr(runner_module, "runqueue_wait_ns", lambda: waited[0])
+    monkeypatch.setattr(runner_module, "runqueue_wait_ns", lambda: (_clock.runqueue_wait_ns() or 0) + waited[0])
 
     def preempted(self, *args, _run=SerialExecutor.run, **kwargs):
         time.sleep(0.04)
@@ -88,7 +91,7 @@ def last_ran_as_written(sm) -> bool:
 
 
 def test_the_run_queue_wait_is_read_where_linux_has_it():
-    waited = runner_module.runqueue_wait_ns()
+    waited = _clock.runqueue_wait_ns()
     assert waited is None or (isinstance(waited, int) and waited >= 0)
 
 
@@ -124,3 +127,62 @@ def test_a_preemption_around_the_call_is_not_taken_off_its_time(monkeypatch):
     trial = sm.plan.trial
     assert trial is not None and "eager" in trial.best_us, sm.plan.reason
     assert trial.best_us["eager"] >= 20_000, trial.best_us
+
+
+class _Stalls(torch.autograd.Function):
+    """The identity, with a backward that sleeps ``seconds`` and, where ``preempted``,
+    adds as much to the simulated run-queue wait (a stall that is no cost of the way)."""
+
+    @staticmethod
+    def forward(ctx, x, seconds, waited, preempted):
+        ctx.seconds, ctx.waited, ctx.preempted = seconds, waited, preempted
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.seconds)
+        if ctx.preempted:
+            ctx.waited[0] += int(ctx.seconds * 1e9)
+        return grad, None, None, None
+
+
+def _simulated_waits(monkeypatch) -> list[int]:
+    waited = [0]
+    real = _clock.runqueue_wait_ns
+    monkeypatch.setattr(_clock, "runqueue_wait_ns", lambda: (real() or 0) + waited[0])
+    return waited
+
+
+def test_a_backward_kept_off_the_cores_is_not_charged_to_its_way(monkeypatch):
+    """A training trial's backward (backward_timing) that loses 40 ms to other processes
+    is timed at its own few milliseconds, as the forward is."""
+    from streamsched.backward_timing import BackwardSample
+
+    waited = _simulated_waits(monkeypatch)
+    w = torch.randn(8, 8, requires_grad=True)
+    out = _Stalls.apply(torch.randn(4, 8) @ w, 0.04, waited, True)
+    sample = BackwardSample.attach(out, [w], device=None)
+    assert sample is not None
+    out.sum().backward()
+    seconds = sample.seconds
+    sample.remove()
+    assert seconds is not None and seconds < 0.02, seconds
+
+
+def test_a_wait_after_the_call_s_backward_is_not_taken_off_it(monkeypatch):
+    """The run-queue reading ends when the engine finishes the whole backward, after the
+    call's own part: a wait upstream of the call's input (20 ms, simulated) must not be
+    taken off the call's backward, which really sleeps 10 ms (its own wait: it stays)."""
+    from streamsched.backward_timing import BackwardSample
+
+    waited = _simulated_waits(monkeypatch)
+    leaf = torch.randn(4, 8, requires_grad=True)
+    x = _Stalls.apply(leaf * 2, 0.02, waited, True)  # upstream of the call: after its backward
+    w = torch.randn(8, 8, requires_grad=True)
+    out = _Stalls.apply(x @ w, 0.01, waited, False)
+    sample = BackwardSample.attach(out, [x, w], device=None)
+    assert sample is not None
+    out.sum().backward()
+    seconds = sample.seconds
+    sample.remove()
+    assert seconds is not None and seconds >= 0.01, seconds
