@@ -29,6 +29,9 @@ __all__ = [
     "target_name",
     "submodule",
     "submodule_resolver",
+    "modules_of",
+    "named_modules_of",
+    "own_tensor_ids",
     "SubmoduleResolver",
     "resolving_submodules",
     "VIEW_METHODS",
@@ -219,6 +222,112 @@ def children_of(m: nn.Module) -> list[nn.Module]:
     return out
 
 
+# --- module walks ----------------------------------------------------------------------
+
+_NAMED_MODULES = nn.Module.named_modules
+_MODULES = nn.Module.modules
+_OWN_TENSORS = (
+    nn.Module.parameters,
+    nn.Module.named_parameters,
+    nn.Module.buffers,
+    nn.Module.named_buffers,
+    nn.Module._named_members,
+)
+
+
+def _walks_plainly(cls: type) -> bool:
+    """Whether ``nn.Module.named_modules`` visits a module of class ``cls`` as
+    :func:`modules_of` does: the class keeps torch's own ``named_modules``, and its
+    instances are told apart by identity (the walk's memo set hashes them)."""
+    return (
+        getattr(cls, "named_modules", None) is _NAMED_MODULES
+        and cls.__hash__ is object.__hash__
+        and cls.__eq__ is object.__eq__
+    )
+
+
+def modules_of(root: nn.Module) -> list[nn.Module]:
+    """``list(root.modules())``: the same modules in the same order, walked without a
+    generator per module (asked of a whole model several times per trace; on a model of
+    thousands of modules each generator walk cost milliseconds). Where a class in the
+    tree walks its own way (its own ``named_modules``, ``__hash__`` or ``__eq__``), it is
+    ``list(root.modules())`` itself."""
+    if type(root).modules is not _MODULES:
+        return list(root.modules())
+    out: list[nn.Module] = []
+    memo: set[int] = set()
+    plain: set[type] = set()
+    stack = [root]
+    pop, push = stack.pop, stack.extend
+    while stack:
+        m = pop()
+        key = id(m)
+        if key in memo:
+            continue
+        kind = type(m)
+        if kind not in plain:
+            if not _walks_plainly(kind):
+                return list(root.modules())
+            plain.add(kind)
+        memo.add(key)
+        out.append(m)
+        children = m._modules
+        if children:
+            # Pushed last first: popped (visited) in their order, depth first.
+            push([c for c in reversed(children.values()) if c is not None])
+    return out
+
+
+def named_modules_of(root: nn.Module, remove_duplicate: bool = True) -> list[tuple[str, nn.Module]]:
+    """``list(root.named_modules(remove_duplicate=remove_duplicate))``, walked as
+    :func:`modules_of` walks."""
+    out: list[tuple[str, nn.Module]] = []
+    memo: set[int] = set()
+    plain: set[type] = set()
+    stack: list[tuple[str, nn.Module]] = [("", root)]
+    pop, push = stack.pop, stack.extend
+    while stack:
+        item = pop()
+        m = item[1]
+        key = id(m)
+        if key in memo:
+            continue
+        kind = type(m)
+        if kind not in plain:
+            if not _walks_plainly(kind):
+                return list(root.named_modules(remove_duplicate=remove_duplicate))
+            plain.add(kind)
+        if remove_duplicate:
+            memo.add(key)
+        out.append(item)
+        children = m._modules
+        if children:
+            prefix = item[0] + "." if item[0] else ""
+            push([(prefix + name, c) for name, c in reversed(children.items()) if c is not None])
+    return out
+
+
+def own_tensor_ids(root: nn.Module) -> set[int]:
+    """``{id(t) for t in (*root.parameters(), *root.buffers())}``, read off the tables of
+    :func:`modules_of`'s modules (the two walks generated a frame per module and per
+    tensor)."""
+    kind = type(root)
+    if (
+        kind.parameters,
+        kind.named_parameters,
+        kind.buffers,
+        kind.named_buffers,
+        kind._named_members,
+    ) != _OWN_TENSORS:
+        return {id(t) for t in (*root.parameters(), *root.buffers())}
+    out: set[int] = set()
+    for m in modules_of(root):
+        for table in (m._parameters, m._buffers):
+            if table:
+                out.update([id(t) for t in table.values() if t is not None])
+    return out
+
+
 # --- module paths ----------------------------------------------------------------------
 
 _resolved = threading.local()
@@ -255,16 +364,24 @@ def submodule_resolver(root: nn.Module) -> Callable[[str], nn.Module]:
 
 
 @contextlib.contextmanager
-def resolving_submodules(root: nn.Module) -> Iterator[None]:
+def resolving_submodules(root: nn.Module, resolver: SubmoduleResolver | None = None) -> Iterator[None]:
     """While entered (on this thread), :func:`submodule` resolves each path of ``root``
     once: planning looks up the module of every ``call_module`` node in several passes
     (fusion's signatures, its kernels, costs, coverage), and on a model of thousands of
     module calls each ``get_submodule`` walk (two attribute lookups per path component)
     added up to a third of the planning time. The resolutions are dropped when the
     block ends, and ignored within it once any module of a wrapped model is re-wired
-    (the generation moves)."""
+    (the generation moves). ``resolver``: one of ``root`` whose resolutions hold now (no
+    module re-wired since they were made), to go on with; inside a block for ``root``
+    whose resolutions still hold, that block's is gone on with."""
     previous = getattr(_resolved, "cache", None)
-    _resolved.cache = (root, _generation.current(), SubmoduleResolver(root))
+    generation = _generation.current()
+    if resolver is None or resolver.root is not root:
+        if previous is not None and previous[0] is root and previous[1] == generation:
+            resolver = previous[2]
+        else:
+            resolver = SubmoduleResolver(root)
+    _resolved.cache = (root, generation, resolver)
     try:
         yield
     finally:

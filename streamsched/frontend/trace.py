@@ -50,7 +50,7 @@ from . import opaque_functions
 from .binder import CallBinder, CallSpec, is_plain
 from .fx_fast import FastTracerMixin
 from .hooks import capture_collecting, capture_hooks, captures_below, has_hooks
-from .nodes import AUGMENTED_OPERATORS, has_children, submodule_resolver
+from .nodes import AUGMENTED_OPERATORS, has_children, modules_of, named_modules_of, submodule_resolver
 from .opaque_functions import OpaqueFunction, UnsafeOpaqueCall
 from .opaque_outputs import (
     OutputCheck,
@@ -551,6 +551,11 @@ class Traced:
     """``(graph, program text)`` of the graph as traced, held before the recording call
     added checks of what leaf calls returned (``opaque_outputs.check_recorded_structures``):
     :meth:`same_program` compares a re-trace with the program as traced."""
+    resolver: Optional[tuple] = field(default=None, compare=False, repr=False)
+    """``(generation, resolver)``: the module paths the trace resolved
+    (:func:`~streamsched.frontend.nodes.submodule_resolver` of ``root``) and the
+    generation they were resolved at, for the call that traced it to go on with (taken
+    by its recording call, see ``new_signatures.compile_signature``)."""
 
     def hold_traced_program(self) -> None:
         """Hold the program text of the graph as it is now (before checks are added)."""
@@ -945,7 +950,7 @@ def _learned_key(
     """What a learned opaque output holds for: one call structure (with its ranks and
     dtypes), in one train/eval state of every module and one autocast state (what a
     trace is made for)."""
-    return (spec.key, ranks, dtypes, tuple(m.training for m in model.modules()), autocast_state())
+    return (spec.key, ranks, dtypes, tuple([m.training for m in modules_of(model)]), autocast_state())
 
 
 class _OpaqueRetry(Exception):
@@ -990,14 +995,19 @@ def _trace_once(
     root.__dict__["_streamsched_spec"] = spec
     function_sites = [(namespace, name, fn) for namespace, name, fn, _ in sites.values()]
     tracer = _LeafTracer(module_types, model, functions, frozenset(opaque), known, function_sites, ranks, dtypes)
-    containers = snapshot_containers(model)
-    held_state = tracer.held_state = root.__dict__["_streamsched_held_state"] = HeldState(model)
+    # The model's modules, walked once for the snapshots taken before the trace runs.
+    modules = modules_of(model)
+    containers = snapshot_containers(model, modules)
+    held_state = tracer.held_state = root.__dict__["_streamsched_held_state"] = HeldState(model, modules)
+    # The objects the modules hold (before the globals' objects are noted too).
+    held = held_state.objects()
     try:
         try:
             # The globals the code the trace may run names (data only), noted before it runs.
-            for code, namespace in _static_code(list(model.modules()), held_state.objects()).items():
+            for code, namespace in _static_code(modules, held).items():
                 held_state.note_globals(namespace, _global_names(code))
-            with TraceSideEffectGuard(model, root) as guard, GradModeGuard(tracer):
+            guard = TraceSideEffectGuard(model, root, modules, held)
+            with guard, GradModeGuard(tracer):
                 graph = tracer.trace(root)
         finally:
             tracer.held_state = root.__dict__["_streamsched_held_state"] = None  # (even if a restore raises)
@@ -1064,6 +1074,7 @@ def _trace_once(
         dtype_guards=_assumptions(tracer.ranks.assumed) + state_guards,
         baked=baked,
     )
+    traced.resolver = (_generation.current(), resolve)
     # The recording call re-traces through this where a leaf call misled the trace.
     root.__dict__["_streamsched_traced"] = weakref.ref(traced)
     return traced
@@ -1844,7 +1855,7 @@ def _registered_leaf_functions() -> tuple[Any, ...]:
 
 
 def _structure(model: torch.nn.Module) -> tuple:
-    return tuple((name, id(m)) for name, m in model.named_modules(remove_duplicate=False))
+    return tuple([(name, id(m)) for name, m in named_modules_of(model, remove_duplicate=False)])
 
 
 def _user_frame(exc: BaseException) -> Optional[traceback.FrameSummary]:

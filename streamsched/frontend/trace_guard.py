@@ -115,13 +115,23 @@ class TraceSideEffectGuard(TorchDispatchMode):
     """Active while one thread traces ``model``: refuses in-place writes to tensors that
     existed before the trace, and assignments to attributes of the model's modules."""
 
-    def __init__(self, model: torch.nn.Module, trace_root: torch.nn.Module):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        trace_root: torch.nn.Module,
+        modules: Optional[Sequence[torch.nn.Module]] = None,
+        held: Optional[Sequence[Any]] = None,
+    ):
         super().__init__()
+        # ``modules``: ``list(model.modules())``, and ``held``: ``reachable_objects`` of
+        # them, where the caller has them.
+        modules = list(model.modules()) if modules is None else modules
         self.fresh: set[int] = set()
-        self.modules = {id(m) for m in model.modules()}
+        self.modules = {id(m) for m in modules}
         # Objects the modules hold (a config, a tally): assigning their attributes is a
         # side effect too (their classes' __setattr__ reports to _on_setattr once watched).
-        self.objects = {id(o) for o in reachable_objects(list(model.modules())) if _generation.watch_object(o)}
+        held = reachable_objects(modules) if held is None else held
+        self.objects = {id(o) for o in held if _generation.watch_object(o)}
         self.trace_root = trace_root
         self.thread = threading.get_ident()
         # Tensors that existed before the trace (attributes, globals, items of held lists:
@@ -383,12 +393,15 @@ class ContainerWrittenDuringTrace(SideEffectDuringTrace):
     """A traced forward stored into a dict, list or set its module holds (a cache)."""
 
 
-def snapshot_containers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, Any, Any]]:
+def snapshot_containers(
+    model: torch.nn.Module, modules: Optional[Sequence[torch.nn.Module]] = None
+) -> list[tuple[torch.nn.Module, str, Any, Any]]:
     """``(module, name, container, copy)`` for each dict, list or set a module of
     ``model`` holds as a plain attribute (not its tables): what a trace must leave as it
-    found it (:func:`restore_containers`)."""
+    found it (:func:`restore_containers`). ``modules``: ``list(model.modules())`` where
+    the caller has it."""
     found = []
-    for m in model.modules():
+    for m in model.modules() if modules is None else modules:
         for name, value in m.__dict__.items():
             if name in _MODULE_TABLES:
                 continue
@@ -475,6 +488,11 @@ def object_items(obj: Any) -> dict[str, Any]:
     return items
 
 
+# Plain values that hold no state (``is_plain``), the attributes modules hold most (flags,
+# sizes): asked of every attribute of every module before a trace, answered first.
+_ATOMS = frozenset({type(None), bool, int, float, str})
+
+
 def holds_state(value: Any) -> bool:
     """Whether ``value``, held by a module or by an object a module holds, is an object
     whose attributes traced code may read or write: an instance (with an instance dict or
@@ -497,9 +515,16 @@ def reachable_objects(
     module-level namespace traced code reads) are followed as held ones."""
     seen: dict[int, Any] = {id(v): v for v in roots}
     level = list(seen.values())
+    atoms = _ATOMS
     for m in modules:
         for k, v in m.__dict__.items():
-            if k in _MODULE_TABLES or k.startswith("_streamsched") or id(v) in seen or not holds_state(v):
+            if (
+                type(v) in atoms
+                or k in _MODULE_TABLES
+                or k.startswith("_streamsched")
+                or id(v) in seen
+                or not holds_state(v)
+            ):
                 continue
             seen[id(v)] = v
             level.append(v)
@@ -528,7 +553,8 @@ class HeldState:
     :meth:`restore` puts back whatever a trace changed, so that a call run as written
     afterwards starts from the state eager would."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, modules: Optional[Sequence[torch.nn.Module]] = None):
+        # ``modules``: ``list(model.modules())`` where the caller has it.
         self.entries: list[tuple[Any, dict[str, Any], dict[str, Any]]] = []
         # (id(globals), name) -> (globals, name, value, copy of its contents or None).
         self.globals: dict[tuple[int, str], tuple[dict, str, Any, Any]] = {}
@@ -538,15 +564,16 @@ class HeldState:
         # (numpy's own generator, whose state costs 50 us to read) only as the root's does.
         self.hidden: dict[int, tuple[Any, tuple]] = {}
         self.hidden_globals: dict[int, tuple[Any, tuple]] = {}
-        modules = list(model.modules())
+        modules = list(model.modules()) if modules is None else list(modules)
         held = reachable_objects(modules)
         for obj in held:
             items = object_items(obj)
             contents = _contents(items)
             self.entries.append((obj, items, contents))
+        atoms = _ATOMS  # (no hidden state: plain values)
         for owner in (*modules, *held):
             for k, v in (owner.__dict__ if isinstance(owner, torch.nn.Module) else object_items(owner)).items():
-                if k not in _MODULE_TABLES:
+                if type(v) not in atoms and k not in _MODULE_TABLES:
                     self._note_hidden(v)
         numpy_random = sys.modules.get("numpy.random")
         if numpy_random is not None:  # np.random.rand() & co. draw from this one

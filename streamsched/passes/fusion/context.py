@@ -17,6 +17,7 @@ from torch import fx, nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ... import _generation
+from ...frontend.nodes import own_tensor_ids
 from .fuse import FuseResult, fuse_graph
 from .params import StackedTensors, stacks_holding
 from .propose import StaticSignatures, plain_attribute_names, structure_signature
@@ -88,8 +89,7 @@ class FusionContext:
         copy. Eager's view of a weight written by the caller writes the weight; a view a
         module keeps (``self.rows = self.linear.weight.detach()[:2]``) follows every
         optimizer step."""
-        owned = (*self.model.parameters(), *self.model.buffers())
-        own = {id(t) for t in owned}
+        own = own_tensor_ids(self.model)
         storages = set()
         for t in tensors:
             # (A parameter read or returned itself follows its storage.)
@@ -100,7 +100,7 @@ class FusionContext:
                     continue
         if not storages:
             return
-        for t in owned:
+        for t in (*self.model.parameters(), *self.model.buffers()):
             try:
                 if t.untyped_storage().data_ptr() in storages:
                     self._returned.add(id(t))
