@@ -17,9 +17,9 @@ import torch
 
 from . import _generation
 from .errors import ProfileMismatchError, TraceError
-from .frontend.effects import EffectRecorder, Effects
+from .frontend.effects import EffectRecorder, Effects, reads_only
 from .frontend.meta import fetch_attr, run_and_record
-from .frontend.nodes import node_label
+from .frontend.nodes import node_label, resolving_submodules, submodule_resolver
 from .frontend.opaque_outputs import OutputCheck, check_recorded_structures
 from .frontend.trace import Traced, dtype_probes, trace_model
 from .frontend.trace_guard import autocast_state
@@ -276,23 +276,46 @@ def compile_signature(runner: Runner, traced: Traced, key: Any, tensors: list[to
     def on_error(exc: BaseException, node: Any) -> None:
         annotate_exception(exc, st.where_text(node_label(node)))
 
-    recorder = EffectRecorder()
-    with recorder:
-        result = run_and_record(traced.graph, traced.root, tensors, on_error, metas, recorder)
+    graph, root = traced.graph, traced.root
+    # The module paths are resolved once for the whole pipeline (the trace's own
+    # resolutions where this call made the trace), for as long as no module is re-wired.
+    generation = _generation.current()
+    held, traced.resolver = traced.resolver, None
+    if held is not None and held[0] == generation and held[1].root is root:
+        resolve = held[1]
+    else:
+        resolve = submodule_resolver(root)
+    if reads_only(graph, resolve, tensors):
+        # No op of this call can write a storage: the recorder would record no write, and
+        # the effects of its recording are none whatever it read (``reads_only``); its
+        # dispatch mode, through which every op of the call went, is left out.
+        recorder = None
+        result = run_and_record(graph, traced.root, tensors, on_error, metas, resolve=resolve)
+        if traced.graph is not graph:  # pragma: no cover - a call of such nodes misleads no trace
+            raise RuntimeError("streamsched: the trace changed during a call of reading modules only")
+    else:
+        recorder = EffectRecorder()
+        with recorder:
+            result = run_and_record(graph, traced.root, tensors, on_error, metas, recorder, resolve)
     _guard_dtypes(runner, traced)
     # A leaf call that returned a tensor here may return None on a later call (the
     # reverse of what the recording call's re-trace learns): read it through a check.
-    check_recorded_structures(traced, metas)
+    resolved = resolve if traced.root is root and _generation.current() == generation else None
+    check_recorded_structures(traced, metas, resolved)
     if st.fusion is not None:
         # (Before anything is stacked for this plan.)
         outputs = result if isinstance(result, (tuple, list)) else ()
         st.fusion.views_held([*outputs, *_attributes_read(traced), *traced.baked])
-    input_keys = frozenset(recorder.key_of(t) for t in tensors)
-    effects = Effects.from_accesses(recorder.accesses, input_keys, traced.graph)
-    del recorder
+    if recorder is None:
+        effects = Effects()
+    else:
+        input_keys = frozenset(recorder.key_of(t) for t in tensors)
+        effects = Effects.from_accesses(recorder.accesses, input_keys, traced.graph)
+        del recorder
     rebuild = traced.output_tree.rebuilder() if traced.output_tree is not None else _identity
     measured = _measured_costs(runner, tensors)
-    planned = make_schedule(traced, metas, config, tensors, fusion=st.fusion, measured=measured, effects=effects)
+    with resolving_submodules(traced.root, resolved):
+        planned = make_schedule(traced, metas, config, tensors, fusion=st.fusion, measured=measured, effects=effects)
     programs = st.programs.get(traced.graph)
     if programs is None:
         programs = st.programs[traced.graph] = ProgramCache()

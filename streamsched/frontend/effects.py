@@ -27,6 +27,7 @@ Example::
 from __future__ import annotations
 
 import itertools
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -425,3 +426,160 @@ def _prune_implied(after: dict[str, set[str]], graph: Any) -> dict[str, set[str]
                 anc |= ancestors[dep] | (1 << b)
         ancestors[node.name] = anc
     return kept
+
+
+# --- calls that write nothing -----------------------------------------------------------
+
+# ``torch.nn`` classes whose call (``forward``, no hooks, plain tensors in and held) runs
+# ops that only read their tensor arguments and the module's parameters and buffers, and
+# return new tensors (or their input): whatever the sizes, dtypes, device, grad mode or
+# autocast state. The value: the attribute that must be ``False`` for that to hold
+# (``inplace``, ``training``), or ``None``.
+_READING_MODULES: dict[type, Optional[str]] = {
+    torch.nn.Linear: None,
+    torch.nn.Conv1d: None,
+    torch.nn.Conv2d: None,
+    torch.nn.Conv3d: None,
+    torch.nn.LayerNorm: None,
+    torch.nn.GELU: None,
+    torch.nn.Sigmoid: None,
+    torch.nn.Tanh: None,
+    torch.nn.Softmax: None,
+    torch.nn.LogSoftmax: None,
+    torch.nn.Identity: None,
+    torch.nn.ReLU: "inplace",
+    torch.nn.ReLU6: "inplace",
+    torch.nn.LeakyReLU: "inplace",
+    torch.nn.ELU: "inplace",
+    torch.nn.SiLU: "inplace",
+    torch.nn.Hardswish: "inplace",
+    torch.nn.Hardsigmoid: "inplace",
+    torch.nn.Hardtanh: "inplace",
+    torch.nn.Mish: "inplace",
+    # In training, dropout draws its mask into a tensor of its own (inplace: writes its
+    # input); in eval it returns its input.
+    torch.nn.Dropout: "training",
+}
+
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def _plain_index(index: Any) -> bool:
+    """Whether ``index`` is a basic index of ints and int slices (a view: no copy, no
+    write), or a tuple of such, ``None`` and ``...``."""
+    kind = type(index)
+    if kind is int or index is None or index is Ellipsis:
+        return True
+    if kind is slice:
+        return all(v is None or type(v) is int for v in (index.start, index.stop, index.step))
+    if kind is tuple:
+        return all(type(v) is not tuple and _plain_index(v) for v in index)
+    return False
+
+
+def _reading_class(kind: type) -> Any:
+    """The attribute a ``kind`` instance's call reads only with (``False`` there; ``""``:
+    none), or ``None`` where calling one may write or run more than its ``forward``."""
+    if kind not in _READING_MODULES:
+        return None
+    module = torch.nn.Module
+    if kind.__call__ is not module.__call__ or kind._call_impl is not module._call_impl:
+        return None
+    return _READING_MODULES[kind] or ""
+
+
+_READING_CLASSES: dict[type, Any] = {}
+
+
+def _plain_module(module: Any) -> bool:
+    """Whether calling ``module`` runs only its class's ``forward`` (no hook, no
+    per-instance ``forward``, no compiled call), with plain tensors held, and reads only
+    (:data:`_READING_MODULES`)."""
+    kind = type(module)
+    flag = _READING_CLASSES.get(kind, False)
+    if flag is False:
+        flag = _READING_CLASSES[kind] = _reading_class(kind)
+    if flag is None:
+        return False
+    state = module.__dict__
+    if flag and state.get(flag, True) is not False:
+        return False
+    if (
+        "forward" in state
+        or state.get("_compiled_call_impl") is not None
+        or state.get("_modules")
+        or state.get("_forward_hooks")
+        or state.get("_forward_pre_hooks")
+        or state.get("_backward_hooks")
+        or state.get("_backward_pre_hooks")
+    ):
+        return False
+    for table in (state.get("_parameters"), state.get("_buffers")):
+        if table is None:
+            return False
+        for t in table.values():
+            if t is not None and type(t) not in _PLAIN_TENSOR_TYPES:
+                return False
+    return True
+
+
+def reads_only(graph: Any, resolve: Any, inputs: list[Any]) -> bool:
+    """Whether no op of a recording call of ``graph`` can write a storage: every input is
+    a plain tensor, and every node is a call of a module :data:`_READING_MODULES` allows
+    (as :func:`_plain_module` says) on one value, a basic index of a value
+    (``x[:, a:b]``) or ``torch.cat`` / ``torch.stack`` of a list of values; and no mode
+    or global module hook is in play. Then :class:`EffectRecorder` would record no write,
+    and ``Effects.from_accesses`` of its recording is ``Effects()`` whatever else it
+    recorded: the call needs no recorder. Every value is then a plain tensor too (such
+    calls of plain tensors return plain tensors), so none of them can dispatch elsewhere.
+    ``resolve``: the module of a ``call_module`` node's target."""
+    if torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack():
+        return False
+    module_hooks = torch.nn.modules.module
+    if (
+        module_hooks._global_forward_hooks
+        or module_hooks._global_forward_pre_hooks
+        or module_hooks._global_backward_hooks
+        or getattr(module_hooks, "_global_backward_pre_hooks", None)
+    ):
+        return False
+    for t in inputs:
+        if type(t) is not torch.Tensor:
+            return False
+    node_type = torch.fx.Node
+    cat, stack, getitem = torch.cat, torch.stack, operator.getitem
+    seen: dict[int, bool] = {}
+    for node in graph.nodes:
+        op = node.op
+        if op == "call_module":
+            args = node.args
+            if node.kwargs or len(args) != 1 or type(args[0]) is not node_type:
+                return False
+            module = resolve(node.target)
+            plain = seen.get(id(module))
+            if plain is None:
+                plain = seen[id(module)] = _plain_module(module)
+            if not plain:
+                return False
+        elif op == "call_function":
+            target, args = node.target, node.args
+            if target is getitem:
+                if node.kwargs or len(args) != 2 or type(args[0]) is not node_type or not _plain_index(args[1]):
+                    return False
+            elif target is cat or target is stack:
+                kwargs = node.kwargs
+                if len(args) + len(kwargs) > 2 or not args or any(k != "dim" for k in kwargs):
+                    return False
+                values = args[0]
+                if type(values) not in (list, tuple, torch.fx.immutable_collections.immutable_list) or not all(
+                    type(v) is node_type for v in values
+                ):
+                    return False
+                dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+                if type(dim) is not int:
+                    return False
+            else:
+                return False
+        elif op not in ("placeholder", "output"):
+            return False
+    return True

@@ -100,6 +100,7 @@ def run_and_record(
     on_error: Callable[[BaseException, fx.Node], None],
     record: Optional[dict[fx.Node, ValueMeta]] = None,
     effects: Any = None,
+    resolve: Optional[Callable[[str], torch.nn.Module]] = None,
 ) -> Any:
     """Run ``graph`` node by node on real inputs, recording each value's description.
 
@@ -118,6 +119,9 @@ def run_and_record(
     leaf call that could mislead it has run, no value is dropped, since the new graph may
     read it later than the old one did.
 
+    ``resolve``: a resolver of ``root``'s module paths the caller made already
+    (:func:`~streamsched.frontend.nodes.submodule_resolver`), to share its lookups.
+
     Where ``root`` is a trace's root, the leaf-module calls each node makes are counted
     into ``node.meta`` (:mod:`~streamsched.frontend.leafcalls`: a forward pre-hook on
     every leaf module for the length of this call), which ``Plan.coverage`` is made of.
@@ -125,10 +129,10 @@ def run_and_record(
     ref = root.__dict__.get("_streamsched_traced")
     traced = ref() if ref is not None else None
     if traced is None:
-        return _RecordingRun(graph, root, inputs, on_error, record, effects, None, None).run()
+        return _RecordingRun(graph, root, inputs, on_error, record, effects, None, None, resolve).run()
     counter = recording_counter(traced)
     with counter:
-        result = _RecordingRun(graph, root, inputs, on_error, record, effects, traced, counter).run()
+        result = _RecordingRun(graph, root, inputs, on_error, record, effects, traced, counter, resolve).run()
     store_counts(counter, list(traced.graph.nodes))
     return result
 
@@ -147,10 +151,11 @@ class _RecordingRun:
         effects: Any,
         traced: Any,
         counter: Any,
+        resolve: Optional[Callable[[str], torch.nn.Module]] = None,
     ) -> None:
         self.nodes = list(graph.nodes)
         self.root = root
-        self.submodule = _submodules(root)
+        self.submodule = _submodules(root) if resolve is None else resolve
         self.frees, self.hold_until = _plan_frees(self.nodes, traced is not None, self.submodule, 0)
         self.held: list[fx.Node] = []
         self.env: dict[fx.Node, Any] = {}

@@ -405,22 +405,25 @@ def copy_recorded_structures(nodes: list[fx.Node], renamed: dict[fx.Node, fx.Nod
             renamed[node].meta[_RECORDED] = skeleton
 
 
-def _may_return_none(node: fx.Node, root: torch.nn.Module) -> bool:
+def _may_return_none(node: fx.Node, resolve: Callable[[str], torch.nn.Module]) -> bool:
     """Whether leaf call ``node`` runs code that may return ``None`` on some call: an
     opaque function, a ``@streamsched.branch`` function, or a module that is not a
-    ``torch.nn`` built-in (whose forwards return what their arguments make)."""
+    ``torch.nn`` built-in (whose forwards return what their arguments make). ``resolve``:
+    the graph root's ``get_submodule``."""
     if node.op == "call_function":
         return isinstance(node.target, (OpaqueFunction, BranchCall))
     if node.op != "call_module":
         return False
     try:
-        module = root.get_submodule(str(node.target))
+        module = resolve(str(node.target))
     except AttributeError:  # pragma: no cover - a graph's modules are its root's
         return True
     return not type(module).__module__.startswith("torch.nn.")
 
 
-def check_recorded_structures(traced: Any, metas: dict) -> int:
+def check_recorded_structures(
+    traced: Any, metas: dict, resolve: Optional[Callable[[str], torch.nn.Module]] = None
+) -> int:
     """After the recording call: every leaf call that may return ``None`` (see
     :func:`_may_return_none`) and returned a structure without one (a tensor, a tuple of
     tensors) is read through an :class:`OutputCheck` of that structure. The proxy stood
@@ -432,12 +435,15 @@ def check_recorded_structures(traced: Any, metas: dict) -> int:
     state). ``metas``: the recording call's value descriptions, by node (the check's is
     its call's). ``traced``: the :class:`~streamsched.frontend.trace.Traced` whose graph
     gets them (it holds its program as traced first: a re-trace compares with that).
-    Returns how many checks were added."""
-    graph, root = traced.graph, traced.root
+    ``resolve``: ``traced.root.get_submodule``, or a resolver of its paths the caller
+    has. Returns how many checks were added."""
+    graph = traced.graph
+    if resolve is None:
+        resolve = traced.root.get_submodule
     added = 0
     for node in list(graph.nodes):
         skeleton = node.meta.get(_RECORDED)
-        if skeleton is None or skeleton.has_none() or node not in metas or not _may_return_none(node, root):
+        if skeleton is None or skeleton.has_none() or node not in metas or not _may_return_none(node, resolve):
             continue
         if any(u.op == "call_function" and isinstance(u.target, OutputCheck) for u in node.users):
             continue
