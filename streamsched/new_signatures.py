@@ -290,7 +290,7 @@ def compile_signature(runner: Runner, traced: Traced, key: Any, tensors: list[to
         # the effects of its recording are none whatever it read (``reads_only``); its
         # dispatch mode, through which every op of the call went, is left out.
         recorder = None
-        result = run_and_record(graph, traced.root, tensors, on_error, metas, resolve=resolve)
+        result = run_and_record(graph, traced.root, tensors, on_error, metas, resolve=resolve, reads_only=True)
         if traced.graph is not graph:  # pragma: no cover - a call of such nodes misleads no trace
             raise RuntimeError("streamsched: the trace changed during a call of reading modules only")
     else:

@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import streamsched as ss
 import streamsched.new_signatures as new_signatures
 from benchmarks.zoo import CriticEnsemble, ParallelFCN
+from streamsched.frontend import node_meta
 from streamsched.testing import last_path
 
 D = 12
@@ -52,7 +53,7 @@ def _flat(v):
     return [v] if isinstance(v, torch.Tensor) else [t for x in v for t in _flat(x)]
 
 
-def _record(make, x, monkeypatch, force=None, grad=False):
+def _record(make, x, monkeypatch, force=None, grad=False, **config):
     """Wrap a fresh model (seeded) and call it until a call records; returns the
     wrapper, the recorded call's output, eager's, and the rule's verdicts (``force``:
     the verdict the rule is made to give)."""
@@ -68,7 +69,7 @@ def _record(make, x, monkeypatch, force=None, grad=False):
     torch.manual_seed(0)
     model = make()
     eager = copy.deepcopy(model)
-    sm = ss.StreamScheduledModule(model)
+    sm = ss.StreamScheduledModule(model, **config)
     with torch.enable_grad() if grad else torch.no_grad():
         for _ in range(3):
             out = sm(x)
@@ -78,6 +79,11 @@ def _record(make, x, monkeypatch, force=None, grad=False):
         ref = eager(x)
     monkeypatch.setattr(new_signatures, "reads_only", real)
     return sm, out, ref, verdicts
+
+
+def _leaf_calls(sm):
+    traced = next(iter(sm._ss.traces.values()))
+    return [(n.name, node_meta.leaf_calls(n)) for n in traced.graph.nodes]
 
 
 def _planned(sm):
@@ -93,8 +99,30 @@ def _planned(sm):
     )
 
 
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+class PastALeaf(nn.Module):
+    """Calls a module inside a leaf module (``leaf_modules=[Block]``) directly: the
+    leaf-call counter puts no hook in it, and its call counts no leaf call."""
+
+    def __init__(self):
+        super().__init__()
+        self.block, self.out = Block(), nn.Linear(D, D)
+
+    def forward(self, x):
+        return self.out(self.block.fc(x))
+
+
 READING = [
     ("pfcn", lambda: ParallelFCN(16).eval(), lambda: torch.randn(2, 16 * 20), False),
+    ("past_a_leaf", lambda: PastALeaf().eval(), lambda: torch.randn(3, D), False),
     ("pfcn_train_grad", lambda: ParallelFCN(8), lambda: torch.randn(3, 8 * 20), True),
     ("critics", lambda: CriticEnsemble(4).eval(), lambda: torch.randn(5, 23), False),
     ("reading", lambda: Reading().eval(), lambda: torch.randn(4, D), False),
@@ -106,13 +134,18 @@ READING = [
 def test_a_reading_call_plans_as_one_recorded_op_by_op(name, make, inputs, grad, monkeypatch):
     torch.manual_seed(1)
     x = inputs()
-    sm, out, ref, verdicts = _record(make, x, monkeypatch, grad=grad)
+    config = {"leaf_modules": [Block]} if name == "past_a_leaf" else {}
+    sm, out, ref, verdicts = _record(make, x, monkeypatch, grad=grad, **config)
     assert verdicts == [True], "the call should have run without the recorder"
     for a, b in zip(_flat(out), _flat(ref)):
         assert torch.equal(a, b)
-    by_ops, out_ops, _, forced = _record(make, x, monkeypatch, force=False, grad=grad)
+    by_ops, out_ops, _, forced = _record(make, x, monkeypatch, force=False, grad=grad, **config)
     assert forced == [False]
     assert _planned(sm) == _planned(by_ops)
+    # The leaf calls each node made, as the counter counts them op by op.
+    assert _leaf_calls(sm) == _leaf_calls(by_ops)
+    if name == "past_a_leaf":
+        assert [count for _, count in _leaf_calls(sm)] == [0, 0, 1, 0]  # x, block.fc, out, output
     for a, b in zip(_flat(out), _flat(out_ops)):
         assert torch.equal(a, b)
     # Later calls run the plan, as eager computes.

@@ -17,7 +17,7 @@ from torch import fx
 
 from .._gc import cyclic_gc_paused
 from . import node_meta
-from .leafcalls import recording_counter, store_counts
+from .leafcalls import leaf_module_types, leaf_units, recording_counter, store_counts
 from .nodes import submodule_resolver
 from .opaque_outputs import copy_recorded_structures, leaf_label, misleads, note_recorded_structure
 from .rank_checks import RankAssumptionError, check_relied
@@ -101,6 +101,7 @@ def run_and_record(
     record: Optional[dict[fx.Node, ValueMeta]] = None,
     effects: Any = None,
     resolve: Optional[Callable[[str], torch.nn.Module]] = None,
+    reads_only: bool = False,
 ) -> Any:
     """Run ``graph`` node by node on real inputs, recording each value's description.
 
@@ -121,6 +122,11 @@ def run_and_record(
 
     ``resolve``: a resolver of ``root``'s module paths the caller made already
     (:func:`~streamsched.frontend.nodes.submodule_resolver`), to share its lookups.
+    ``reads_only``: every node is one that
+    :func:`~streamsched.frontend.effects.reads_only` allows, whose call runs its own
+    module's ``forward`` and calls no other module: its leaf calls are counted by rule
+    (one where its module is a leaf module the counter would hook, none elsewhere), with
+    no hook put in and each module called plainly.
 
     Where ``root`` is a trace's root, the leaf-module calls each node makes are counted
     into ``node.meta`` (:mod:`~streamsched.frontend.leafcalls`: a forward pre-hook on
@@ -130,6 +136,14 @@ def run_and_record(
     traced = ref() if ref is not None else None
     if traced is None:
         return _RecordingRun(graph, root, inputs, on_error, record, effects, None, None, resolve).run()
+    if reads_only:
+        resolve = submodule_resolver(root) if resolve is None else resolve
+        result = _RecordingRun(graph, root, inputs, on_error, record, effects, traced, None, resolve).run()
+        units = {id(m) for m in leaf_units(traced.model, leaf_module_types(traced.leaf_types))}
+        for node in traced.graph.nodes:
+            counted = node.op == "call_module" and id(resolve(node.target)) in units
+            node_meta.set_leaf_calls(node, 1 if counted else 0)
+        return result
     counter = recording_counter(traced)
     with counter:
         result = _RecordingRun(graph, root, inputs, on_error, record, effects, traced, counter, resolve).run()
