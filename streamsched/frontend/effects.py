@@ -36,7 +36,19 @@ import torch.utils._pytree as pytree
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Effects", "NodeAccess", "EffectRecorder", "effect_edges", "op_accesses", "storage_key"]
+__all__ = ["Effects", "NodeAccess", "EffectRecorder", "RNG_KEY", "effect_edges", "op_accesses", "storage_key"]
+
+# The random-number generators, as one storage every op that draws from them writes
+# (``dropout`` in training, ``bernoulli_``, ``randn_like``...: the ops torch tags
+# ``nondeterministic_seeded``). Eager draws in program order; a schedule that ran two
+# draws side by side, or in another order, or a fused kernel that drew for several
+# members at once, would hand each one other numbers than eager does. As a write, every
+# draw is ordered after the one before it in eager order, and a node that draws is never
+# fused into a batched kernel (node_meta.has_effect). One key for every generator (the
+# CPU's, each device's, a ``torch.Generator`` passed in): ordering draws of different
+# generators too costs nothing a real model notices. Negative: no storage id is.
+RNG_KEY = -1
+_SEEDED = getattr(torch.Tag, "nondeterministic_seeded", None)
 
 # Ops whose output is a fresh tensor although their schema says it aliases the input
 # (``torch.tensor([...])`` builds its data below the dispatcher and lifts it).
@@ -76,6 +88,8 @@ class _OpFacts:
     lifts: bool
     fresh_returns: tuple[bool, ...]
     """Per return: owns new storage (no alias annotation)."""
+    seeded: bool = False
+    """Draws from a random-number generator (:data:`RNG_KEY`)."""
 
 
 _OP_FACTS: dict[Any, _OpFacts] = {}
@@ -94,6 +108,7 @@ def _op_facts(func: Any) -> _OpFacts:
             keyword_writes={a.name: writes(a) for a in schema.arguments},
             lifts=schema.name in _LIFTS,
             fresh_returns=tuple(r.alias_info is None for r in schema.returns),
+            seeded=_SEEDED is not None and _SEEDED in getattr(func, "tags", ()),
         )
         _OP_FACTS[func] = facts
     return facts
@@ -268,6 +283,8 @@ class EffectRecorder(TorchDispatchMode):
             key = key_of(t)
             if key is not None and key not in acc.fresh:
                 acc.writes.add(key)
+        if facts.seeded:
+            acc.writes.add(RNG_KEY)
         if facts.lifts:
             fresh = _tensors(out)
         elif isinstance(out, torch.Tensor):
@@ -400,7 +417,9 @@ class Effects:
         after = effect_edges(accesses)
         if graph is not None:
             after = _prune_implied(after, graph)
-        state = bool(written - set(allocated_by))
+        # The generators' state is not one a call stopped part way leaves changed: the
+        # runner puts it back itself (Runner.checked) before running the call as written.
+        state = bool(written - set(allocated_by) - {RNG_KEY})
         return cls(
             after, reads, writes, len(location), bool(written & input_keys), sees, frozenset(outputs_written), state
         )

@@ -42,6 +42,8 @@ __all__ = [
     "set_leaf_calls",
     "has_effect",
     "set_effect",
+    "effect_after",
+    "set_effect_after",
     "output_written",
     "set_output_written",
     "fused_label",
@@ -55,6 +57,7 @@ __all__ = [
 RELIED_RANK = "streamsched_relied_rank"
 LEAF_CALLS = "streamsched_leaf_calls"
 EFFECT = "streamsched_effect"
+EFFECT_AFTER = "streamsched_effect_after"
 OUTPUT_WRITTEN = "streamsched_output_written"
 LABEL = "streamsched_label"
 GLUE = "streamsched_glue"
@@ -88,6 +91,16 @@ def has_effect(node: fx.Node) -> bool:
 
 def set_effect(node: fx.Node) -> None:
     node.meta[EFFECT] = True
+
+
+# Planning, for fusion: the names of the nodes this one must follow beyond its data
+# inputs (the recording's effect edges: a shared storage written, a random draw).
+def effect_after(node: fx.Node) -> tuple[str, ...]:
+    return node.meta.get(EFFECT_AFTER, ())
+
+
+def set_effect_after(node: fx.Node, names: tuple[str, ...]) -> None:
+    node.meta[EFFECT_AFTER] = names
 
 
 # Planning, for fusion: something writes this node's output in place.

@@ -104,9 +104,13 @@ def _copy_graph(ctx: PlanningContext) -> None:
     ctx.graph, ctx.metas = copy_graph(ctx.traced.graph, ctx.metas)
     involved = ctx.effects.involved
     written = ctx.effects.outputs_written
+    after = ctx.effects.after
     for node in ctx.graph.nodes:
         if node.name in involved:
             node_meta.set_effect(node)
+            deps = after.get(node.name)
+            if deps:
+                node_meta.set_effect_after(node, tuple(sorted(deps)))
         if node.name in written:
             node_meta.set_output_written(node)
 

@@ -344,7 +344,7 @@ def _contains_node(a: Any) -> bool:
     return False
 
 
-_EFFECT = "takes part in an in-place effect on shared storage (kept in eager order)"
+_EFFECT = "writes shared state or draws random numbers, ordered with other nodes that do (kept in eager order)"
 
 
 class _Static(NamedTuple):
@@ -650,5 +650,77 @@ def propose(graph: fx.Graph, support: FusionSupport, min_size: int) -> Proposals
         if len(nodes) >= min_size:
             out.groups.append((support.kind(nodes[0]), nodes))
     out.groups.sort(key=lambda p: (level[p[1][0]], position[p[1][0]]))
+    out.groups, dropped = _without_effect_cycles(graph, out.groups)
+    for _kind, nodes in dropped:
+        out.excluded.append((_EFFECT_CYCLE, nodes))
     out.structures = support.structures
     return out
+
+
+_EFFECT_CYCLE = "run as one kernel, it would break the eager order of in-place writes or random draws around it"
+
+
+def _without_effect_cycles(
+    graph: fx.Graph, groups: list[tuple[str, list[fx.Node]]]
+) -> tuple[list[tuple[str, list[fx.Node]]], list[tuple[str, list[fx.Node]]]]:
+    """``groups`` less those that, each run as one node, would close a cycle with the
+    recording's effect edges (``node_meta.effect_after``), and the groups dropped.
+
+    Levels count data edges only, and the nodes effect edges join are never members; but
+    a group can sit between two of them: members ``fc2_i`` of branches ``i`` that each
+    draw a dropout mask before and after it. Eager draws branch 0's two masks, then
+    branch 1's; one kernel for every ``fc2_i`` needs every first mask before it and every
+    second mask after it. Checked only where some node has an effect edge (none in most
+    plans); groups are taken in level order, each kept where the graph with it and the
+    groups kept before it contracted stays acyclic."""
+    nodes = list(graph.nodes)
+    by_name = {n.name: n for n in nodes}
+    extra = {
+        n: [by_name[a] for a in node_meta.effect_after(n) if a in by_name] for n in nodes if node_meta.effect_after(n)
+    }
+    if not extra or not groups:
+        return groups, []
+    if _acyclic(nodes, extra, groups):
+        return groups, []
+    kept: list[tuple[str, list[fx.Node]]] = []
+    dropped: list[tuple[str, list[fx.Node]]] = []
+    for group in groups:
+        if _acyclic(nodes, extra, kept + [group]):
+            kept.append(group)
+        else:
+            dropped.append(group)
+    return kept, dropped
+
+
+def _acyclic(
+    nodes: list[fx.Node], extra: dict[fx.Node, list[fx.Node]], groups: list[tuple[str, list[fx.Node]]]
+) -> bool:
+    """Whether the graph of ``nodes`` (data edges and the ``extra`` edges) stays acyclic
+    with each group's members contracted into one node (Kahn's algorithm)."""
+    rep: dict[fx.Node, Any] = {}
+    for i, (_, members) in enumerate(groups):
+        for m in members:
+            rep[m] = ("group", i)
+    succ: dict[Any, set] = {}
+    indeg: dict[Any, int] = {}
+    for n in nodes:
+        r = rep.get(n, n)
+        indeg.setdefault(r, 0)
+        for p in (*n.all_input_nodes, *extra.get(n, ())):
+            q = rep.get(p, p)
+            if q is r:
+                continue
+            targets = succ.setdefault(q, set())
+            if r not in targets:
+                targets.add(r)
+                indeg[r] = indeg.get(r, 0) + 1
+    ready = [r for r, d in indeg.items() if d == 0]
+    seen = 0
+    while ready:
+        r = ready.pop()
+        seen += 1
+        for t in succ.get(r, ()):
+            indeg[t] -= 1
+            if indeg[t] == 0:
+                ready.append(t)
+    return seen == len(indeg)
