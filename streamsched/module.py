@@ -291,7 +291,7 @@ class StreamScheduledModule(nn.Module):
             if (
                 st.churned_until > st.calls
                 and st.observer is None
-                and self._runner.may_settle
+                and self._runner.may_vary
                 and "forward" not in self.module.__dict__  # (Runner.own_forward; attached: the entry)
             ):
                 # The state the traces read changes call after call (Runner.retrace): the

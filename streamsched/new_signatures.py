@@ -112,11 +112,16 @@ def new_signature(runner: Runner, key: Any, spec: Any, tensors: list[torch.Tenso
             why = "modules hold hooks this call structure has not met: planned if it comes back with them"
             st.last = AsWritten(make=lambda: _as_written_plan(runner, why))
             return runner.as_written(args, kwargs)
-    if structure is None and spec.static_leaves and runner.automatic() and _new_value(st, spec, structure_key):
+    if structure is None and spec.static_leaves and runner.varies() and _new_value(st, spec, structure_key):
         # A plain argument (a temperature, a dropout ``p``) with a value this call
         # structure has not met, where it has met others: the model as written, as for a
-        # size not met before; traced and planned if the value comes back.
-        why = "a plain argument has a value this call structure has not met: planned if it comes back"
+        # size not met before; traced and planned if the value comes back. Under every
+        # executor (``Runner.may_vary``): a value new on every call would be traced and
+        # recorded on every call.
+        why = runner.as_written_because(
+            "a plain argument has a value this call structure has not met: planned if it comes back"
+        )
+        runner.say_varying()
         st.last = AsWritten(make=lambda: _as_written_plan(runner, why))
         return runner.as_written(args, kwargs)
     start = time.perf_counter()

@@ -95,6 +95,15 @@ class Runner:
         )
         # Whether calls may settle to run as written (``automatic`` less the observer).
         self.may_settle = self.auto and self.may_run_as_written
+        # Whether calls that vary may run the model as written, under every executor: a
+        # churn window (state the traces read changing call after call, ``retrace``) and
+        # a plain argument's value new to its call structure (``new_signatures``). A
+        # schedule there is traced and recorded anew on (nearly) every call, 30-100x
+        # eager's cost, whichever executor was asked for, and a CUDA graph of it is never
+        # replayed (the recording call runs node by node). Not under ``sync_log`` or
+        # ``chaos``, which exist to check the schedule on every call: a call as written
+        # would check nothing (and leave the previous call's sync log in place).
+        self.may_vary = not config.sync_log and config.chaos is None
         # Whether an ``auto`` trial may time the calls (sync_log and chaos run the schedule).
         self.trials = not config.sync_log and config.chaos is None
         # Whether this wrapper is a nested child's (nesting.py): its schedule must save
@@ -105,6 +114,37 @@ class Runner:
         """Whether this call may run the model as written instead of a schedule (``auto``,
         no observer, nothing asking for the schedule itself)."""
         return self.auto and self.st.observer is None and self.may_run_as_written
+
+    def varies(self) -> bool:
+        """Whether this call may run as written because what it reads varies (a churn
+        window, a new plain value): ``may_vary``, no observer (timelines and profiles look
+        at the schedule)."""
+        return self.may_vary and self.st.observer is None
+
+    def as_written_because(self, why: str) -> str:
+        """``why`` a call that varies ran as written, for ``sm.plan``: where an executor
+        was asked for, that it did not run the call and why."""
+        if self.auto:
+            return why
+        return (
+            f"{why} (executor={self.config.executor!r} was asked for: these calls run the model as written, since "
+            "a schedule would be traced and recorded anew on each, many times the forward's own cost)"
+        )
+
+    def say_varying(self) -> None:
+        """Where an executor was asked for, say once in the log that calls that vary run
+        the model as written (``sm.plan`` says which, and why)."""
+        st = self.st
+        if self.auto or st.warned_varying:
+            return
+        st.warned_varying = True
+        log.warning(
+            "streamsched: %s: executor=%r was asked for, but calls whose state or plain arguments change call after "
+            "call run the model as written (a schedule would be traced and recorded anew on each); sm.plan says "
+            "which calls and why",
+            type(self.module).__name__,
+            self.config.executor,
+        )
 
     def annotate(self, exc: BaseException, program: Optional[Program] = None) -> None:
         """Name where ``exc`` was raised: the node of ``program`` that raised it, or, for a
@@ -135,7 +175,7 @@ class Runner:
         own = self.module.__dict__.get("forward")
         if own is not None and not getattr(own, "enters_wrapper", False):
             return self.own_forward(args, kwargs)
-        if st.churned_until > st.calls and self.automatic():
+        if st.churned_until > st.calls and self.varies():
             return self.churned(args, kwargs, inside_model_call)
         if st.generation != _generation.current():
             self.revalidate()
@@ -146,7 +186,7 @@ class Runner:
         elif st.dtype_probes and not dtypes_same(st.dtype_probes):
             log.info("streamsched: state %s's traces read changed; re-tracing", type(self.module).__name__)
             self.retrace()
-        if st.churned_until > st.calls and self.automatic():
+        if st.churned_until > st.calls and self.varies():
             return self.churned(args, kwargs, inside_model_call)  # a re-trace just now began it
         module = self.module
         if inside_model_call:
@@ -289,11 +329,15 @@ class Runner:
             left = max(st.churned_until - st.calls, 0)
             return _as_written_plan(
                 self,
-                "the state the traces read (module attributes, held objects and tensors, globals) changed call "
-                f"after call, each a re-trace: runs as written for {left} more calls, then is traced again",
+                self.as_written_because(
+                    "the state the traces read (module attributes, held objects and tensors, globals) changed call "
+                    f"after call, each a re-trace: runs as written for {left} more calls, then is traced again"
+                ),
             )
 
         st.churned = AsWritten(make=why)
+        if self.varies():
+            self.say_varying()
         name = type(self.module).__name__
         log.info("streamsched: %s re-traced call after call; running it as written for %d calls", name, window)
 

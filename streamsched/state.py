@@ -320,6 +320,9 @@ class WrapperState:
         # names its modules by their paths in the outermost model.
         self.where = ("", type(model).__name__)
         self.warned_hooks = False
+        # Whether the log said once that calls of an explicit executor ran as written
+        # because the state or the plain values they read change call after call.
+        self.warned_varying = False
         # An untraceable forward's children, scheduled by plans of their own (nesting.py).
         self.nested: Optional[NestedPlans] = None
         # Re-traces because the state traces read changed (``Runner.retrace``): the calls

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import streamsched as ss
+from streamsched import runner
 from streamsched.testing import assert_path
 
 from .helpers import assert_close
@@ -51,7 +52,10 @@ class ComputesWithHeldTensors(Towers):
 
 @pytest.mark.parametrize("where", ["attribute", "list", "namespace", "global"])
 @pytest.mark.parametrize("executor", ["serial", "threads"])
-def test_a_computation_on_a_held_tensor_changed_between_calls_is_made_anew(executor, where):
+def test_a_computation_on_a_held_tensor_changed_between_calls_is_made_anew(executor, where, monkeypatch):
+    # Changes this frequent are churn, which runs the model as written for a window of
+    # calls (Runner.retrace) under every executor: here the plan must see each change.
+    monkeypatch.setattr(runner, "CHURN_RETRACES", 1000)
     global GLOBAL_TABLE
     torch.manual_seed(0)
     model = ComputesWithHeldTensors(where)
@@ -88,7 +92,10 @@ class KeepsAViewOfAWeight(Towers):
 
 
 @pytest.mark.parametrize("executor", ["serial", "threads"])
-def test_a_kept_view_of_a_fused_weight_follows_the_optimizer(executor):
+def test_a_kept_view_of_a_fused_weight_follows_the_optimizer(executor, monkeypatch):
+    # Changes this frequent are churn, which runs the model as written for a window of
+    # calls (Runner.retrace) under every executor: here the plan must see each change.
+    monkeypatch.setattr(runner, "CHURN_RETRACES", 1000)
     # The view's storage was the weight's; stacking moved the weight into the stack, and
     # the optimizer's steps no longer showed in the view (nor, in the baked constant).
     torch.manual_seed(0)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import streamsched as ss
+from streamsched import runner
 from streamsched.testing import assert_path
 
 from .helpers import assert_close
@@ -103,7 +104,10 @@ class _EmbeddingDtypeBranch(nn.Module):
         return self.head(h) * 3
 
 
-def test_parameter_replaced_in_its_table_moves_the_dtype_guard():
+def test_parameter_replaced_in_its_table_moves_the_dtype_guard(monkeypatch):
+    # Changes this frequent are churn, which runs the model as written for a window of
+    # calls (Runner.retrace) under every executor: here the plan must see each change.
+    monkeypatch.setattr(runner, "CHURN_RETRACES", 1000)
     # torch.func.functional_call (and torch.nn.utils.stateless) put the given tensors
     # straight into the modules' _parameters, without __setattr__: the dtype guard must
     # look at the tensor the module holds now, not the one it held when the probes were made.

@@ -14,6 +14,8 @@ import types
 import pytest
 import torch
 
+from streamsched import runner
+
 from .test_patterns_state import D, Towers, run_against_eager
 
 
@@ -194,7 +196,10 @@ CASES = {
 
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("executor", ["serial", "threads"])
-def test_state_nested_private_or_named_at_run_time_changed_between_calls_is_seen(executor, case):
+def test_state_nested_private_or_named_at_run_time_changed_between_calls_is_seen(executor, case, monkeypatch):
+    # A change every third call is churn, which runs the model as written for a window of
+    # calls (Runner.retrace) under every executor: here the plan must see each change.
+    monkeypatch.setattr(runner, "CHURN_RETRACES", 1000)
     # The plan went on computing with what the trace read: a nested container's copy
     # shared the inner lists it compared with (or held tensors and was not compared), a
     # tuple of tensors was neither a flag nor a guarded container, ``_`` names were left
@@ -368,7 +373,10 @@ FUNCTION_CASES = {
 
 @pytest.mark.parametrize("case", sorted(FUNCTION_CASES))
 @pytest.mark.parametrize("executor", ["serial", "threads"])
-def test_a_function_the_forward_calls_by_name_replaced_between_calls_is_seen(executor, case):
+def test_a_function_the_forward_calls_by_name_replaced_between_calls_is_seen(executor, case, monkeypatch):
+    # A change every third call is churn, which runs the model as written for a window of
+    # calls (Runner.retrace) under every executor: here the plan must see each change.
+    monkeypatch.setattr(runner, "CHURN_RETRACES", 1000)
     # Traced code went through the function it found (or baked it into a node): another
     # one put there (mock.patch of a helper, an activation switched in a config) left
     # the plan computing with the old one.

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import streamsched as ss
+from streamsched import runner
 from streamsched.testing import assert_path
 
 from .helpers import assert_close
@@ -304,7 +305,10 @@ class ReadsANamespace(ReadsItsSettings):
 
 
 @pytest.mark.parametrize("executor", ["serial", "threads"])
-def test_a_simple_namespace_the_model_holds_is_compared_every_call(executor):
+def test_a_simple_namespace_the_model_holds_is_compared_every_call(executor, monkeypatch):
+    # Changes this frequent are churn, which runs the model as written for a window of
+    # calls (Runner.retrace) under every executor: here the plan must see each change.
+    monkeypatch.setattr(runner, "CHURN_RETRACES", 1000)
     # Its class is built in, so assigning its attributes cannot move the generation:
     # its plain attributes are compared on every call instead, as globals are.
     model = ReadsANamespace()
