@@ -32,6 +32,7 @@ from .planning.signatures import Structure, sizes_text
 from .runtime.program import ProgramCache, annotate_exception, compile_program
 from .settled_calls import SettledCalls, settles, tensors_of
 from .state import UNIFORM_SCHEDULE_MARGIN, AsWritten, Compiled, alias_pattern, count_unsettled, placement_probe
+from .written_state import WrittenState
 
 if TYPE_CHECKING:
     from .runner import Runner
@@ -311,11 +312,20 @@ def compile_signature(runner: Runner, traced: Traced, key: Any, tensors: list[to
         # (Before anything is stacked for this plan.)
         outputs = result if isinstance(result, (tuple, list)) else ()
         st.fusion.views_held([*outputs, *_attributes_read(traced), *traced.baked])
+    checks = any(isinstance(n.target, OutputCheck) for n in traced.graph.nodes)
+    written = None
     if recorder is None:
         effects = Effects()
     else:
         input_keys = frozenset(recorder.key_of(t) for t in tensors)
         effects = Effects.from_accesses(recorder.accesses, input_keys, traced.graph)
+        if checks and effects.writes_state:
+            # What a check stopping a call may find written: saved before each call
+            # (written_state), put back by a stopped one, which then runs as written.
+            constants = [*_attributes_read(traced), *traced.baked]
+            written = WrittenState.of(
+                traced.graph, recorder.accesses, recorder.key_of, runner.module, tensors, constants
+            )
         del recorder
     rebuild = traced.output_tree.rebuilder() if traced.output_tree is not None else _identity
     measured = _measured_costs(runner, tensors)
@@ -330,7 +340,8 @@ def compile_signature(runner: Runner, traced: Traced, key: Any, tensors: list[to
         planned.plan = planned.plan.model_copy(update={"notes": notes})
     compiled = Compiled(planned, program, rebuild, runner.cuda_graph and planned.plan.device.startswith("cuda"))
     compiled.nested_sites = runner.opaque_sites(planned.plan)
-    compiled.checks = any(isinstance(n.target, OutputCheck) for n in traced.graph.nodes)
+    compiled.checks = checks
+    compiled.written = written
     if effects.writes_inputs:
         compiled.alias_pattern = alias_pattern(tensors)
     if runner.auto:

@@ -274,12 +274,18 @@ class Runner:
         cuda = compiled.device.startswith("cuda")
         rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state(compiled.device) if cuda else None
+        written = compiled.written
+        saved = written.save(tensors) if written is not None and written.finders else None
         try:
             if self.st.observer is None and compiled.trial is not None and self.trials:
                 return self.trial(compiled, compiled.trial, tensors, args, kwargs)
             return compiled.rebuild(self.run(compiled, tensors))
         except OpaqueOutputChanged as exc:
-            if compiled.schedule.effects.writes_state:
+            if written is not None:
+                # The state the plan may have written before the check: put back (every
+                # stream of the plan joined the caller's when it stopped).
+                written.restore(saved)
+            elif compiled.schedule.effects.writes_state:
                 raise
             torch.set_rng_state(rng)
             if cuda_rng is not None:

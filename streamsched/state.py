@@ -122,6 +122,7 @@ class Compiled:
         "graphs",
         "direct",
         "checks",
+        "written",
     )
 
     # Its calls run as written (``as_written``) without nesting the forward's children; the
@@ -163,6 +164,10 @@ class Compiled:
         # Whether the program reads opaque calls' values through structure checks
         # (frontend.opaque_outputs.OutputCheck): its calls run through Runner.checked.
         self.checks = False
+        # Where it has checks and writes state: the state a check stopping it may find
+        # written (written_state.WrittenState), saved before each call and put back by a
+        # stopped one; ``None`` where there is none to save or it cannot be found.
+        self.written: Any = None
 
     @property
     def plan(self) -> Plan:

@@ -252,9 +252,10 @@ def test_the_random_numbers_a_stopped_plan_drew_are_put_back():
     assert_path(sm, "as-written")
 
 
-def test_a_structure_that_changes_after_a_plan_wrote_state_is_refused_loudly():
-    """A module counting its calls in a buffer updates it before the check: the call
-    cannot be run again, and the plan refuses it instead of counting it twice."""
+def test_a_structure_that_changes_after_a_plan_wrote_state_puts_the_state_back():
+    """A module counting its calls in a buffer updates it before the check: the plan saved
+    the buffer before the call (written_state), puts it back when the check stops it, and
+    the call runs as written, counting it once, as eager does."""
 
     class Counting(nn.Module):
         def __init__(self):
@@ -266,14 +267,40 @@ def test_a_structure_that_changes_after_a_plan_wrote_state_is_refused_loudly():
             return x
 
     model = FlakyModel(Counting())
+    ref = copy.deepcopy(model)
     sm = ss.StreamScheduledModule(model, executor="serial", leaf_modules=[Flaky])
+    negative = -torch.rand(3, 8)
+    for x in (negative, negative):
+        assert_close(sm(x), ref(x))
+    assert_path(sm, "plan:serial")
+    x = torch.rand(3, 8)
+    assert_close(sm(x), ref(x))  # (tensor, tensor): the trace would skip eager's branch
+    assert_path(sm, "as-written")
+    assert float(model.before.calls) == float(ref.before.calls) == 3
+
+
+COUNTED = torch.zeros(())
+
+
+def test_a_structure_that_changes_after_a_plan_wrote_state_it_cannot_find_again_is_refused_loudly():
+    """A leaf writing a tensor only a global holds: the plan cannot find it again to save
+    it, and a stopped call raises instead of counting twice."""
+
+    class CountsGlobally(nn.Module):
+        def forward(self, x):
+            COUNTED.add_(1)
+            return x
+
+    COUNTED.zero_()
+    model = FlakyModel(CountsGlobally())
+    sm = ss.StreamScheduledModule(model, executor="serial", leaf_modules=[Flaky, CountsGlobally])
     negative = -torch.rand(3, 8)
     sm(negative)
     sm(negative)
     assert_path(sm, "plan:serial")
     with pytest.raises(OpaqueOutputChanged, match="flaky"):
-        sm(torch.rand(3, 8))  # (tensor, tensor): the trace would skip eager's branch
-    assert float(model.before.calls) == 3
+        sm(torch.rand(3, 8))
+    assert float(COUNTED) == 3
 
 
 def test_a_new_size_whose_structure_is_not_the_learned_one_is_learned_again():

@@ -90,9 +90,28 @@ class _OpFacts:
     """Per return: owns new storage (no alias annotation)."""
     seeded: bool = False
     """Draws from a random-number generator (:data:`RNG_KEY`)."""
+    unmarked_writes: Optional[tuple[tuple[int, ...], Optional[int]]] = None
+    """(positions, flag position) of the arguments an op writes in place although its
+    schema does not mark them (``_UNMARKED_WRITES``), where the flag argument (if any)
+    is true."""
 
 
 _OP_FACTS: dict[Any, _OpFacts] = {}
+
+# Ops that write arguments their schema does not mark as written: a batch norm in
+# training updates its running statistics (``native_batch_norm``, the op ``F.batch_norm``
+# dispatches, and the cuDNN and MIOpen kernels, when ``training``; SyncBatchNorm's
+# statistics ops always). Recorded apart (``NodeAccess.unmarked``): they order nothing
+# (no other node touches a batch norm's statistics), but they are state the call wrote
+# (``Effects.writes_state``, ``written_state``).
+_UNMARKED_WRITES: dict[str, tuple[tuple[int, ...], Optional[int]]] = {
+    "aten::native_batch_norm": ((3, 4), 5),
+    "aten::cudnn_batch_norm": ((3, 4), 5),
+    "aten::miopen_batch_norm": ((3, 4), 5),
+    "aten::batch_norm_update_stats": ((1, 2), None),
+    "aten::batch_norm_gather_stats": ((3, 4), None),
+    "aten::batch_norm_gather_stats_with_counts": ((3, 4), None),
+}
 
 
 def _op_facts(func: Any) -> _OpFacts:
@@ -109,6 +128,7 @@ def _op_facts(func: Any) -> _OpFacts:
             lifts=schema.name in _LIFTS,
             fresh_returns=tuple(r.alias_info is None for r in schema.returns),
             seeded=_SEEDED is not None and _SEEDED in getattr(func, "tags", ()),
+            unmarked_writes=_UNMARKED_WRITES.get(schema.name),
         )
         _OP_FACTS[func] = facts
     return facts
@@ -149,6 +169,9 @@ class NodeAccess:
     reads: set[int] = field(default_factory=set)
     writes: set[int] = field(default_factory=set)
     fresh: set[int] = field(default_factory=set)
+    unmarked: set[int] = field(default_factory=set)
+    """Storages written by ops whose schema does not say so (``_UNMARKED_WRITES``: a
+    batch norm's running statistics): state, but no ordering."""
 
     def external(self) -> tuple[set[int], set[int]]:
         return self.reads - self.fresh - self.writes, self.writes - self.fresh
@@ -283,6 +306,15 @@ class EffectRecorder(TorchDispatchMode):
             key = key_of(t)
             if key is not None and key not in acc.fresh:
                 acc.writes.add(key)
+        unmarked = facts.unmarked_writes
+        if unmarked is not None:
+            positions, flag = unmarked
+            if flag is None or (flag < len(args) and args[flag]):
+                for i in positions:
+                    if i < len(args) and isinstance(args[i], torch.Tensor):
+                        key = key_of(args[i])
+                        if key is not None and key not in acc.fresh:
+                            acc.unmarked.add(key)
         if facts.seeded:
             acc.writes.add(RNG_KEY)
         if facts.lifts:
@@ -331,6 +363,17 @@ def written_storages(accesses: dict[str, NodeAccess]) -> set[int]:
     for acc in accesses.values():
         out |= acc.external()[1]
     return out
+
+
+def unmarked_state(accesses: dict[str, NodeAccess]) -> set[int]:
+    """The storages written by ops whose schema does not say so (a batch norm's running
+    statistics in training) that no node of the call allocated."""
+    out: set[int] = set()
+    fresh: set[int] = set()
+    for acc in accesses.values():
+        out |= acc.unmarked
+        fresh |= acc.fresh
+    return out - fresh
 
 
 @dataclass
@@ -388,7 +431,7 @@ class Effects:
         new, and such nodes stay fusable)."""
         written = written_storages(accesses)
         if not written:
-            return cls()
+            return cls(writes_state=bool(unmarked_state(accesses)))
         location = {key: i for i, key in enumerate(sorted(written))}
         allocated_by: dict[int, str] = {}
         outputs_written: set[str] = set()
@@ -419,7 +462,7 @@ class Effects:
             after = _prune_implied(after, graph)
         # The generators' state is not one a call stopped part way leaves changed: the
         # runner puts it back itself (Runner.checked) before running the call as written.
-        state = bool(written - set(allocated_by) - {RNG_KEY})
+        state = bool(written - set(allocated_by) - {RNG_KEY}) or bool(unmarked_state(accesses))
         return cls(
             after, reads, writes, len(location), bool(written & input_keys), sees, frozenset(outputs_written), state
         )

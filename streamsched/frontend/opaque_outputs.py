@@ -256,8 +256,9 @@ class OutputCheck:
                 f"'{self.label}' returned {returned}, the trace {self.skeleton.shape}",
                 f"'{self.label}' returned {returned} where the trace was made "
                 f"for {self.skeleton.shape}: its output structure (None-ness) changes between calls "
-                "of one signature, which a trace cannot follow, and the plan writes state in place, so the call "
-                "cannot be run again as written. Make its caller a @streamsched.branch or list the "
+                "of one signature, which a trace cannot follow, and the plan writes state in place that it "
+                "cannot find again to put back (a tensor only a global holds), so the call cannot be run again "
+                "as written. Make its caller a @streamsched.branch or list the "
                 "caller's class in leaf_modules=, so that the code reading it runs as written.",
             )
         return value
@@ -431,8 +432,9 @@ def check_recorded_structures(
     (``if out is not None:`` went eager's way); but a later call of the signature
     returning ``None`` there (a mask builder for a batch without padding, after a padded
     one) would feed it to code made for a tensor. The check stops the plan first
-    (``Runner.checked``: the call runs as written, or raises where the plan wrote
-    state). ``metas``: the recording call's value descriptions, by node (the check's is
+    (``Runner.checked``: the state the plan may have written before it is put back,
+    ``written_state``, and the call runs as written; or it raises where that state
+    cannot be found again). ``metas``: the recording call's value descriptions, by node (the check's is
     its call's). ``traced``: the :class:`~streamsched.frontend.trace.Traced` whose graph
     gets them (it holds its program as traced first: a re-trace compares with that).
     ``resolve``: ``traced.root.get_submodule``, or a resolver of its paths the caller
