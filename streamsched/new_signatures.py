@@ -10,6 +10,7 @@ signature. Also here: whether the caches still hold after the model changed
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -140,9 +141,66 @@ def new_signature(runner: Runner, key: Any, spec: Any, tensors: list[torch.Tenso
             # has no sizes to decide (eager dispatch, as its first call would have run).
             st.structures.pop(structure_key, None)
         return runner.eager_dispatch(key, spec, tensors, traced, trace_key, args, kwargs)
+    if (
+        (structure is None or structure.plan is None)
+        and not key[3]
+        and not runner.module.training
+        and runner.automatic()
+        and a_chain(traced)
+    ):
+        # In inference, nothing to run side by side or batch: a plan could win only the
+        # forward's Python, which its recording call and trial cost far more than (a
+        # small language model's 5-6 ms recording call and plan, and its trial, in a 37
+        # ms decoding pass). Decided for the model as written at every size, with nothing recorded.
+        # (In training the first call is planned at once, as before: its cost is paid
+        # once in a loop of many steps, and the trial times the backward too.)
+        if structure is None:
+            structure = Structure(runner.config.plan_cache_size)
+            st.structures.put(structure_key, structure)
+        structure.uniform = True
+        why = (
+            "the traced forward is a chain (each operation reads the one before it): nothing to run side by "
+            "side or batch, and a plan would win only the forward's Python, less than its recording call costs"
+        )
+        structure.decide(signatures.ANY_SIZE, signatures.Decision(True, "serial", why, shapes))
+        return new_signature(runner, key, spec, tensors, args, kwargs)
     compiled, out = compile_signature(runner, traced, key, tensors)
     _join_structure(runner, compiled, structure_key, structure, shapes, time.perf_counter() - start)
     return out
+
+
+# Nodes that only take a value apart or read its metadata: no work to place.
+_GLUE_FUNCTIONS = frozenset({operator.getitem, getattr, len})
+_GLUE_METHODS = frozenset({"size", "dim", "numel", "stride", "type_as"})
+
+
+def a_chain(traced: Traced) -> bool:
+    """Whether ``traced``'s forward is a chain: every operation (but the glue that takes
+    a value apart or reads its shape) reads, directly or not, the one before it, so no
+    two could run side by side and none could be batched with another (fusion batches
+    independent calls). Not where a module was made opaque because it could not be
+    traced: its children may get plans of their own (nesting.py) inside the plan."""
+    if traced.opaque:
+        return False
+    ancestors: dict[Any, int] = {}
+    bit: dict[Any, int] = {}
+    previous = None
+    for i, node in enumerate(traced.graph.nodes):
+        bit[node] = 1 << i
+        anc = 0
+        for inp in node.all_input_nodes:
+            anc |= ancestors[inp] | bit[inp]
+        ancestors[node] = anc
+        if node.op not in ("call_module", "call_function", "call_method"):
+            continue
+        if node.op == "call_function" and node.target in _GLUE_FUNCTIONS:
+            continue
+        if node.op == "call_method" and node.target in _GLUE_METHODS:
+            continue
+        if previous is not None and not anc & bit[previous]:
+            return False
+        previous = node
+    return True
 
 
 def _new_value(st: Any, spec: Any, structure_key: tuple) -> bool:

@@ -40,7 +40,9 @@ signature without the sizes: argument structure, dtypes, devices, ranks, modes) 
   and batches nothing (one stream, no fused group), the schedule can differ from the
   model as written only by the cost of running the forward's Python; that does not
   change sign with the sizes, so the trial decides once for the whole structure
-  (:data:`ANY_SIZE`) instead of once per bucket, and new sizes take its verdict.
+  (:data:`ANY_SIZE`) instead of once per bucket, and new sizes take its verdict. In
+  inference a traced forward that is a chain (``new_signatures.a_chain``) is decided so
+  for the model as written as soon as it is traced, with no recording call or trial.
 - **churn:** when sizes already planned once must be planned again (the plan cache is
   smaller than the set of sizes the workload cycles through, :data:`CHURN_REPLANS`), or
   more distinct sizes were planned than twice the cache holds (:data:`CHURN_SIZES`), the
