@@ -145,6 +145,7 @@ def new_signature(runner: Runner, key: Any, spec: Any, tensors: list[torch.Tenso
         (structure is None or structure.plan is None)
         and not key[3]
         and not runner.module.training
+        and signatures.CHAIN_AS_WRITTEN
         and runner.automatic()
         and a_chain(traced)
     ):

@@ -21,6 +21,7 @@ import streamsched as ss
 import streamsched.new_signatures as new_signatures
 from benchmarks.zoo import CriticEnsemble, ParallelFCN
 from streamsched.frontend import node_meta
+from streamsched.planning import signatures
 from streamsched.testing import last_path
 
 D = 12
@@ -66,6 +67,8 @@ def _record(make, x, monkeypatch, force=None, grad=False, **config):
         return verdict
 
     monkeypatch.setattr(new_signatures, "reads_only", spy)
+    # (A chain in inference is decided as written with nothing recorded: recorded here.)
+    monkeypatch.setattr(signatures, "CHAIN_AS_WRITTEN", False)
     torch.manual_seed(0)
     model = make()
     eager = copy.deepcopy(model)

@@ -74,6 +74,7 @@ __all__ = [
     "RARE_CALLS",
     "PAYBACK_CALLS",
     "FIRST_CALL_AS_WRITTEN",
+    "CHAIN_AS_WRITTEN",
 ]
 
 # A size is planned on its second call: one call of a size never seen again (a decoding
@@ -87,6 +88,11 @@ PLAN_AFTER = 2
 # built over the fused parameters its plan stacked after one call (``no_grad`` or not:
 # ``sm.fused_parameters()``). False: every first call is planned at once.
 FIRST_CALL_AS_WRITTEN = True
+# In inference, a call structure whose traced forward is a chain (nothing to run side by
+# side or batch: ``new_signatures.a_chain``) is decided for the model as written at every
+# size as soon as it is traced, with no recording call, plan or trial. False: such a
+# structure is recorded and tried as any other.
+CHAIN_AS_WRITTEN = True
 # Sizes planned, evicted and planned again before the structure stops planning new ones.
 CHURN_REPLANS = 3
 # Or distinct sizes planned, in multiples of the plan cache: far more sizes than the cache
