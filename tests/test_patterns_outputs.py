@@ -111,3 +111,79 @@ def test_parts_of_a_wide_kernel_have_eagers_strides(grad, channels_last):
         out[1].view(-1)  # the caller's view of a returned part works as on eager's value
         if call > 0:
             assert len(sm.plan.fused_groups) == 2, "the heads were meant to be fused"
+
+
+class TanhEnsemble(nn.Module):
+    """Members ending in ``Tanh`` (whose backward reads its own output), stacked: the
+    stack is the batched kernel's output (the second layer's, a ``baddbmm``), or a view
+    of it for inputs with more than one batch dimension."""
+
+    def __init__(self, n: int = 4):
+        super().__init__()
+        self.members = nn.ModuleList(
+            nn.Sequential(nn.Linear(D, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh()) for _ in range(n)
+        )
+
+    def forward(self, x):
+        return torch.stack([m(x) for m in self.members])
+
+
+@pytest.mark.parametrize("executor", ["serial", "threads"])
+@pytest.mark.parametrize("batch", [(5,), (2, 3)], ids=["rows", "sequence"])
+def test_a_stack_of_members_may_be_written_in_place_by_the_caller(batch, executor):
+    """Eager's ``torch.stack`` is a fresh tensor; the caller may write it before the
+    backward. The fused kernel's output (or a view of it) in its place is the tensor the
+    members' ``Tanh`` saved for the backward: written, the backward failed."""
+    torch.manual_seed(0)
+    model, ref = TanhEnsemble(), TanhEnsemble()
+    ref.load_state_dict(model.state_dict())
+    sm = ss.StreamScheduledModule(model, executor=executor)
+    for call in range(4):
+        x = torch.randn(*batch, D)
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        out = sm(x)
+        path = assert_path(sm, "recorded", "plan")
+        expected = ref(x)
+        assert out._is_view() == expected._is_view(), f"call {call} ({path}): a view where eager's is not"
+        out.mul_(2).sum().backward()
+        expected.mul_(2).sum().backward()
+        assert_close(out, expected, what=f"call {call} ({path}): outputs")
+        assert_close(list(grads(model).values()), list(grads(ref).values()), what=f"call {call} ({path}): grads")
+        if call > 0:
+            assert "baddbmm" in [g.kernel for g in sm.plan.fused_groups], "the members were meant to be batched"
+
+
+class MembersReturned(TanhEnsemble):
+    """Members returned one by one, and a stack of all of them."""
+
+    def forward(self, x):
+        ys = [m(x) for m in self.members]
+        return ys[0], ys[1], torch.stack([m(x.flip(0)) for m in self.members])
+
+
+@pytest.mark.parametrize("executor", ["serial", "threads"])
+@pytest.mark.parametrize("batch", [(5,), (2, 3)], ids=["rows", "sequence"])
+def test_outputs_of_a_no_grad_call_may_be_written_with_grad_later(batch, executor):
+    """Outputs of a call under ``torch.no_grad()`` (a teacher's targets) written in place
+    afterwards with gradients on: eager's are tensors of their own; the plan's were views
+    of the batched kernel's output made under no_grad, which autograd refuses to write
+    ("A view was created in no_grad mode")."""
+    torch.manual_seed(1)
+    model, ref = MembersReturned(), MembersReturned()
+    ref.load_state_dict(model.state_dict())
+    sm = ss.StreamScheduledModule(model, executor=executor)
+    for call in range(4):
+        x = torch.randn(*batch, D)
+        scale, scale_ref = torch.ones(16, requires_grad=True), torch.ones(16, requires_grad=True)
+        with torch.no_grad():
+            outs = sm(x)
+            path = assert_path(sm, "recorded", "plan")
+            expected = ref(x)
+        assert [t._is_view() for t in outs] == [t._is_view() for t in expected], f"call {call} ({path}): views"
+        sum(t.mul_(scale).sum() for t in outs).backward()
+        sum(t.mul_(scale_ref).sum() for t in expected).backward()
+        assert_close(outs, expected, what=f"call {call} ({path}): outputs")
+        assert_close(scale.grad, scale_ref.grad, what=f"call {call} ({path}): grad")
+        if call > 0:
+            assert "baddbmm" in [g.kernel for g in sm.plan.fused_groups], "the members were meant to be batched"

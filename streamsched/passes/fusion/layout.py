@@ -82,6 +82,20 @@ def member_copy(parts: tuple[torch.Tensor, ...], index: int) -> torch.Tensor:
     return parts[index].clone()
 
 
+def for_caller(x: torch.Tensor) -> torch.Tensor:
+    """A fused group's value the graph returns (a member's part, a whole group's stack or
+    cat), as eager's is: a tensor of its own, not a view, which the caller may write in
+    place. With autograd on, a copy (eager's ``cat`` / ``stack`` is a copy too): the
+    kernel's output, or a view of it, is what its last op may have saved for the backward
+    (a ``Tanh``'s or ``ReLU``'s result), and the caller's write failed that backward.
+    Without autograd, the same memory made no view: a view made under ``no_grad`` may not
+    be written once gradients are on ("A view was created in no_grad mode"), and eager's
+    value may be."""
+    if x.requires_grad:
+        return x.clone()
+    return x.detach() if x._is_view() else x
+
+
 def eager_strides(x: torch.Tensor) -> torch.Tensor:
     """A member's part of its group's output with the strides eager's own value has: the
     part itself when dense (a slice of a stack), else a copy laid out as its strides

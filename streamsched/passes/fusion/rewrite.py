@@ -40,6 +40,7 @@ from .layout import (
     cat_members,
     eager_strides,
     fold,
+    for_caller,
     member_copy,
     select_members,
     stack_members,
@@ -246,8 +247,13 @@ class Rewriter:
         meta = self.metas.get(member)
         if not isinstance(meta, TensorMeta) or not meta.requires_grad:
             return False
+        return self._returned(member)
+
+    def _returned(self, node: fx.Node) -> bool:
+        """Whether the graph returns ``node``'s value, or a view of it (fused members
+        aside)."""
         seen: set[fx.Node] = set()
-        todo = [member]
+        todo = [node]
         while todo:
             for user in todo.pop().users:
                 if user in self.members or user in seen:
@@ -310,7 +316,7 @@ class Rewriter:
 
     def _fold_cats_and_stacks(self) -> None:
         """A cat or stack of a whole group, in order, becomes the kernel's output (or a
-        view of it)."""
+        view of it); returned to the caller, a tensor of its own (``for_caller``)."""
         replaced: set[fx.Node] = set()
         for node in list(self.graph.nodes):
             folded = self._whole_group_of(node)
@@ -320,11 +326,15 @@ class Rewriter:
             if s0.sizes is not None:
                 if not is_cat or dim % len(s0.shape) != s0.layout[1]:
                     continue
-                node.replace_all_uses_with(s0.kernel_node)
+                new = s0.kernel_node
             else:
                 fn = cat_members if is_cat else stack_members
                 new = self._insert(fn, (s0.kernel_node, s0.layout, s0.n, s0.shape, dim), node)
-                node.replace_all_uses_with(new)
+            if self._returned(node):
+                position = self.position[new]
+                new = self._insert(for_caller, (new,), node)
+                self.position[new] = position + 0.01
+            node.replace_all_uses_with(new)
             replaced.add(node)
         for node in replaced:
             self.graph.erase_node(node)
@@ -378,6 +388,10 @@ class Rewriter:
                 # strides (copied only where it is not dense).
                 item = self._insert(eager_strides, (item,), m)
                 self.position[item] = self.position[s.kernel_node] + 0.25
+            if self._returned(m):
+                # Returned without autograd (with it, the member is copied above): no view.
+                item = self._insert(for_caller, (item,), m)
+                self.position[item] = self.position[s.kernel_node] + 0.27
             m.replace_all_uses_with(item, delete_user_cb=lambda u: u not in self.members)
 
     def _unstack(self, s: _Stacked) -> fx.Node:
