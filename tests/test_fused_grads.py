@@ -474,3 +474,47 @@ def test_tied_members_get_a_gradient_when_either_use_is_reached():
     sm = ss.StreamScheduledModule(model, executor="serial")
     _train_used_heads(sm, model, ref, "tied weights")
     assert fused_members(sm)
+
+
+class RetainsHidden(nn.Module):
+    """``retain_grad()`` inside the forward on the heads' hidden values (every head's, or
+    one head's), returned for the caller to read ``.grad``."""
+
+    def __init__(self, every: bool):
+        super().__init__()
+        self.every = every
+        self.heads = nn.ModuleList(nn.Sequential(nn.Linear(D, 16), nn.ReLU(), nn.Linear(16, 3)) for _ in range(4))
+
+    def forward(self, x):
+        hidden = [head[1](head[0](x)) for head in self.heads]
+        for h in hidden if self.every else hidden[1:2]:
+            h.retain_grad()
+        outs = [head[2](h) for head, h in zip(self.heads, hidden)]
+        return torch.stack(outs), hidden if self.every else hidden[1]
+
+
+@pytest.mark.parametrize("executor", ["serial", "threads"])
+@pytest.mark.parametrize("every", [True, False], ids=["every-head", "one-head"])
+def test_retained_gradients_of_fused_members_as_eager(every, executor):
+    """The backward passes through the very tensor ``retain_grad()`` was called on, as in
+    eager: the next layer's kernel read the members' stacked value around it (``.grad``
+    was ``None``, or held only the caller's share)."""
+    torch.manual_seed(0)
+    model, ref = RetainsHidden(every), RetainsHidden(every)
+    ref.load_state_dict(model.state_dict())
+    sm = ss.StreamScheduledModule(model, executor=executor)
+    for call in range(3):
+        x = torch.randn(5, D)
+        out, hidden = sm(x)
+        path = assert_path(sm, "recorded", "plan")
+        expected, hidden_ref = ref(x)
+        loss = out.square().sum() + sum(h.sum() for h in flatten(hidden))
+        loss_ref = expected.square().sum() + sum(h.sum() for h in flatten(hidden_ref))
+        loss.backward()
+        loss_ref.backward()
+        for i, (h, h_ref) in enumerate(zip(flatten(hidden), flatten(hidden_ref))):
+            assert h.grad is not None, f"call {call} ({path}): hidden {i} retained no gradient"
+            assert_close(h.grad, h_ref.grad, what=f"call {call} ({path}): retained gradient of hidden {i}")
+        assert_close(out, expected, what=f"call {call} ({path}): outputs")
+        if call > 0:
+            assert sm.plan.fused_groups, "the heads' other layers were meant to be fused"

@@ -35,7 +35,7 @@ from ...branch import BranchCall
 from ...frontend import node_meta
 from ...frontend.hooks import has_hooks
 from ...frontend.meta import ConstMeta, TensorMeta, ValueMeta
-from ...frontend.nodes import node_label, submodule, target_name
+from ...frontend.nodes import is_glue, node_label, submodule, target_name
 
 __all__ = [
     "FusionSupport",
@@ -345,6 +345,24 @@ def _contains_node(a: Any) -> bool:
 
 
 _EFFECT = "writes shared state or draws random numbers, ordered with other nodes that do (kept in eager order)"
+_RETAINED = "its gradient is retained (retain_grad): the backward must pass through this tensor"
+
+
+def _grad_retained(node: fx.Node) -> bool:
+    """Whether the forward calls ``retain_grad()`` on ``node``'s value or a view of it.
+    Fused, the value would be a member's part of the kernel's output, and the next
+    layer's kernel would read the stacked output around it: the backward would never
+    pass through the tensor whose ``.grad`` the caller reads."""
+    seen: set[fx.Node] = set()
+    todo = [node]
+    while todo:
+        for user in todo.pop().users:
+            if user.op == "call_method" and user.target == "retain_grad":
+                return True
+            if user not in seen and is_glue(user):
+                seen.add(user)
+                todo.append(user)
+    return False
 
 
 class _Static(NamedTuple):
@@ -518,6 +536,8 @@ class FusionSupport:
             excluded = _EFFECT
         elif st.excluded is not None:
             excluded = st.excluded
+        elif _grad_retained(node):
+            excluded = _RETAINED
         if excluded is not None:
             log.debug("fuse: %s %s; not fused", node_label(node), excluded)
             self.excluded[node] = excluded
