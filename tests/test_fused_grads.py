@@ -518,3 +518,49 @@ def test_retained_gradients_of_fused_members_as_eager(every, executor):
         assert_close(out, expected, what=f"call {call} ({path}): outputs")
         if call > 0:
             assert sm.plan.fused_groups, "the heads' other layers were meant to be fused"
+
+
+class ReturnsHidden(nn.Module):
+    """The heads' hidden values returned beside the outputs (a Grad-CAM's features)."""
+
+    def __init__(self):
+        super().__init__()
+        self.heads = nn.ModuleList(nn.Sequential(nn.Linear(D, 16), nn.ReLU(), nn.Linear(16, 3)) for _ in range(4))
+
+    def forward(self, x):
+        hidden = [head[1](head[0](x)) for head in self.heads]
+        return torch.stack([head[2](h) for head, h in zip(self.heads, hidden)]), hidden
+
+
+@pytest.mark.parametrize("executor", ["serial", "threads"])
+def test_returned_members_are_the_tensors_the_backward_passes_through(executor):
+    """The caller retains the gradient of (or hooks) the hidden values it got, then runs
+    the backward of the outputs alone: eager's backward passes through them. The plan's
+    were copies beside the next layer's kernel, which read the group's stacked output:
+    no gradient, no hook call."""
+    torch.manual_seed(0)
+    model, ref = ReturnsHidden(), ReturnsHidden()
+    ref.load_state_dict(model.state_dict())
+    sm = ss.StreamScheduledModule(model, executor=executor)
+    for call in range(3):
+        x = torch.randn(5, D)
+        seen: dict[str, list] = {"plan": [], "eager": []}
+        results = {}
+        for name, module in (("plan", sm), ("eager", ref)):
+            out, hidden = module(x)
+            if name == "plan":
+                path = assert_path(sm, "recorded", "plan")
+            for h in hidden:
+                h.retain_grad()
+            hidden[2].register_hook(lambda g, got=seen[name]: got.append(g.clone()))
+            out.square().sum().backward()
+            results[name] = (out, hidden)
+        (out, hidden), (expected, hidden_ref) = results["plan"], results["eager"]
+        assert_close(out, expected, what=f"call {call} ({path}): outputs")
+        for i, (h, h_ref) in enumerate(zip(hidden, hidden_ref)):
+            assert h.grad is not None, f"call {call} ({path}): returned hidden {i} got no gradient"
+            assert_close(h.grad, h_ref.grad, what=f"call {call} ({path}): gradient of returned hidden {i}")
+        assert len(seen["plan"]) == len(seen["eager"]) == 1, f"call {call} ({path}): hook calls"
+        assert_close(seen["plan"], seen["eager"], what=f"call {call} ({path}): the hook's gradient")
+        if call > 0:
+            assert sm.plan.fused_groups, "the heads were meant to be fused"

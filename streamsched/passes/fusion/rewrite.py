@@ -150,7 +150,15 @@ class Rewriter:
         if all(a is first for a in args):
             return Source(first, SHARED, self.shape(first))
         st = [self.stacked_of.get(a) for a in args]
-        if all(s is not None for s in st) and len({s.kernel_node for s in st}) == 1 and st[0].sizes is None:
+        if (
+            all(s is not None for s in st)
+            and len({s.kernel_node for s in st}) == 1
+            and st[0].sizes is None
+            # A member the caller gets with autograd on (a copy of its own, see
+            # _members_written) is, as in eager, the tensor the backward of this group
+            # passes through (its retained gradient, its hooks): read from the members.
+            and not any(map(self._returned_with_grad, args))
+        ):
             s0 = st[0]
             indices = [s.index for s in st]
             if indices == list(range(s0.n)):
