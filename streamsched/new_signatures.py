@@ -561,7 +561,11 @@ def revalidate(runner: Runner) -> bool:
     for traced in list(st.traces.values()):
         if not isinstance(traced, Traced):
             continue
-        if not traced.modules_unchanged() or not (traced.flags_unchanged() or _retraces_same(runner, traced)):
+        if (
+            not traced.modules_unchanged()
+            or not traced.in_place_unchanged()
+            or not (traced.flags_unchanged() or _retraces_same(runner, traced))
+        ):
             stale = True
             break
     if stale:

@@ -320,3 +320,43 @@ def test_the_recorders_weak_references_hold_storage_ids_apart_until_released():
             break
     else:
         pytest.fail("the storage object was never freed: a weak reference to it was kept")
+
+
+class WideHeadsThenActivations(nn.Module):
+    """Heads of different widths on one input (one wide Linear, split per head), each
+    followed by an activation module of its own; ``inplace`` is set after planning."""
+
+    def __init__(self):
+        super().__init__()
+        self.heads = nn.ModuleList(nn.Linear(D, w) for w in (3, 5, 4))
+        self.acts = nn.ModuleList([nn.ReLU(), nn.ReLU6(), nn.LeakyReLU(0.1)])
+
+    def forward(self, x):
+        return [act(head(x)) * 2 for head, act in zip(self.heads, self.acts)]
+
+
+@pytest.mark.parametrize("executor", ["serial", "threads"])
+def test_an_activation_made_in_place_after_planning_re_records_its_effects(executor):
+    """The recorded effects said no call writes the heads' parts of the wide kernel's
+    output; ``act.inplace = True`` afterwards made the kept plan write them in place (a
+    view of a split, which autograd refuses to write: the call raised)."""
+    torch.manual_seed(0)
+    model = WideHeadsThenActivations()
+    eager = copy.deepcopy(model)
+    sm = ss.StreamScheduledModule(model, executor=executor)
+    for call in range(5):
+        if call == 2:
+            for act, act_ref in zip(model.acts, eager.acts):
+                act.inplace = act_ref.inplace = True
+        x = torch.randn(4, D, requires_grad=True)
+        x2 = x.detach().clone().requires_grad_()
+        out, ref = sm(x), eager(x2)
+        path = ss.testing.assert_path(sm, "recorded", "plan")
+        assert_close(out, ref, what=f"call {call} ({path}): outputs")
+        sum(o.square().sum() for o in out).backward()
+        sum(o.square().sum() for o in ref).backward()
+        assert_close(x.grad, x2.grad, what=f"call {call} ({path}): input gradient")
+        for p, q in zip(sm.module.parameters(), eager.parameters()):
+            assert_close(p.grad, q.grad, what=f"call {call} ({path}): gradients")
+            p.grad = q.grad = None
+        assert sm.plan.fused_groups, "the heads should be fused"

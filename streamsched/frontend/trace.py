@@ -37,7 +37,7 @@ import types
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Optional, Sequence
+from typing import Any, Callable, Hashable, Optional, Sequence
 
 import torch
 import torch.utils._pytree as pytree
@@ -547,6 +547,10 @@ class Traced:
     """The tensors that existed before the trace from which it computed constants (a
     module's plain tensor attribute's ``.sum()``): guarded by version and place
     (``dtype_guards``), and never taken into a fused stack (``FusionContext.views_held``)."""
+    in_place: tuple = ()
+    """``(module, inplace)`` of each module the graph calls that has an ``inplace`` flag
+    (``ReLU``, ``Dropout``, ...): the recording call saw which of them write their input,
+    and the plan's effects rest on it (:meth:`in_place_unchanged`)."""
     traced_program: Optional[tuple] = None
     """``(graph, program text)`` of the graph as traced, held before the recording call
     added checks of what leaf calls returned (``opaque_outputs.check_recorded_structures``):
@@ -611,7 +615,7 @@ class Traced:
             raise TraceError(f"'{label}': learning what it returns ({skeleton.shape}) did not change the trace")
         self.graph, self.root, self.input_names = fresh.graph, fresh.root, fresh.input_names
         self.module_ids, self.structure, self.output_tree = fresh.module_ids, fresh.structure, fresh.output_tree
-        self.opaque, self.flags = fresh.opaque, fresh.flags
+        self.opaque, self.flags, self.in_place = fresh.opaque, fresh.flags, fresh.in_place
         self.opaque_functions = fresh.opaque_functions
         self.inlined_leaf_calls = fresh.inlined_leaf_calls
         self.dtype_guards = fresh.dtype_guards
@@ -630,6 +634,13 @@ class Traced:
             if id(mod) != ident:
                 return False
         return _structure(self.model) == self.structure
+
+    def in_place_unchanged(self) -> bool:
+        """Whether every module the graph calls still writes its input in place exactly
+        when it did on the recording call: one made in place since (``act.inplace =
+        True``) would write a value the plan hands out as a view of a fused kernel's
+        output, or shares with another reader, unordered."""
+        return all(m.inplace is flag for m, flag in self.in_place)
 
     def flags_unchanged(self) -> bool:
         """Whether every traced-through module still has the plain attribute values it had
@@ -730,6 +741,22 @@ class _Attributes:
 
 
 _CALLABLES = (functools.partial, types.MethodType)
+
+
+def _in_place_flags(graph: fx.Graph, resolve: Callable[[str], Any]) -> tuple:
+    """``(module, inplace)`` of each module ``graph`` calls that has a bool ``inplace``
+    flag, each once; its name is watched (setting it moves the generation)."""
+    seen: dict[int, tuple] = {}
+    for node in graph.nodes:
+        if node.op == "call_module":
+            m = resolve(node.target)
+            flag = getattr(m, "inplace", None)
+            if isinstance(flag, bool) and id(m) not in seen:
+                seen[id(m)] = (m, flag)
+    if seen:
+        _generation.watch(("inplace",))
+    return tuple(seen.values())
+
 
 # What a module's __dict__ mostly holds besides flags (its registries and hook tables):
 # answered without asking is_plain.
@@ -1050,6 +1077,7 @@ def _trace_once(
             module_ids[node.target] = id(resolve(node.target))
         elif node.op == "call_function" and getattr(node.target, "owner", None) is not None:
             module_ids[node.target.owner_path] = id(node.target.owner)
+    in_place = _in_place_flags(graph, resolve)
     modules = tuple(tracer.traced_through.values())
     flags = tuple((m, _flag_values(m)) for m in modules)
     _generation.watch(k for _, values in flags for k, _ in values)
@@ -1068,6 +1096,7 @@ def _trace_once(
         opaque={_type_name(cls): reason for cls, reason in opaque.items()},
         opaque_functions=_used_functions(graph, sites),
         flags=flags,
+        in_place=in_place,
         inlined_leaf_calls=tracer.inlined_leaf_calls,
         ranks=ranks,
         dtypes=dtypes,
