@@ -1,7 +1,9 @@
 """A process-wide counter that moves whenever a *tracked* module (one inside the tree of
 a wrapped model, see :func:`track`) registers a submodule, parameter or buffer
 (``setattr`` of one, ``register_*``; not the one it holds under that name already),
-deletes an attribute (``del model.head``, ``del model.layers[0]``), or sets a *watched* plain attribute: ``training``
+deletes an attribute (``del model.head``, ``del model.layers[0]``), edits a container's
+module table directly (``del model.heads["b"]``, ``ModuleDict.pop`` / ``clear``,
+``ModuleList.insert``, ``Sequential.insert``), or sets a *watched* plain attribute: ``training``
 (``.train()``, ``.eval()``, ``bn.training = False``) and every flag a trace read from a
 traced-through module (``drop_prob``, ``use_cache``...), whose value the trace baked in
 (assigned a value other than the one it holds).
@@ -26,6 +28,7 @@ import weakref
 from typing import Any, Callable, Iterable
 
 from torch import Tensor
+from torch.nn.modules import container as _container
 from torch.nn.modules import module as _module
 
 _generation = 0
@@ -226,6 +229,36 @@ def _delattr(self, name: str) -> None:
 if not getattr(_module.Module.__delattr__, "_streamsched", False):
     _delattr._streamsched = True  # type: ignore[attr-defined]
     _module.Module.__delattr__ = _delattr  # type: ignore[method-assign]
+
+
+# Container edits that write the module table directly, without ``__setattr__`` or
+# ``__delattr__`` (``del model.heads["b"]``, ``ModuleDict.pop`` / ``clear``,
+# ``ModuleList.insert`` and ``Sequential.insert``, which shift every later module to the
+# next key): wrapped (behaviour unchanged) so that they move the counter too, and a module
+# inserted into a tracked container is tracked.
+def _counting_edits(edit: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(edit)
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = edit(self, *args, **kwargs)
+        if tracked(self):
+            _bump()
+            for m in self._modules.values():
+                if m is not None and not tracked(m):
+                    track(m)
+        return out
+
+    counted._streamsched = True  # type: ignore[attr-defined]
+    return counted
+
+
+for _cls, _name in (
+    (_container.ModuleDict, "__delitem__"),
+    (_container.ModuleDict, "clear"),
+    (_container.ModuleList, "insert"),
+    (_container.Sequential, "insert"),
+):
+    if not getattr(getattr(_cls, _name), "_streamsched", False):
+        setattr(_cls, _name, _counting_edits(getattr(_cls, _name)))
 
 # Plain attributes whose assignment moves the counter. Traces add the names of the flags
 # they bake in (``watch``); the set only grows, and checking it costs one set lookup.

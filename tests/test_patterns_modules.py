@@ -320,3 +320,54 @@ def test_a_simple_namespace_the_model_holds_is_compared_every_call(executor, mon
         out = sm(x)
         path = assert_path(sm, "recorded", "plan")
         assert_close(out, model(x), what=f"call {call} ({path})")
+
+
+class Containers(nn.Module):
+    """Heads in a ModuleDict, a ModuleList and a Sequential, every one of them called."""
+
+    def __init__(self):
+        super().__init__()
+        self.named = nn.ModuleDict({k: nn.Linear(D, 4) for k in "abc"})
+        self.listed = nn.ModuleList(nn.Linear(D, 4) for _ in range(3))
+        self.chain = nn.Sequential(nn.Linear(D, D), nn.Tanh())
+
+    def forward(self, x):
+        return {k: h(x) for k, h in self.named.items()}, [h(x) for h in self.listed], self.chain(x)
+
+
+def _edit_containers(model: Containers, edit: str) -> None:
+    torch.manual_seed(9)
+    if edit == "del ModuleDict[k]":
+        del model.named["b"]
+    elif edit == "ModuleDict.pop":
+        model.named.pop("a")
+    elif edit == "ModuleDict.clear":
+        model.named.clear()
+    elif edit == "ModuleList.insert":
+        model.listed.insert(1, nn.Linear(D, 4))
+    elif edit == "Sequential.insert":
+        model.chain.insert(1, nn.Linear(D, D))
+
+
+@pytest.mark.parametrize("executor", ["serial", "threads"])
+@pytest.mark.parametrize(
+    "edit", ["del ModuleDict[k]", "ModuleDict.pop", "ModuleDict.clear", "ModuleList.insert", "Sequential.insert"]
+)
+def test_containers_edited_without_setattr_after_planning_re_trace(edit, executor):
+    """These edits write the container's module table directly (no ``__setattr__`` or
+    ``__delattr__``): the kept plan went on calling the modules as they were (a deleted
+    head's output still returned, an inserted layer never run)."""
+    torch.manual_seed(0)
+    model = Containers()
+    sm = ss.StreamScheduledModule(model, executor=executor)
+    for _ in range(2):
+        sm(torch.randn(5, D))
+    assert_path(sm, "plan")
+    _edit_containers(model, edit)
+    for call in range(3):
+        x = torch.randn(5, D)
+        out = sm(x)
+        path = assert_path(sm, "recorded", "plan")
+        expected = model(x)
+        assert list(out[0]) == list(expected[0]), f"{edit}, call {call} ({path}): the ModuleDict's keys"
+        assert_close(out, expected, what=f"{edit}, call {call} ({path})")
