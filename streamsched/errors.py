@@ -68,6 +68,12 @@ class ProfileMismatchError(StreamSchedError, ValueError):
     """A stored schedule profile was made for another model, input or device."""
 
 
+class FusedMembersReshaped(StreamSchedError, RuntimeError):
+    """A member of a fused group was given a tensor of another shape since planning
+    (``lin.weight.data = torch.randn(...)`` of a wider layer): the fused kernels' shapes
+    are the plan's. The wrapper catches it before any task runs and plans the model again."""
+
+
 class HooksWarning(UserWarning):
     """The wrapped model itself has hooks, or global module hooks are registered: no
     schedule can fire them where eager does, so the model runs as written (its own

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 
 from . import _generation
-from .errors import ProfileMismatchError, TraceError
+from .errors import FusedMembersReshaped, ProfileMismatchError, TraceError
 from .frontend.effects import EffectRecorder, Effects, reads_only
 from .frontend.meta import fetch_attr, run_and_record
 from .frontend.nodes import node_label, resolving_submodules, submodule_resolver
@@ -574,8 +574,13 @@ def revalidate(runner: Runner) -> bool:
         log.info("streamsched: a fused module of %s was reconfigured; re-planning", type(module).__name__)
         stale = True
     elif st.fusion is not None:
-        # A parameter may have been re-assigned: re-stack whatever no longer aliases.
-        st.fusion.check_all(full=True)
+        # A parameter may have been re-assigned: re-stack whatever no longer aliases
+        # (one of another shape: the fused kernels' shapes no longer hold, plan again).
+        try:
+            st.fusion.check_all(full=True)
+        except FusedMembersReshaped as exc:
+            log.info("streamsched: %s; re-planning", exc)
+            stale = True
     st.generation = _generation.current()
     st.changes = _generation.changes()
     return stale

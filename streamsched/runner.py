@@ -22,7 +22,7 @@ from . import _generation
 from ._clock import runqueue_wait_ns
 from .backward_timing import BackwardSample
 from .config import SchedulerConfig
-from .errors import HooksWarning, TraceError, UntraceableWarning, raised_in, user_stacklevel
+from .errors import FusedMembersReshaped, HooksWarning, TraceError, UntraceableWarning, raised_in, user_stacklevel
 from .frontend.checkpointing import in_checkpoint_region
 from .frontend.hooks import global_hooks, has_hooks
 from .frontend.leafcalls import counting_dispatch
@@ -249,16 +249,23 @@ class Runner:
         st.hot = (key, entry)
         if st.counting and not entry.as_written:
             st.stop_counting()
-        if st.observer is None:
-            if entry.as_written:
-                return self.run_as_written(entry, spec, args, kwargs)
-            if entry.checks:
+        try:
+            if st.observer is None:
+                if entry.as_written:
+                    return self.run_as_written(entry, spec, args, kwargs)
+                if entry.checks:
+                    return self.checked(entry, tensors, args, kwargs)
+                if entry.trial is not None and self.trials:
+                    return self.trial(entry, entry.trial, tensors, args, kwargs)
+            elif entry.checks:
                 return self.checked(entry, tensors, args, kwargs)
-            if entry.trial is not None and self.trials:
-                return self.trial(entry, entry.trial, tensors, args, kwargs)
-        elif entry.checks:
-            return self.checked(entry, tensors, args, kwargs)
-        return entry.rebuild(self.run(entry, tensors))
+            return entry.rebuild(self.run(entry, tensors))
+        except FusedMembersReshaped as exc:
+            # Raised by the check of the plan's stacks, before any of its tasks ran (a
+            # trial's call runs one candidate): the call is planned again.
+            log.info("streamsched: %s; re-planning", exc)
+            self.retrace()
+            return self.call(args, kwargs, inside_model_call)
 
     def checked(self, compiled: Compiled, tensors: list[torch.Tensor], args: tuple, kwargs: dict) -> Any:
         """A call of a plan that reads opaque calls' values through checks of their

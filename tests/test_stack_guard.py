@@ -149,3 +149,28 @@ def test_a_running_profiler_still_gets_the_task_ranges(monkeypatch):
     names = {event.name for event in prof.events()}
     expected = {range_name(t.name, t.stream) for t in sm.plan.tasks}
     assert expected <= names, expected - names
+
+
+@pytest.mark.parametrize("how", ["data", "parameter"])
+@torch.no_grad()
+def test_a_member_given_another_shape_re_plans(guard_mode, how):
+    """One critic's hidden layer widened after planning (``p.data = ...`` of another
+    shape, or a Parameter of another shape): the kernels' shapes are the plan's, and
+    re-stacking the members raised torch.stack's size error. The model is planned again
+    with the new shapes, as eager runs it."""
+    model, sm = wrapped()
+    warm(sm, model)
+    first, second = model.critics[2].net[0], model.critics[2].net[2]
+    if how == "data":
+        first.weight.data = torch.randn(11, 6)
+        first.bias.data = torch.randn(11)
+        second.weight.data = torch.randn(7, 11)
+    else:
+        first.weight = nn.Parameter(torch.randn(11, 6))
+        first.bias = nn.Parameter(torch.randn(11))
+        second.weight = nn.Parameter(torch.randn(7, 11))
+    x = torch.randn(4, 6)
+    assert_close(sm(x), model(x), what="the call after the change")
+    assert_path(sm, "recorded")
+    for _ in range(2):
+        same(sm, model, what="planned again")

@@ -51,6 +51,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ... import _generation
 from ..._native import native
+from ...errors import FusedMembersReshaped
 from .member_use import UseCell
 
 __all__ = ["GatherStacked", "HandOffStacked", "StackedTensors", "stacks_holding"]
@@ -261,6 +262,8 @@ class StackedTensors:
         )
         self.sizes: Optional[tuple[int, ...]] = tuple(int(t.shape[0]) for t in self.tensors) if concat else None
         self.stack: Optional[torch.Tensor] = None
+        # The members' shapes when stacked: the fused kernels' shapes (see _restack).
+        self._shapes: Optional[list[torch.Size]] = None
         self._ptrs: list[int] = []
         self._guard: Any = None
         self._handoff: Any = None
@@ -327,9 +330,19 @@ class StackedTensors:
         optimizer steps and ``load_state_dict`` through either update in place, and
         neither takes the members from the other (each re-stacking in turn would copy
         all of them on every call)."""
+        tensors = tensors if tensors is not None else [getattr(m, n) for m, n in self.owners]
+        shapes = [t.shape for t in tensors]
+        if self._shapes is not None and shapes != self._shapes:
+            (module, name), now, was = next(
+                ((o, a, b) for o, a, b in zip(self.owners, shapes, self._shapes) if a != b),
+                (self.owners[0], shapes[0], self._shapes[0]),
+            )
+            raise FusedMembersReshaped(
+                f"{type(module).__name__}.{name} of a fused group is {tuple(now)} now, {tuple(was)} when planned"
+            )
         global _restacks
         _restacks += 1
-        self.tensors = tensors if tensors is not None else [getattr(m, n) for m, n in self.owners]
+        self.tensors = tensors
         followers: list[StackedTensors] = []
         if share is None:
             share = self.sharer(self.tensors)
@@ -353,6 +366,7 @@ class StackedTensors:
                 ]
             stack = self._stack_members()
         self.stack = stack
+        self._shapes = shapes
         _register(stack, self)
         self._views.clear()  # views of the old stack would keep its storage alive
         self._ptrs = [t.data_ptr() for t in self.tensors]
