@@ -344,8 +344,17 @@ _MISSING = object()
 
 def _unchanged(module: Any, name: str, value: Any) -> bool:
     """Whether ``module`` holds ``value`` as ``name`` already (the object itself, or an
-    equal plain value): NLLB-MoE's router assigns ``self.input_dtype`` on every call."""
-    old = module.__dict__.get(name, _MISSING)
+    equal plain value): NLLB-MoE's router assigns ``self.input_dtype`` on every call.
+    A parameter, buffer or submodule is held in the module's tables (a watched name may be
+    one here: ``scale`` a flag of another model, a parameter of this one)."""
+    held = module.__dict__
+    old = held.get(name, _MISSING)
+    if old is _MISSING:
+        for table in ("_parameters", "_buffers", "_modules"):
+            entries = held.get(table)
+            if entries and name in entries:
+                old = entries[name]
+                break
     return old is value or (type(old) is type(value) and type(value) in _PLAIN and old == value)
 
 

@@ -192,6 +192,15 @@ def test_a_forward_assigning_its_own_tensors_and_modules_to_themselves_moves_no_
     assert_close(sm(x), model(x))
 
 
+def test_assigning_a_parameter_or_buffer_to_itself_moves_no_generation_when_its_name_is_watched(monkeypatch):
+    """A flag another model's trace read may share a name with a parameter or buffer here
+    (``scale``, ``pos``): the names watched are one process-wide set. Such an assignment
+    of the tensor already there was taken for a changed flag (its value is in the
+    module's tables, not its ``__dict__``), and every call re-checked the model."""
+    monkeypatch.setattr(_generation, "_watched", _generation._watched | {"scale", "pos", "lin"})
+    test_a_forward_assigning_its_own_tensors_and_modules_to_themselves_moves_no_generation(monkeypatch)
+
+
 class RecordsItsDtype(nn.Module):
     """Assigns a flag on every call, always the same value (NLLB-MoE's router runs
     ``self.input_dtype = hidden_states.dtype``); run as written (a leaf)."""
