@@ -572,3 +572,65 @@ def test_a_vmap_kernel_leaves_the_members_tensors_in_place_while_it_runs(executo
         model.state_dict()
     finally:
         _WATCH.clear()
+
+
+class MaskRouted(nn.Module):
+    """One small MLP per route; each reads the rows its route selects (``x[route == i]``, a
+    boolean mask: how many rows is decided by the values of ``route``, not by any shape)
+    and writes them back in place, as X-MOD's per-language adapters and mixture-of-experts
+    layers with an expert module each do."""
+
+    def __init__(self, routes=2, width=8, how="mask"):
+        super().__init__()
+        self.how = how
+        self.adapters = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, 16), nn.ReLU(), nn.Linear(16, width)) for _ in range(routes)
+        )
+
+    def forward(self, x, route):
+        out = torch.zeros_like(x)
+        for i, adapter in enumerate(self.adapters):
+            if self.how == "mask":
+                rows = route == i
+            elif self.how == "nonzero":
+                rows = (route == i).nonzero().squeeze(1)
+            else:
+                rows = torch.masked_select(torch.arange(route.shape[0]), route == i)
+            out[rows] = adapter(x[rows])
+        return out + x
+
+
+@pytest.mark.parametrize("how", ["mask", "nonzero", "masked_select"])
+@pytest.mark.parametrize("executor", ["serial", "auto"])
+def test_members_reading_rows_chosen_by_values_are_not_fused(how, executor):
+    # Recorded with one row per route, the members' inputs are alike in shape; a later
+    # call of the same signature routes every row to one adapter (and none to the other):
+    # a plan that fused the adapters stacked inputs of 0 and 2 rows (RuntimeError), or
+    # would cut each member's rows from the recording call's sizes.
+    torch.manual_seed(0)
+    model = MaskRouted(how=how)
+    ref = copy.deepcopy(model)
+    sm = ss.StreamScheduledModule(model, executor=executor)
+    x = torch.randn(4, 8)
+    for route in ([0, 1, 0, 1], [1, 1, 1, 1], [0, 0, 0, 0], [1, 0, 0, 0], [0, 1, 1, 0], [1, 1, 1, 1]):
+        r = torch.tensor(route)
+        with torch.no_grad():
+            assert_close(sm(x, r), ref(x, r), atol=1e-6)
+    if executor == "serial":
+        assert_path(sm, "plan:serial")
+    assert sm.plan.fused_groups == []
+    # Training: the same routes, gradients of every adapter (a route with no rows leaves
+    # its adapter's .grad as eager does).
+    sm.train(), ref.train()
+    for route in ([0, 1, 0, 1], [1, 1, 1, 1], [0, 0, 1, 1], [1, 1, 1, 1]):
+        r = torch.tensor(route)
+        for p in list(sm.parameters()) + list(ref.parameters()):
+            p.grad = None
+        sm(x, r).square().sum().backward()
+        ref(x, r).square().sum().backward()
+        for (name, a), b in zip(sm.module.named_parameters(), ref.parameters()):
+            assert (a.grad is None) == (b.grad is None), name
+            if b.grad is not None:
+                assert_close(a.grad, b.grad, atol=1e-6)
+    if executor == "serial":
+        assert_path(sm, "plan:serial")

@@ -365,6 +365,52 @@ def _grad_retained(node: fx.Node) -> bool:
     return False
 
 
+_VALUE_SIZED = "its sizes are decided by tensor values (a boolean mask, nonzero): they may differ on the next call"
+
+# Ops whose output's sizes the values of a tensor argument decide: every call of one
+# signature may give other sizes (``x[route == i]`` selects as many rows as match).
+_VALUE_SIZED_OPS = frozenset(
+    {"nonzero", "masked_select", "unique", "unique_consecutive", "argwhere", "bincount", "repeat_interleave"}
+)
+
+
+def _bool_tensor(a: Any, metas: dict[fx.Node, ValueMeta]) -> bool:
+    """Whether ``a`` (an index, or a tuple or list of them) holds a boolean tensor."""
+    if isinstance(a, fx.Node):
+        meta = metas.get(a)
+        return isinstance(meta, TensorMeta) and meta.dtype in (torch.bool, torch.uint8)
+    if isinstance(a, (tuple, list)):
+        return any(_bool_tensor(x, metas) for x in a)
+    return False
+
+
+def _sizes_from_values(node: fx.Node, metas: dict[fx.Node, ValueMeta]) -> bool:
+    if node.op == "call_method":
+        return node.target in _VALUE_SIZED_OPS
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return len(node.args) == 2 and _bool_tensor(node.args[1], metas)
+    if node.target is torch.where:
+        return len(node.args) + len(node.kwargs) == 1  # torch.where(cond): nonzero
+    return getattr(node.target, "__name__", None) in _VALUE_SIZED_OPS
+
+
+def sized_by_values(graph: fx.Graph, metas: dict[fx.Node, ValueMeta]) -> set[fx.Node]:
+    """The nodes whose output's sizes may depend on tensor values: a boolean-mask index,
+    ``nonzero``, ``masked_select``, ``unique``... and everything computed from one (a
+    size read from such a value, a module applied to it). A plan is made for the
+    inputs' shapes, and such a node's shape is not fixed by them: fused with another
+    node of equal shape on the recording call, it could meet one of another size on the
+    next (members reading rows chosen by a mask: X-MOD's language adapters, an expert
+    module each)."""
+    out: set[fx.Node] = set()
+    for node in graph.nodes:
+        if _sizes_from_values(node, metas) or any(n in out for n in node.all_input_nodes):
+            out.add(node)
+    return out
+
+
 class _Static(NamedTuple):
     """What of a node's fusion signature does not depend on the input sizes: read off the
     trace and the modules once, and kept across the plans of one trace
@@ -452,6 +498,8 @@ class FusionSupport:
         self.root = root
         self.metas = metas
         self.excluded: dict[fx.Node, str] = {}
+        self.value_sized: set[fx.Node] = set()
+        """Nodes whose sizes tensor values decide (:func:`sized_by_values`): never fused."""
         self.structures: dict[int, tuple[nn.Module, tuple]] = {}
         """:func:`structure_signature` of each module a signature was made for, by id (a
         module called at several nodes is read once; the fused ones are kept to check)."""
@@ -538,6 +586,8 @@ class FusionSupport:
             excluded = st.excluded
         elif _grad_retained(node):
             excluded = _RETAINED
+        elif node in self.value_sized and (st.module is not None or st.supported):
+            excluded = _VALUE_SIZED
         if excluded is not None:
             log.debug("fuse: %s %s; not fused", node_label(node), excluded)
             self.excluded[node] = excluded
@@ -632,6 +682,7 @@ def propose(graph: fx.Graph, support: FusionSupport, min_size: int) -> Proposals
     root = support.root
     level = _levels(graph)
     position = {n: i for i, n in enumerate(graph.nodes)}
+    support.value_sized = sized_by_values(graph, support.metas)
     sigs: dict[fx.Node, tuple] = {}
     for node in graph.nodes:
         if node.op in ("call_module", "call_function", "call_method"):
