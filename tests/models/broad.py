@@ -675,5 +675,94 @@ TRANSFORMERS += [
     ),
 ]
 
+
+def with_languages(inputs: Callable[[int], Inputs], languages: int = 2) -> Callable[[int], Inputs]:
+    """``inputs`` with X-MOD's ``lang_ids`` (one language per row), by seed in turn: rows
+    of different languages (each adapter reads as many rows), then every row in one
+    language (the other adapters read none)."""
+
+    def make(seed: int) -> Inputs:
+        args, kwargs = inputs(seed)
+        batch = kwargs["input_ids"].shape[0]
+        turn = seed % (languages + 1)
+        rows = [r % languages if turn == 1 else min(turn, languages - 1) for r in range(batch)]
+        return args, {**kwargs, "lang_ids": torch.tensor(rows)}
+
+    return make
+
+
+TRANSFORMERS += [
+    _hf(
+        "xmod",
+        "XmodConfig",
+        "XmodModel",
+        with_languages(_TOKENS),
+        note="a language adapter per layer, chosen per row by lang_ids (data-dependent routing)",
+        **dict(_SMALL, max_position_embeddings=80, languages=["en_XX", "de_DE"], default_language="en_XX"),
+    ),
+    _hf(
+        "ibert_quant",
+        "IBertConfig",
+        "IBertModel",
+        _TOKENS,
+        note="integer-only quantisation: autograd Functions (straight-through rounding), "
+        "activation ranges kept in buffers updated in training",
+        **dict(_SMALL, max_position_embeddings=80, quant_mode=True),
+    ),
+    _hf(
+        "deepseek_v2",
+        "DeepseekV2Config",
+        "DeepseekV2ForCausalLM",
+        _DECODER_TOKENS,
+        note="latent attention (low-rank q and kv); group-limited top-k routed and shared experts",
+        **dict(
+            _DECODER,
+            num_key_value_heads=4,
+            moe_intermediate_size=16,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            first_k_dense_replace=1,
+            kv_lora_rank=16,
+            q_lora_rank=24,
+            qk_rope_head_dim=8,
+            v_head_dim=8,
+            qk_nope_head_dim=8,
+            n_group=2,
+            topk_group=1,
+            topk_method="group_limited_greedy",
+        ),
+    ),
+    _hf(
+        "zamba2",
+        "Zamba2Config",
+        "Zamba2ForCausalLM",
+        _DECODER_TOKENS,
+        note="Mamba2 layers and one shared attention block reused with per-layer LoRA adapters",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=4,
+        layers_block_type=["mamba", "hybrid", "mamba", "hybrid"],
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        attention_head_dim=16,
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_headdim=16,
+        mamba_ngroups=1,
+        n_mamba_heads=4,
+        chunk_size=8,
+        num_mem_blocks=1,
+        use_mem_rope=True,
+        use_shared_attention_adapter=True,
+        adapter_rank=4,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+]
+
 SPECS: list[ModelSpec] = TORCHVISION + TIMM + TRANSFORMERS
 BY_NAME = {s.name: s for s in SPECS}
