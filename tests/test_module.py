@@ -231,6 +231,63 @@ def test_tracing_does_not_disturb_modules_running_in_other_threads():
     assert errors == []
 
 
+class _SlowTrace(nn.Module):
+    """Two branches; its forward waits on ``gate`` while being traced (the other thread's
+    trace begins or ends meanwhile)."""
+
+    def __init__(self, gate):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.gate = gate
+
+    def forward(self, x):
+        if self.gate is not None:
+            self.gate()
+        return self.a(x) + self.b(x)
+
+
+def test_traces_on_two_threads_ending_out_of_order_put_module_call_back():
+    # fx patches nn.Module.__call__ and __getattr__ process-wide while it traces and puts
+    # back what it found on entry. Trace A begins, trace B begins (finding A's patch),
+    # A ends (putting the original back), B ends (putting A's patch back): A's patch
+    # stayed installed for good, every later module call in the process went through a
+    # finished trace's wrapper, and one made on A's thread (a lane of the threads
+    # executor, say) was recorded into it (an opaque call returned an fx Proxy).
+    orig_call, orig_getattr = nn.Module.__call__, nn.Module.__getattr__
+    a_tracing, b_tracing, a_done = threading.Event(), threading.Event(), threading.Event()
+    errors = []
+
+    def gate_a():
+        a_tracing.set()
+        b_tracing.wait(0.5)  # B begins while A traces (where traces may overlap)
+
+    def gate_b():
+        b_tracing.set()
+        a_done.wait(1.0)  # A ends before B
+
+    def run(gate, done=None):
+        try:
+            sm = ss.StreamScheduledModule(_SlowTrace(gate), executor="serial")
+            sm(torch.randn(2, 4))
+            sm.module.gate = None
+            x = torch.randn(3, 4)
+            assert_close(sm(x), sm.module(x))
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+        finally:
+            if done is not None:
+                done.set()
+
+    a = threading.Thread(target=run, args=(gate_a, a_done))
+    b = threading.Thread(target=run, args=(gate_b,))
+    a.start()
+    a_tracing.wait(5.0)
+    b.start()
+    a.join(10.0), b.join(10.0)
+    assert errors == []
+    assert nn.Module.__call__ is orig_call and nn.Module.__getattr__ is orig_getattr
+
+
 def test_auto_keeps_a_parallel_executor_only_where_it_measures_faster(monkeypatch):
     from streamsched import runner as runner_module
     from streamsched.planning.choice import Trial as _Trial

@@ -131,6 +131,10 @@ _FACTORIES = tuple(
 )
 
 
+_FX_PATCHING = threading.RLock()
+"""Held by a thread while fx traces on it (see :meth:`_LeafTracer.trace`)."""
+
+
 class _LeafTracer(FastTracerMixin, fx.Tracer):
     """fx's tracer with streamsched's leaves, safe beside other threads.
 
@@ -188,7 +192,12 @@ class _LeafTracer(FastTracerMixin, fx.Tracer):
             self._autowrap_search.append(model_module)
 
     def trace(self, root: Any, concrete_args: Optional[dict[str, Any]] = None) -> fx.Graph:
-        with opaque_functions.patched(self, self.function_sites):
+        # One fx trace at a time across threads (nested on one thread is fine): fx patches
+        # nn.Module.__call__ and __getattr__ process-wide and puts back what it found on
+        # entry, so two traces on two threads ending in another order than they began
+        # left the first one's patch installed for good (every later module call went
+        # through a finished trace's wrapper, and one on its thread was recorded into it).
+        with _FX_PATCHING, opaque_functions.patched(self, self.function_sites):
             return super().trace(root, concrete_args)
 
     def create_args_for_root(self, root_fn: Any, is_module: bool, concrete_args: Any = None) -> Any:
