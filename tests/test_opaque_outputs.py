@@ -526,3 +526,55 @@ def test_a_tensor_then_none_before_a_call_the_recording_learned():
         assert_close(sm(x), ref(x), what=f"call {call}")
         assert_path(sm, "recorded" if call == 0 else "plan:serial" if call < 3 else "as-written")
     assert len(_checks(sm)) == 2
+
+
+class _Settings:
+    weights = False
+
+
+class _MaybeWeights(nn.Module):
+    """Returns ``(h, weights)``, ``weights`` ``None`` unless the shared settings ask for
+    them (transformers' attention modules under ``attn_implementation="sdpa"`` and
+    ``"eager"``, read from the config every layer holds)."""
+
+    def __init__(self, settings):
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+        self.settings = settings
+
+    def forward(self, x):
+        h = self.q(x)
+        return h, (h.softmax(-1) if self.settings.weights else None)
+
+
+class _ReadsTheFirst(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.settings = _Settings()
+        self.attn = _MaybeWeights(self.settings)
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h, _ = self.attn(x)
+        return self.a(h) + self.b(h)
+
+
+@pytest.mark.parametrize("executor", ["serial", "auto"])
+def test_a_learned_none_becoming_a_tensor_nothing_reads_is_learned_again(executor):
+    # Learned (h, None) while eval and train signatures were planned; then the settings
+    # make it return (h, weights). Traced again for the new structure, the program is the
+    # same (nothing reads the second item): only its check's structure differs, and the
+    # new trace must be taken (it raised TraceError: "did not change the trace").
+    torch.manual_seed(0)
+    model = _ReadsTheFirst()
+    ref = copy.deepcopy(model)
+    sm = ss.StreamScheduledModule(model, executor=executor, leaf_modules=[_MaybeWeights])
+    x = torch.randn(2, 8)
+    calls = [("eval", False)] * 4 + [("train", False)] * 3 + [("eval", True)] * 3
+    calls += [("train", True)] * 2 + [("eval", False)] * 2 + [("eval", True)] * 2
+    for mode, weights in calls:
+        for m in (model, ref):
+            m.train(mode == "train")
+            m.settings.weights = weights
+        with torch.set_grad_enabled(mode == "train"):
+            assert_close(sm(x), ref(x), atol=1e-6)
