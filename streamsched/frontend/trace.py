@@ -1321,12 +1321,14 @@ def _python_state(modules: Sequence[torch.nn.Module]) -> tuple[tuple, tuple]:
     attribute written by a branch that runs as written and never read by traced code
     would re-trace every call. A ``_`` name only where the code spells it
     (:func:`_read_name`: transformers' classes hold dozens of ``_`` constants)."""
-    codes = _static_code(modules, reachable_objects(modules))
+    held = reachable_objects(modules)
+    codes = _static_code(modules, held)
     read = _names_read(codes)
     guards, global_objects = _global_guards(codes)
     closure_guards, closure_objects = _closure_guards(modules)
     guards += closure_guards
-    held = reachable_objects(modules, roots=global_objects + closure_objects)
+    if global_objects or closure_objects:  # (else the same walk as the one above)
+        held = reachable_objects(modules, roots=global_objects + closure_objects)
     watched = [_generation.watch_object(o) for o in held]
     flags = tuple((o, _flag_values(o)) for o, w in zip(held, watched) if w)
     guards += _held_object_guards(held, watched, read)
@@ -1422,12 +1424,13 @@ def _module_container_guards(modules: Sequence[torch.nn.Module], read: Optional[
     assigns nothing; a tuple of tensors is no flag), ``_``-prefixed ones too but for the
     tables every module has (a plain tuple is a flag already)."""
     guards: list[tuple] = []
+    tables = _MODULE_TABLES  # (asked first: most of a module's attributes are its tables)
     for m in modules:
         for k, v in m.__dict__.items():
             if (
-                _is_container(v)
+                k not in tables
+                and _is_container(v)
                 and _read_name(k, read)
-                and k not in _MODULE_TABLES
                 and not k.startswith("_streamsched")
                 and not is_plain(v)
             ):

@@ -36,7 +36,7 @@ import sys
 import threading
 import types
 import warnings
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.utils._pytree as pytree
@@ -508,23 +508,26 @@ def holds_state(value: Any) -> bool:
 
 
 def reachable_objects(
-    modules: Sequence[torch.nn.Module], depth: int = HELD_DEPTH, roots: Sequence[Any] = ()
+    modules: Sequence[torch.nn.Module],
+    depth: int = HELD_DEPTH,
+    roots: Sequence[Any] = (),
+    note: Optional[Callable[[Any], None]] = None,
 ) -> list[Any]:
     """The objects ``modules`` hold as attributes (:func:`holds_state`), and those such
     objects hold, ``depth`` levels down, each once; ``roots`` (objects held otherwise: a
-    module-level namespace traced code reads) are followed as held ones."""
+    module-level namespace traced code reads) are followed as held ones. ``note``: called
+    with every attribute value of the modules that is no plain atom and not in a module
+    table, in module and attribute order (:class:`HeldState` notes hidden state so)."""
     seen: dict[int, Any] = {id(v): v for v in roots}
     level = list(seen.values())
     atoms = _ATOMS
     for m in modules:
         for k, v in m.__dict__.items():
-            if (
-                type(v) in atoms
-                or k in _MODULE_TABLES
-                or k.startswith("_streamsched")
-                or id(v) in seen
-                or not holds_state(v)
-            ):
+            if type(v) in atoms or k in _MODULE_TABLES:
+                continue
+            if note is not None:
+                note(v)
+            if k.startswith("_streamsched") or id(v) in seen or not holds_state(v):
                 continue
             seen[id(v)] = v
             level.append(v)
@@ -565,14 +568,17 @@ class HeldState:
         self.hidden: dict[int, tuple[Any, tuple]] = {}
         self.hidden_globals: dict[int, tuple[Any, tuple]] = {}
         modules = list(model.modules()) if modules is None else list(modules)
-        held = reachable_objects(modules)
+        # The modules' attributes are walked once: the library objects with hidden state
+        # they hold are noted (in module order, as a walk of their own would note them)
+        # while the objects they hold are found (reachable_objects' first level).
+        held = reachable_objects(modules, note=self._note_hidden)
         for obj in held:
             items = object_items(obj)
             contents = _contents(items)
             self.entries.append((obj, items, contents))
         atoms = _ATOMS  # (no hidden state: plain values)
-        for owner in (*modules, *held):
-            for k, v in (owner.__dict__ if isinstance(owner, torch.nn.Module) else object_items(owner)).items():
+        for owner in held:
+            for k, v in object_items(owner).items():
                 if type(v) not in atoms and k not in _MODULE_TABLES:
                     self._note_hidden(v)
         numpy_random = sys.modules.get("numpy.random")
