@@ -313,6 +313,45 @@ def _named_tensors(m: nn.Module, table: str) -> Any:
     return out
 
 
+def _tensor_descriptions(m: nn.Module) -> tuple[tuple, tuple]:
+    """``(name, shape, dtype, device, requires_grad)`` of each of ``m``'s parameters and
+    ``(name, shape, dtype, device)`` of each buffer, as ``named_parameters()`` and
+    ``named_buffers()`` give them (a tensor registered twice once). A module without
+    children whose class walks its tables as ``nn.Module`` does (most calls) has its
+    tables read here, an empty one (a ReLU's parameters, most buffers) at no cost."""
+    kind = type(m)
+    if (
+        m._modules
+        or kind.named_parameters is not nn.Module.named_parameters
+        or kind.named_buffers is not nn.Module.named_buffers
+    ):
+        return (
+            tuple((n, tuple(p.shape), p.dtype, p.device, p.requires_grad) for n, p in _named_tensors(m, "_parameters")),
+            tuple((n, tuple(b.shape), b.dtype, b.device) for n, b in _named_tensors(m, "_buffers")),
+        )
+    params: tuple = ()
+    table = m._parameters
+    if table:
+        seen: set[int] = set()
+        out = []
+        for n, p in table.items():
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                out.append((n, tuple(p.shape), p.dtype, p.device, p.requires_grad))
+        params = tuple(out)
+    buffers: tuple = ()
+    table = m._buffers
+    if table:
+        seen = set()
+        out = []
+        for n, b in table.items():
+            if b is not None and id(b) not in seen:
+                seen.add(id(b))
+                out.append((n, tuple(b.shape), b.dtype, b.device))
+        buffers = tuple(out)
+    return params, buffers
+
+
 def _tensor_args(node: fx.Node) -> bool:
     """Whether every Node argument is a direct positional argument (no nesting)."""
     if not node.kwargs:
@@ -416,7 +455,9 @@ class _Static(NamedTuple):
     trace and the modules once, and kept across the plans of one trace
     (:class:`StaticSignatures`)."""
 
-    tensor_args: bool  # every Node argument is a direct one (_tensor_args)
+    # Every Node argument is a direct one (_tensor_args); None for a function or method
+    # without a batched kernel, where only the note of why it is not fused asks it.
+    tensor_args: Optional[bool]
     module: Optional[nn.Module]  # the called module, for a call_module node
     excluded: Optional[str]  # why a module call is left alone whatever the sizes (hooks...)
     structure: tuple  # structure_signature(module), or ()
@@ -543,23 +584,25 @@ class FusionSupport:
             if st.module is not None:
                 self.structures.setdefault(id(st.module), (st.module, st.structure))
             return st
-        tensor_args = _tensor_args(node)
         if node.op == "call_module":
             m = submodule(self.root, node.target)
+            kind = module_kind(m)
             excluded = None
             if has_hooks(m) or (m._modules and any(has_hooks(s) for s in m.modules())):
                 excluded = "has hooks (they must fire per member)"
-            elif module_kind(m) == "batchnorm" and m.momentum is None:
+            elif kind == "batchnorm" and m.momentum is None:
                 excluded = "BatchNorm with momentum=None (a cumulative average per member)"
             structure = self.structure(m)
             self._watch_attributes(structure)
-            st = _Static(tensor_args, m, excluded, structure, module_kind(m) == "vmap", True, _wide_config(m))
+            st = _Static(_tensor_args(node), m, excluded, structure, kind == "vmap", True, _wide_config(m))
         else:
             if node.op == "call_function":
                 supported = node.target in ELEMENTWISE_FUNCTIONS and not isinstance(node.target, BranchCall)
             else:
                 supported = node.op == "call_method" and node.target in ELEMENTWISE_METHODS
-            st = _Static(tensor_args, None, None, (), False, supported, None)
+            # (An unsupported one, a slice say, is never fused: its arguments are looked
+            # at only where it has an effect, to say why it is not; see signature.)
+            st = _Static(_tensor_args(node) if supported else None, None, None, (), False, supported, None)
         entries[node.name] = st
         return st
 
@@ -575,7 +618,14 @@ class FusionSupport:
         if not isinstance(out, TensorMeta):
             return None
         st = self._static(node)
-        if not st.tensor_args:
+        tensor_args = st.tensor_args
+        if tensor_args is None:
+            # A function or method without a batched kernel: it is never fused, and noted
+            # as left alone only where it takes part in an effect (below).
+            if not node_meta.has_effect(node):
+                return None
+            tensor_args = _tensor_args(node)
+        if not tensor_args:
             return None
         excluded = None
         if node_meta.has_effect(node):
@@ -593,11 +643,7 @@ class FusionSupport:
             self.excluded[node] = excluded
             return None
         if st.module is not None:
-            m = st.module
-            params = tuple(
-                (n, tuple(p.shape), p.dtype, p.device, p.requires_grad) for n, p in _named_tensors(m, "_parameters")
-            )
-            buffers = tuple((n, tuple(b.shape), b.dtype, b.device) for n, b in _named_tensors(m, "_buffers"))
+            params, buffers = _tensor_descriptions(st.module)
             if st.vmap and not params and not buffers:
                 return None
             return ("module", st.structure, params, buffers, *self._args_sig(node))
@@ -703,6 +749,12 @@ def propose(graph: fx.Graph, support: FusionSupport, min_size: int) -> Proposals
     # Wide groups: Linear/Conv of different widths reading one tensor.
     wide: dict[tuple, list[fx.Node]] = {}
     for node in sigs:
+        # The members of a wide group are users of the one input they share: a node whose
+        # input has fewer than ``min_size`` users is in no group that is kept (most
+        # Linears read a tensor of their own), so its key is not made.
+        first = node.args[0] if len(node.args) == 1 else None
+        if type(first) is fx.Node and len(first.users) < min_size:
+            continue
         key = support.wide_key(node)
         if key is not None:
             wide.setdefault(key, []).append(node)
