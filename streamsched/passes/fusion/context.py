@@ -116,7 +116,11 @@ class FusionContext:
         unique = len({id(t) for t in tensors}) == len(tensors)
         claimed = any(id(t) in self._claimed for t in tensors)
         returned = any(id(t) in self._returned for t in tensors)
-        reclaimed = {t: self._reclaimable(t) for t in tensors} if self.alias and unique and not claimed else {}
+        # (With no released stack, none is a view of one: the members' tensors are not
+        # each asked, nor hashed, which for a tensor is a Python call.)
+        reclaimed: dict[torch.Tensor, Optional[tuple]] = {}
+        if self._released and self.alias and unique and not claimed:
+            reclaimed = {t: self._reclaimable(t) for t in tensors}
         alias = self.alias and unique and not claimed and not returned
         share: Optional[StackedTensors] = None
         if alias and not all(_owns_storage(t) for t in tensors):
@@ -127,7 +131,7 @@ class FusionContext:
             # members out of a live stack would have the two re-stack in turn on every call).
             held = [None if _owns_storage(t) else stacks_holding(t) for t in tensors]
             free = all(
-                _owns_storage(t) or (h is not None and not h) or (h is None and reclaimed[t] is not None)
+                _owns_storage(t) or (h is not None and not h) or (h is None and reclaimed.get(t) is not None)
                 for t, h in zip(tensors, held)
             )
             if not free:
