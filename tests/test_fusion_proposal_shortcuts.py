@@ -2,19 +2,19 @@
 
 A wide group's key is made only for a Linear/Conv whose input has at least
 ``fuse_min_size`` users; a function without a batched kernel has its arguments looked
-at only where it takes part in an in-place effect (the note of why it is not fused);
-a module's parameters are described from its own table, a tensor registered twice once.
+at only where it takes part in an effect (an in-place write of shared storage, a random
+draw: the plan notes why it is not fused); a module's parameters are described from its
+own table, a tensor registered twice once.
 """
 
 import torch
 from torch import nn
 
 import streamsched as ss
+from streamsched.passes.fusion.propose import _EFFECT
 from streamsched.testing import assert_path
 
 from .helpers import check_against_eager
-
-_EFFECT = "takes part in an in-place effect on shared storage (kept in eager order)"
 
 
 class TwoHeads(nn.Module):
