@@ -2,8 +2,8 @@
 
 A wide group's key is made only for a Linear/Conv whose input has at least
 ``fuse_min_size`` users; a function without a batched kernel has its arguments looked
-at only where it takes part in an effect (an in-place write of shared storage, a random
-draw: the plan notes why it is not fused); a module's parameters are described from its
+at only where the plan notes why it is not fused (it takes part in an effect: an
+in-place write of shared storage, a random draw; its gradient is retained); a module's parameters are described from its
 own table, a tensor registered twice once.
 """
 
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import streamsched as ss
-from streamsched.passes.fusion.propose import _EFFECT
+from streamsched.passes.fusion.propose import _EFFECT, _RETAINED
 from streamsched.testing import assert_path
 
 from .helpers import check_against_eager
@@ -95,3 +95,38 @@ def test_unfused_slices_taking_part_in_an_effect_are_noted():
     noted = {(u.kind, u.reason) for u in sm.plan.unfused}
     assert ("getitem", _EFFECT) in noted
     assert ("add_", _EFFECT) in noted
+
+
+class RetainsSlices(nn.Module):
+    """Slices of one hidden value whose gradients the forward retains: they are noted as
+    left alone for that reason, as any node whose gradient is retained."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.body(x)
+        parts = [h[:, 2 * i : 2 * i + 2] for i in range(4)]
+        for part in parts:
+            part.retain_grad()
+        return torch.relu(h), parts
+
+
+def test_unfused_slices_whose_gradient_is_retained_are_noted():
+    torch.manual_seed(0)
+    model, reference = RetainsSlices(), RetainsSlices()
+    reference.load_state_dict(model.state_dict())
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    for _ in range(3):
+        x = torch.randn(3, 8)
+        out, parts = sm(x)
+        expected, parts_ref = reference(x)
+        (out.sum() + sum(p.square().sum() for p in parts)).backward()
+        (expected.sum() + sum(p.square().sum() for p in parts_ref)).backward()
+        assert torch.equal(out, expected)
+        for p, p_ref in zip(parts, parts_ref):
+            assert torch.allclose(p.grad, p_ref.grad)
+    assert_path(sm, "plan:serial")
+    noted = {(u.kind, u.reason) for u in sm.plan.unfused}
+    assert ("getitem", _RETAINED) in noted

@@ -618,14 +618,7 @@ class FusionSupport:
         if not isinstance(out, TensorMeta):
             return None
         st = self._static(node)
-        tensor_args = st.tensor_args
-        if tensor_args is None:
-            # A function or method without a batched kernel: it is never fused, and noted
-            # as left alone only where it takes part in an effect (below).
-            if not node_meta.has_effect(node):
-                return None
-            tensor_args = _tensor_args(node)
-        if not tensor_args:
+        if st.tensor_args is False:
             return None
         excluded = None
         if node_meta.has_effect(node):
@@ -638,6 +631,12 @@ class FusionSupport:
             excluded = _RETAINED
         elif node in self.value_sized and (st.module is not None or st.supported):
             excluded = _VALUE_SIZED
+        if st.tensor_args is None:
+            # A function or method without a batched kernel: never fused, and noted as
+            # left alone (where its arguments are plain, as for any node) only where one
+            # of the reasons above holds, so its arguments are looked at only then.
+            if excluded is None or not _tensor_args(node):
+                return None
         if excluded is not None:
             log.debug("fuse: %s %s; not fused", node_label(node), excluded)
             self.excluded[node] = excluded
