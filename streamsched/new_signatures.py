@@ -216,7 +216,10 @@ def _new_value(st: Any, spec: Any, structure_key: tuple) -> bool:
         structure_key[1:],
     )
     if st.valued_shapes.get_fresh(shape) is None:
+        # The first structure of its shape: its values are met now (a model that makes
+        # no Structure, untraceable or as written, is asked again on its next call).
         st.valued_shapes.put(shape, True)
+        st.values_seen.put(structure_key, True)
         return False
     if st.values_seen.get_fresh(structure_key) is not None:
         return False

@@ -12,6 +12,7 @@ counted."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -194,3 +195,34 @@ def test_sync_log_and_chaos_run_the_schedule_on_every_call(option):
         assert_close(sm(x), expected, what=f"call {call}")
         paths.append(assert_path(sm, "recorded", "plan", "as-written"))
     assert paths == ["recorded"] * 12, paths
+
+
+class _Untraceable(torch.nn.Module):
+    """Branches behind control flow on a tensor (untraceable: eager dispatch), with a plain
+    argument passed the same value on every call."""
+
+    def __init__(self):
+        super().__init__()
+        self.towers = Towers()
+
+    def forward(self, x, steps=2):
+        for _ in range(steps):
+            if x.sum() > -1e9:  # control flow on a tensor: the forward cannot be traced
+                x = x + torch.stack(self.towers.branches(x)).sum(0)
+        return x
+
+
+@pytest.mark.parametrize("executor", ["serial", "threads"])
+def test_a_plain_argument_with_the_value_of_the_first_call_is_not_new(executor):
+    """A call structure that makes no plan (an untraceable forward runs under eager
+    dispatch) met its plain arguments' values on its first call: the second call with the
+    same values is not one of a new value (which runs as written once, nested children
+    unscheduled), but eager dispatch again."""
+    model = _Untraceable()
+    sm = ss.StreamScheduledModule(model, executor=executor)
+    for i in range(4):
+        x = torch.randn(4, D)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the untraceable forward's warning)
+            assert_close(sm(x, steps=2), model(x, steps=2), what=f"call {i}")
+        assert_path(sm, "eager-dispatch")
