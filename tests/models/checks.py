@@ -440,6 +440,15 @@ class Lockstep:
         eager dispatch, or one the trial runs as written, never does)."""
         return any(ran_plan(p) for p in self.paths)
 
+    def _chain_in_inference(self, training: bool, grad: bool) -> bool:
+        """Whether the last call's plan decided, under ``auto`` in inference, that the
+        traced forward is a chain (``CHAIN_AS_WRITTEN``: nothing to run side by side or
+        batch): it runs as written from its first planned call, with nothing recorded."""
+        if self.explicit or training or grad:
+            return False
+        plan = self.sm.plan
+        return plan is not None and "is a chain" in (plan.reason or "")
+
     def _check_path(self, label: str, signature: tuple) -> str:
         """The path of the wrapper's last call, asserted against what the options allow.
 
@@ -452,7 +461,8 @@ class Lockstep:
         those hooks while traced, which a trace refuses: hf_bert_hidden_states_attentions);
         from then on the same rules hold. Under ``auto``, a call structure's first call in
         inference (``eval()``, no gradients) runs as written and its next call is the
-        first one: it is not counted as a call of the signature."""
+        first one: it is not counted as a call of the signature; and a traced forward that
+        is a chain runs as written from then on, nothing recorded (``CHAIN_AS_WRITTEN``)."""
         path = last_path(self.sm)
         self.seen[path] += 1
         before = self.last_of.get(signature)
@@ -475,6 +485,8 @@ class Lockstep:
                 # The model's forward cannot be traced: eager dispatch (its branch calls
                 # scheduled), or after quiet calls under the default options, as written.
                 assert_path(self.sm, "eager-dispatch", *(() if self.explicit else ("as-written",)))
+            elif before is None and path == "as-written" and self._chain_in_inference(training, grad):
+                pass  # a chain in inference: decided as written once traced, nothing recorded
             elif before is None or (path == "recorded" and self.recordings[signature] <= 2):
                 assert_path(self.sm, "recorded")
             elif self.explicit:
