@@ -230,6 +230,37 @@ def random_dag_spec(draw_int, n_ops: int, d_in: int) -> list[tuple[str, tuple[in
     return spec
 
 
+def step_alongside(
+    reference: nn.Module,
+    sm: Any,
+    model: nn.Module,
+    x: torch.Tensor,
+    optimizers: list,
+    paths: tuple[str, ...],
+    what: str,
+    **kwargs: Any,
+) -> str:
+    """One training step of the eager ``reference`` and of ``sm`` (wrapping ``model``) on
+    copies of ``x`` that require grad: the wrapper's path must be one of ``paths``; the
+    outputs, the input's gradient and every parameter's gradient must equal eager's; then
+    each optimizer steps and zeroes. Returns the path."""
+    x_ref, x_new = x.clone().requires_grad_(), x.clone().requires_grad_()
+    expected = reference(x_ref, **kwargs)
+    actual = sm(x_new, **kwargs)
+    path = assert_path(sm, *paths)
+    what = f"{what} ({path})"
+    assert_close(actual, expected, what=what)
+    expected.square().sum().backward()
+    actual.square().sum().backward()
+    assert_close(x_new.grad, x_ref.grad, what=f"input grad, {what}")
+    for (name, p_ref), (_, p_new) in zip(reference.named_parameters(), model.named_parameters()):
+        assert_close(p_new.grad, p_ref.grad, what=f"grad {name}, {what}")
+    for opt in optimizers:
+        opt.step()
+        opt.zero_grad()
+    return path
+
+
 def spin(seconds: float) -> None:
     """Busy-wait for ``seconds`` of this thread's CPU time (a sleep would hand the core to
     other processes, and on a busy machine the call after it waits for the core to come

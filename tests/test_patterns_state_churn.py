@@ -17,9 +17,8 @@ import torch
 
 import streamsched as ss
 from streamsched import runner
-from streamsched.testing import assert_path
 
-from .helpers import assert_close
+from .helpers import assert_close, step_alongside
 from .test_patterns_state import PATHS, D, Towers
 
 MIX = 1.0
@@ -106,19 +105,7 @@ def run_churn(where, calls, changing, monkeypatch=None):
                 reference.change(call)
                 model.change(call)
             x = torch.randn(4, D)
-            x_ref, x_new = x.clone().requires_grad_(), x.clone().requires_grad_()
-            expected = reference(x_ref)
-            actual = sm(x_new)
-            paths.append(assert_path(sm, *PATHS, "plan"))
-            assert_close(actual, expected, what=f"call {call} ({paths[-1]})")
-            expected.square().sum().backward()
-            actual.square().sum().backward()
-            assert_close(x_new.grad, x_ref.grad, what=f"input grad, call {call} ({paths[-1]})")
-            for (name, p_ref), (_, p_new) in zip(reference.named_parameters(), model.named_parameters()):
-                assert_close(p_new.grad, p_ref.grad, what=f"grad {name}, call {call} ({paths[-1]})")
-            for opt in optimizers:
-                opt.step()
-                opt.zero_grad()
+            paths.append(step_alongside(reference, sm, model, x, optimizers, (*PATHS, "plan"), f"call {call}"))
     finally:
         MIX = 1.0
     return paths, sm

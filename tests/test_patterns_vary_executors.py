@@ -21,7 +21,7 @@ import streamsched as ss
 from streamsched import new_signatures, runner
 from streamsched.testing import assert_path
 
-from .helpers import assert_close
+from .helpers import assert_close, step_alongside
 from .test_patterns_state import D, Towers
 
 MIX = 1.0
@@ -95,20 +95,10 @@ def run_varying(pattern, executor, calls, monkeypatch):
             elif pattern == "dropout p":
                 kwargs["p"] = value
             x = torch.randn(4, D, device=device)
-            x_ref, x_new = x.clone().requires_grad_(), x.clone().requires_grad_()
-            expected = reference(x_ref, **kwargs)
-            actual = sm(x_new, **kwargs)
-            paths.append(assert_path(sm, "recorded", "plan", "as-written"))
-            what = f"{pattern}, {executor}, call {call} ({paths[-1]})"
-            assert_close(actual, expected, what=what)
-            expected.square().sum().backward()
-            actual.square().sum().backward()
-            assert_close(x_new.grad, x_ref.grad, what=f"input grad, {what}")
-            for (name, p_ref), (_, p_new) in zip(reference.named_parameters(), model.named_parameters()):
-                assert_close(p_new.grad, p_ref.grad, what=f"grad {name}, {what}")
-            for opt in optimizers:
-                opt.step()
-                opt.zero_grad()
+            what = f"{pattern}, {executor}, call {call}"
+            paths.append(
+                step_alongside(reference, sm, model, x, optimizers, ("recorded", "plan", "as-written"), what, **kwargs)
+            )
     finally:
         MIX = 1.0
     return paths, len(traces), sm
