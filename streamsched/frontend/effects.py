@@ -36,6 +36,8 @@ import torch.utils._pytree as pytree
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .hooks import global_hooks
+
 __all__ = ["Effects", "NodeAccess", "EffectRecorder", "RNG_KEY", "effect_edges", "op_accesses", "storage_key"]
 
 # The random-number generators, as one storage every op that draws from them writes
@@ -398,15 +400,15 @@ class Effects:
     last writer before it in eager order; ``None``: the state before the call). The race
     checker holds every run to it, so a reordering is caught, not only a race."""
     outputs_written: frozenset = frozenset()
+    """Nodes whose own fresh output (or a view of it) a later node writes in place: a
+    rewrite must not make such a value share storage with another one (fusion's cat of
+    a group's outputs as a view of the kernel's output, say), or the write would show
+    there too."""
     writes_state: bool = False
     """Whether some node writes a storage no node of the call allocated (a buffer, a
     parameter, an input, a tensor a module holds): a call stopped part way has changed
     state; one that writes only what the call allocated (``index_add_`` into a
     ``zeros`` of its own) has not."""
-    """Nodes whose own fresh output (or a view of it) a later node writes in place: a
-    rewrite must not make such a value share storage with another one (fusion's cat of
-    a group's outputs as a view of the kernel's output, say), or the write would show
-    there too."""
 
     @property
     def involved(self) -> set[str]:
@@ -597,13 +599,7 @@ def reads_only(graph: Any, resolve: Any, inputs: list[Any]) -> bool:
     ``resolve``: the module of a ``call_module`` node's target."""
     if torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack():
         return False
-    module_hooks = torch.nn.modules.module
-    if (
-        module_hooks._global_forward_hooks
-        or module_hooks._global_forward_pre_hooks
-        or module_hooks._global_backward_hooks
-        or getattr(module_hooks, "_global_backward_pre_hooks", None)
-    ):
+    if global_hooks():
         return False
     for t in inputs:
         if type(t) is not torch.Tensor:

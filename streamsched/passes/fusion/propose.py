@@ -797,9 +797,11 @@ def _without_effect_cycles(
     groups kept before it contracted stays acyclic."""
     nodes = list(graph.nodes)
     by_name = {n.name: n for n in nodes}
-    extra = {
-        n: [by_name[a] for a in node_meta.effect_after(n) if a in by_name] for n in nodes if node_meta.effect_after(n)
-    }
+    extra: dict[fx.Node, list[fx.Node]] = {}
+    for n in nodes:
+        after = node_meta.effect_after(n)
+        if after:
+            extra[n] = [by_name[a] for a in after if a in by_name]
     if not extra or not groups:
         return groups, []
     if _acyclic(nodes, extra, groups):
