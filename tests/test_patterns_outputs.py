@@ -187,3 +187,44 @@ def test_outputs_of_a_no_grad_call_may_be_written_with_grad_later(batch, executo
         assert_close(scale.grad, scale_ref.grad, what=f"call {call} ({path}): grad")
         if call > 0:
             assert "baddbmm" in [g.kernel for g in sm.plan.fused_groups], "the members were meant to be batched"
+
+
+def _resize_in_place(t: torch.Tensor) -> None:
+    t.resize_(2 * t.numel()).fill_(7.0)
+
+
+def _out_that_resizes(t: torch.Tensor) -> None:
+    torch.ones(2 * t.numel(), out=t)
+
+
+def _storage_freed(t: torch.Tensor) -> None:
+    t.untyped_storage().resize_(0)
+
+
+@pytest.mark.parametrize("executor", ["serial", "threads"])
+@pytest.mark.parametrize(
+    "change", [_resize_in_place, _out_that_resizes, _storage_freed], ids=["resize_", "out=", "storage freed"]
+)
+def test_members_returned_without_grad_have_storage_of_their_own(change, executor):
+    """Members a ``no_grad`` call returns one by one are separate tensors in eager, each
+    in storage of its own. The plan's were slices of the batched kernel's one output,
+    each a tensor of its own over that shared storage: resizing one (``resize_``, an
+    ``out=`` of another size) made it overlap the next member and its writes changed that
+    member's value; freeing one's storage freed all of them."""
+    torch.manual_seed(2)
+    model, ref = MembersReturned(), MembersReturned()
+    ref.load_state_dict(model.state_dict())
+    sm = ss.StreamScheduledModule(model, executor=executor)
+    for call in range(4):
+        x = torch.randn(5, D)
+        with torch.no_grad():
+            outs = sm(x)
+            path = assert_path(sm, "recorded", "plan")
+            expected = ref(x)
+        storages = {t.untyped_storage().data_ptr() for t in outs}
+        assert len(storages) == len(outs), f"call {call} ({path}): outputs share storage"
+        change(outs[0])
+        change(expected[0])
+        assert_close(outs[1:], expected[1:], what=f"call {call} ({path}): the other outputs")
+        if call > 0:
+            assert "baddbmm" in [g.kernel for g in sm.plan.fused_groups], "the members were meant to be batched"

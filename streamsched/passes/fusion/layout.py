@@ -84,16 +84,25 @@ def member_copy(parts: tuple[torch.Tensor, ...], index: int) -> torch.Tensor:
 
 def for_caller(x: torch.Tensor) -> torch.Tensor:
     """A fused group's value the graph returns (a member's part, a whole group's stack or
-    cat), as eager's is: a tensor of its own, not a view, which the caller may write in
-    place. With autograd on, a copy (eager's ``cat`` / ``stack`` is a copy too): the
-    kernel's output, or a view of it, is what its last op may have saved for the backward
-    (a ``Tanh``'s or ``ReLU``'s result), and the caller's write failed that backward.
-    Without autograd, the same memory made no view: a view made under ``no_grad`` may not
-    be written once gradients are on ("A view was created in no_grad mode"), and eager's
-    value may be."""
-    if x.requires_grad:
+    cat), as eager's is: a tensor of its own, in storage of its own, which the caller may
+    write in place, resize or hand on. With autograd on, a copy (eager's ``cat`` /
+    ``stack`` is a copy too): the kernel's output, or a view of it, is what its last op
+    may have saved for the backward (a ``Tanh``'s or ``ReLU``'s result), and the caller's
+    write failed that backward. Without autograd, the same memory made no view where that
+    memory is the value's alone (a view made under ``no_grad`` may not be written once
+    gradients are on, "A view was created in no_grad mode", and eager's value may be);
+    a member's part, one slice of its group's storage, is copied: every sibling shares
+    that storage, so ``resize_``, an ``out=`` that resizes it, ``set_`` on its storage
+    or ``untyped_storage().resize_(0)`` reached the other members' values, which eager's
+    separate outputs never share."""
+    if x.requires_grad or not _owns_storage(x):
         return x.clone()
     return x.detach() if x._is_view() else x
+
+
+def _owns_storage(x: torch.Tensor) -> bool:
+    """Whether ``x`` spans its whole storage (nothing else can be a slice of it)."""
+    return x.storage_offset() == 0 and x.untyped_storage().nbytes() == x.numel() * x.element_size()
 
 
 def eager_strides(x: torch.Tensor) -> torch.Tensor:
