@@ -92,6 +92,22 @@ class WideThenShared(nn.Module):
         return tuple(tower(h) for tower in self.towers)
 
 
+class BrokenChains(nn.Module):
+    """Two-layer heads fused as two groups with ops between them that are not fused (each
+    hidden value concatenated with a slice of itself): the second group is entered by a
+    ``torch.stack`` of its members' inputs, whose backward handed a zero slice to the
+    first layer of every head the loss did not reach (a ``.grad`` of zeros there)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.ModuleList(nn.Linear(D, 6) for _ in range(4))
+        self.second = nn.ModuleList(nn.Linear(8, 3) for _ in range(4))
+
+    def forward(self, x):
+        hs = [torch.sigmoid(layer(x)) for layer in self.first]
+        return tuple(layer(torch.cat([h, h[:, :2]], 1)) for layer, h in zip(self.second, hs))
+
+
 MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor]]] = {
     "heads": (Heads, lambda: torch.randn(5, D)),
     "heads_summed": (HeadsSummed, lambda: torch.randn(5, D)),
@@ -99,6 +115,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor]]] = 
     "selected_heads": (SelectedHeads, lambda: torch.randn(5, 3 * D)),
     "wide_then_shared": (WideThenShared, lambda: torch.randn(5, D)),
     "multitask": (lambda: MultiTaskHeads(d_in=12, trunk=16, widths=(3, 1, 4)), lambda: torch.randn(4, 12)),
+    "broken_chains": (BrokenChains, lambda: torch.randn(5, D)),
 }
 
 OPTIMIZERS: dict[str, tuple[type, dict]] = {
@@ -564,3 +581,45 @@ def test_returned_members_are_the_tensors_the_backward_passes_through(executor):
         assert_close(seen["plan"], seen["eager"], what=f"call {call} ({path}): the hook's gradient")
         if call > 0:
             assert sm.plan.fused_groups, "the heads were meant to be fused"
+
+
+class HeadsOnOwnInputs(nn.Module):
+    """Heads each reading an input of its own: the group is entered by a ``torch.stack``
+    of the inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.heads = nn.ModuleList(nn.Linear(D, 3) for _ in range(3))
+
+    def forward(self, xs):
+        return [head(x) for head, x in zip(self.heads, xs)]
+
+
+@pytest.mark.parametrize("executor", ["serial", "threads"])
+def test_inputs_of_unused_members_have_no_gradient_as_in_eager(executor):
+    """Eager's backward never reaches the input of a head the loss does not read (its
+    ``.grad`` stays ``None``); the stack entering the fused heads handed it zeros. A
+    second backward through the same graph (``retain_graph``) reaching another head
+    gives that head's input its gradient, as in eager."""
+    torch.manual_seed(0)
+    model = HeadsOnOwnInputs()
+    ref = copy.deepcopy(model)
+    sm = ss.StreamScheduledModule(model, executor=executor)
+    for call, (used, then) in enumerate([((0, 1, 2), 0), ((1,), 0), ((0, 2), 1), ((2,), 2)]):
+        xs = [torch.randn(4, D, requires_grad=True) for _ in range(3)]
+        xs_ref = [x.detach().clone().requires_grad_() for x in xs]
+        out, expected = sm(xs), ref(xs_ref)
+        path = assert_path(sm, "recorded" if call == 0 else "plan")
+        for outs in (out, expected):
+            sum(outs[i].square().sum() for i in used).backward(retain_graph=True)
+            outs[then].sum().backward()
+        for i, (x, x_ref) in enumerate(zip(xs, xs_ref)):
+            what = f"call {call} ({path}), loss on heads {used} then {then}: input {i}"
+            got, want = ("None" if g is None else "set" for g in (x.grad, x_ref.grad))
+            assert got == want, f"{what}: .grad {got} where eager's is {want}"
+            if x_ref.grad is not None:
+                assert_close(x.grad, x_ref.grad, what=what)
+        assert_grads_as_eager(model, ref, f"call {call} ({path})")
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+    assert fused_members(sm), "the heads were meant to be fused"

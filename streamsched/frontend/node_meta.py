@@ -61,6 +61,7 @@ EFFECT_AFTER = "streamsched_effect_after"
 OUTPUT_WRITTEN = "streamsched_output_written"
 LABEL = "streamsched_label"
 GLUE = "streamsched_glue"
+MEMBER_STACK = "streamsched_member_stack"
 COST_US = "streamsched_cost_us"
 
 
@@ -128,6 +129,16 @@ def is_inserted_glue(node: fx.Node) -> bool:
 
 def set_inserted_glue(node: fx.Node) -> None:
     node.meta[GLUE] = True
+
+
+# Fusion: a ``torch.stack`` of a group's members' inputs, in member order, that fusion
+# inserted (the source of last resort), which member tracking may gate.
+def is_member_stack(node: fx.Node) -> bool:
+    return bool(node.meta.get(MEMBER_STACK))
+
+
+def set_member_stack(node: fx.Node) -> None:
+    node.meta[MEMBER_STACK] = True
 
 
 # Fusion: a fused node's estimated cost, which the cost model takes instead of its own.

@@ -11,7 +11,7 @@ from torch import fx
 from ...frontend import node_meta
 from .kernels import ElementwiseKernel, FusedKernel, VmapKernel, WideKernel
 from .layout import SHARED, select_members, unstack
-from .member_use import MemberUse, split_parts
+from .member_use import EntryGate, MemberUse, gated_stack, split_parts
 
 __all__ = ["link_member_use"]
 
@@ -59,8 +59,9 @@ def link_member_use(graph: fx.Graph) -> int:
             st.track = bool(st.track is not False and complete and exits)
         if not complete or not exits:
             continue
+        ups: list[Any] = [*stacks, *_gates(k)]
         for node, mapping in exits:
-            links.setdefault(node, []).extend((st, mapping) for st in stacks)
+            links.setdefault(node, []).extend((st, mapping) for st in ups)
     for node, ups in links.items():
         t = node.target
         ups = [(st, m) for st, m in ups if st.track]
@@ -74,6 +75,29 @@ def link_member_use(graph: fx.Graph) -> int:
         elif t is split_parts:
             node.args = tuple(node.args[:3]) + (MemberUse(ups),)
     return len(links)
+
+
+def _gates(kernel: fx.Node) -> list[EntryGate]:
+    """Gate each ``torch.stack`` of members' inputs that fusion inserted to enter
+    ``kernel`` (its part ``j`` member ``j``'s input; read by the kernel alone): the
+    node calls :func:`gated_stack` from now on. Returns the gates."""
+    gates = []
+    for a in kernel.args:
+        if (
+            isinstance(a, fx.Node)
+            and a.target is torch.stack
+            and node_meta.is_member_stack(a)
+            and len(a.users) == 1
+            and len(a.args) == 1
+            and not a.kwargs
+            and isinstance(a.args[0], (list, tuple))
+            and len(a.args[0]) == kernel.target.n
+        ):
+            gate = EntryGate()
+            a.target = gated_stack
+            a.args = (a.args[0], gate)
+            gates.append(gate)
+    return gates
 
 
 def _reads_members(user: fx.Node, node: fx.Node, n: int) -> bool:

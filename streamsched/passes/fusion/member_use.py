@@ -32,6 +32,15 @@ penalty, through the graph the first one made) or after a backward with
 gradient hooks of its own is always handed its slice: autograd calls the hooks of a
 parameter it reaches even with no gradient (with ``None``), where eager would not reach
 it at all.
+
+A group whose input is a ``torch.stack`` of its members' inputs (the source of last
+resort: each member reads a value of its own that no earlier kernel's layout holds, a
+member chain broken by an op that is not fused) is *entered* there, and that stack's
+backward would hand every part a slice, zeros for a member no gradient reached: the ops
+before it, and an earlier group's members (each of which then got zeros for a ``.grad``
+eager leaves ``None``), were reached. So such a stack is a gate (:func:`gated_stack`)
+linked to the group's exits as its gathers are: its backward hands a gradient only to
+the parts of members the exits saw reached.
 """
 
 from __future__ import annotations
@@ -42,11 +51,13 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-__all__ = ["UseCell", "MemberUse", "split_parts"]
+__all__ = ["UseCell", "MemberUse", "split_parts", "EntryGate", "gated_stack"]
 
 _task_id = torch._C._current_graph_task_id
 _is_none = partial(operator.is_, None)
 _grad_enabled = torch.is_grad_enabled
+_functorch_active = torch._C._are_functorch_transforms_active
+_requires_grad = operator.attrgetter("requires_grad")
 
 
 class UseCell:
@@ -137,3 +148,48 @@ def split_parts(x: torch.Tensor, sizes: list[int], dim: int, use: Optional[Membe
     if use is not None:
         use.watch(parts[0])
     return parts
+
+
+class EntryGate:
+    """The link from a group's exits to the ``torch.stack`` that enters the group (a
+    constant argument of :func:`gated_stack`): the exits record, in ``cell``, which
+    members this call's backward reached, as they do for the group's gathers."""
+
+    __slots__ = ("cell",)
+    track = True  # (what MemberUse's links ask of a stacked tensor)
+
+    def __init__(self) -> None:
+        self.cell: Optional[UseCell] = None
+
+    def __repr__(self) -> str:
+        return "EntryGate()"
+
+
+class _GatedStack(torch.autograd.Function):
+    """``torch.stack(parts)`` whose backward hands a gradient only to the parts of members
+    the exits saw reached (all of them where the exits recorded nothing)."""
+
+    @staticmethod
+    def forward(ctx, cell: UseCell, *parts: torch.Tensor) -> torch.Tensor:
+        ctx.cell = cell
+        return torch.stack(parts, 0)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        parts = grad.unbind(0)
+        used = ctx.cell.used()
+        if used is None:
+            return (None, *parts)
+        return (None, *[p if i in used else None for i, p in enumerate(parts)])
+
+
+def gated_stack(parts: Sequence[torch.Tensor], gate: EntryGate) -> torch.Tensor:
+    """``torch.stack(parts)`` entering a group, gated by ``gate`` (see the module's
+    docstring). Without a gradient to route (no grad mode, no part requiring one) or under
+    torch.func's transforms (which refuse a Python autograd Function without their
+    hooks), autograd's own stack, and no cell: the exits then record nothing for it."""
+    if not _grad_enabled() or _functorch_active() or not any(map(_requires_grad, parts)):
+        gate.cell = None
+        return torch.stack(parts, 0)
+    cell = gate.cell = UseCell()
+    return _GatedStack.apply(cell, *parts)

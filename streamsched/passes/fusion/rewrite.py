@@ -181,6 +181,7 @@ class Rewriter:
                 base = self._insert(torch.movedim, (base, dim, 0), anchor)
             return Source(base, STACK, self.shape(first))
         node = self._insert(torch.stack, (list(args),), anchor, glue=False)
+        node_meta.set_member_stack(node)
         return Source(node, STACK, self.shape(first))
 
     # -- the fused node -----------------------------------------------------------------
