@@ -40,6 +40,35 @@ def test_tensors_report_their_emulated_device(emulated_cuda):
     assert a.tolist() == a.cpu().tolist()
 
 
+def test_in_place_foreach_ops_move_version_counters_as_on_the_cpu(emulated_cuda):
+    """``_foreach_add_`` and its kin (SGD's and Adam's default step for CUDA parameters)
+    move the version counter of every tensor they write, once, as on the CPU and on CUDA;
+    run under the emulator's dispatch mode they moved none (a host tensor's neither, inside
+    the emulator), so a guard reading a counter (a kept view of a weight an optimizer
+    steps) saw nothing change."""
+    ops = [
+        lambda ts, others: torch._foreach_add_(ts, others),
+        lambda ts, others: torch._foreach_add_(ts, others, alpha=-0.5),
+        lambda ts, others: torch._foreach_mul_(ts, 2.0),
+        lambda ts, others: torch._foreach_zero_(ts),
+        lambda ts, others: torch._foreach_copy_(ts, others),
+    ]
+    for i, op in enumerate(ops):
+        versions = {}
+        for device in ("cpu", "cuda"):
+            ts = [torch.zeros(3, device=device), torch.zeros(2, 2, device=device)]
+            others = [torch.ones(3, device=device), torch.ones(2, 2, device=device)]
+            op(ts, others)
+            versions[device] = [t._version for t in ts]
+        assert versions["cuda"] == versions["cpu"] == [1, 1], (i, versions)
+    weight = nn.Parameter(torch.randn(4, device="cuda"))
+    kept = weight.detach()[:2]
+    before = kept._version
+    weight.grad = torch.ones(4, device="cuda")
+    torch.optim.SGD([weight], lr=0.1, foreach=True).step()
+    assert kept._version > before, "the step moved no version counter of a view of the weight"
+
+
 def test_modules_move_to_the_emulated_device(emulated_cuda):
     lin = torch.nn.Linear(4, 2).cuda()
     assert all(p.is_cuda for p in lin.parameters())

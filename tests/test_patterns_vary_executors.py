@@ -77,10 +77,9 @@ def run_varying(pattern, executor, calls, monkeypatch):
     model.keep_view()
     reference.keep_view()
     sm = ss.StreamScheduledModule(model, executor=executor)
-    # (One step per parameter, as on the CPU: on the emulated device a foreach step, SGD's
-    # default for CUDA parameters, moves no version counter, which the kept view's guard
-    # reads; on the CPU and on CUDA it does.)
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.01, foreach=False) for m in (reference, model)]
+    # (SGD's default step: a foreach step for CUDA parameters, which moves the version
+    # counter the kept view's guard reads on the emulated device as on CUDA.)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.01) for m in (reference, model)]
     paths = []
     try:
         for call in range(calls):

@@ -54,7 +54,7 @@ _MIXED_OK_PREFIXES = ("copy", "_copy", "_to_copy", "index", "_index", "set_", "r
 
 
 class _OpInfo:
-    __slots__ = ("args", "view_only", "alloc_only", "has_device", "sync", "name", "mixed_ok")
+    __slots__ = ("args", "view_only", "alloc_only", "has_device", "sync", "name", "mixed_ok", "foreach_writes")
 
     def __init__(self, func: Any):
         schema = func._schema
@@ -78,6 +78,7 @@ class _OpInfo:
         self.has_device = any(a.name == "device" for a in schema.arguments)
         self.sync = base in _HOST_SYNC or (base == "repeat_interleave" and schema.overload_name == "Tensor")
         self.mixed_ok = base.startswith(_MIXED_OK_PREFIXES)
+        self.foreach_writes = writes and base.startswith("_foreach_")
 
 
 _INFO: dict[Any, _OpInfo] = {}
@@ -129,10 +130,25 @@ class KernelMode(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         with _NO_TORCH_FUNCTION():
-            handler = _SPECIAL.get(func)
-            if handler is not None:
-                return handler(self.emu, func, args, kwargs)
-            return _generic(self.emu, func, args, kwargs)
+            handler = _SPECIAL.get(func) or _generic
+            if _info(func).foreach_writes:
+                return _foreach_in_place(handler, self.emu, func, args, kwargs)
+            return handler(self.emu, func, args, kwargs)
+
+
+def _foreach_in_place(handler: Any, emu: Emulator, func: Any, args: tuple, kwargs: dict) -> Any:
+    """An in-place ``_foreach_`` op (``_foreach_add_``, SGD's and Adam's default step on
+    CUDA) moves the version counter of every tensor it writes, as it does on the CPU and
+    on CUDA. Run below a dispatch mode it moved none (its per-tensor fallback runs under
+    the version-counting layer): a guard reading a counter (a kept view of a weight an
+    optimizer steps) saw no change on the emulated device where a GPU shows one."""
+    written = [t for t in _accesses(_info(func), args, kwargs)[1] if not t.is_inference()]
+    before = [t._version for t in written]
+    out = handler(emu, func, args, kwargs)
+    for t, version in zip(written, before):
+        if t._version == version:
+            _increment_version(t)
+    return out
 
 
 # TorchDispatchMode wraps __torch_dispatch__ in dynamo's "disable" per subclass; the mode
@@ -143,6 +159,7 @@ KernelMode.__torch_dispatch__ = (
     else KernelMode.__dict__["__torch_dispatch__"]
 )
 _NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
+_increment_version = torch.autograd.graph.increment_version
 
 
 def _device_of_inputs(emu: Emulator, info: _OpInfo, tensors: list[torch.Tensor]) -> Optional[int]:
