@@ -3,6 +3,8 @@ wrapped model: the tensors given are put straight into the modules' ``_parameter
 ``_buffers`` (no ``__setattr__``), and every plan must compute with them, fused stacks and
 CUDA graphs included, then with the model's own weights again once they are put back."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -108,8 +110,8 @@ def test_gradients_reach_the_tensors_given(executor):
 
 
 def test_torch_func_grad_over_functional_call():
-    """torch.func.grad over functional_call equals eager's, or (trainable fused weights: an
-    autograd Function without functorch's hooks) is refused with a clear error."""
+    """torch.func.grad over functional_call equals eager's, frozen or trainable fused
+    weights alike."""
     torch.manual_seed(3)
     for trainable in (False, True):
         model = TwoHeads().requires_grad_(trainable)
@@ -121,12 +123,7 @@ def test_torch_func_grad_over_functional_call():
             return torch.func.functional_call(module, params, (x,)).square().sum()
 
         expected = torch.func.grad(loss)(weights, model)
-        try:
-            got = torch.func.grad(loss)(weights, sm)
-        except RuntimeError as exc:
-            assert trainable, exc
-            assert "autograd.Function" in str(exc) or "functorch" in str(exc), exc
-            continue
+        got = torch.func.grad(loss)(weights, sm)
         assert_path(sm, "plan")
         for k in weights:
             assert_close(got[k], expected[k], what=f"torch.func.grad of {k} (trainable={trainable})")
@@ -233,9 +230,15 @@ def test_stacked_layers_gradients_and_torch_func_grad():
     def loss(params):
         return torch.func.functional_call(sm, params, (x,)).square().sum()
 
-    # StackedLinear has no functorch hooks: refused, naming the fused group.
-    with pytest.raises(RuntimeError, match=r"(?s)autograd.Function.*raised in module 'critics"):
-        torch.func.grad(loss)(weights)
+    def loss_ref(params):
+        return torch.func.functional_call(model, params, (x,)).square().sum()
+
+    # Under torch.func the kernels read the weights through autograd's own ops (a
+    # StackedLinear, without functorch's hooks, was refused).
+    got, want = torch.func.grad(loss)(weights), torch.func.grad(loss_ref)(weights)
+    assert_path(sm, "plan:serial")
+    for k in weights:
+        assert_close(got[k], want[k], rtol=1e-4, atol=1e-4, what=f"torch.func.grad of {k}")
     x = torch.randn(16, 23)
     assert_close(sm(x), model(x), rtol=1e-4, what="after")
     assert last_path(sm) == "plan:serial"
@@ -455,3 +458,38 @@ def test_functional_call_with_tied_weights(executor):
         model.c.weight.mul_(2)  # the tied weight still aliases the stack
     x = torch.randn(4, 8)
     assert_close(sm(x), model(x), what="in-place update of the tied weight")
+
+
+@pytest.mark.parametrize("executor", ["serial", "threads"])
+def test_torch_func_transforms_over_the_wrapper_with_trainable_fused_weights(executor):
+    """torch.func.vmap, grad and jacrev over the wrapper itself, its fused weights
+    trainable (the plan's stacked reads were Python autograd Functions without
+    functorch's hooks: the plan's call raised where eager's ran), then a training call."""
+    torch.manual_seed(4)
+    model = CriticEnsemble(4)
+    ref = copy.deepcopy(model)
+    sm = ss.StreamScheduledModule(model, executor=executor, min_task_cost=0.0)
+    for _ in range(2):
+        sm(torch.randn(16, 23)).sum().backward()
+    model.zero_grad(set_to_none=True)
+    assert "baddbmm" in [g.kernel for g in sm.plan.fused_groups]
+    xs = torch.randn(3, 16, 23)
+    assert_close(torch.func.vmap(sm)(xs), torch.func.vmap(ref)(xs), rtol=1e-4, what="vmap")
+    assert_path(sm, "plan:" + executor)
+    # (The input a transform differentiates is a signature of its own: recorded, then planned.)
+    for path in ("recorded", "plan:" + executor):
+        x = torch.randn(16, 23)
+        got = torch.func.grad(lambda t: sm(t).square().sum())(x)
+        assert_path(sm, path)
+        want = torch.func.grad(lambda t: ref(t).square().sum())(x)
+        assert_close(got, want, rtol=1e-4, atol=1e-5, what=f"grad ({path})")
+        got = torch.func.jacrev(sm)(x)
+        assert_path(sm, "plan:" + executor)
+        assert_close(got, torch.func.jacrev(ref)(x), rtol=1e-4, atol=1e-5, what=f"jacrev ({path})")
+    assert all(p.grad is None for p in model.parameters()), "a transform left a .grad"
+    out, expected = sm(x), ref(x)
+    assert_path(sm, "plan:" + executor)
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4, what=f"grad of {name} after the transforms")

@@ -303,15 +303,13 @@ def _stacked_linear(xs: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]
     Function without their hooks refuses, keep working there as in eager), and under
     autocast (which casts the ``baddbmm`` and records the casts for the backward, where
     the function's own backward would meet gradients of the cast dtype)."""
-    if not w.requires_grad or (_any_autocast() and _autocast_on(xs.device.type)):
+    if not w.requires_grad or (_any_autocast() and _autocast_on(xs.device.type)) or _functorch_on():
         # Autograd accumulates a stacked parameter's gradient here: with its hooks.
         for p in (w, b):
             if type(p) is StackedParameter and p.requires_grad:
                 p._hook()
         wt = w.transpose(1, 2)
         return torch.bmm(xs, wt) if b is None else torch.baddbmm(b.unsqueeze(1), xs, wt)
-    if _functorch_on():
-        return StackedLinear.apply(xs, w, b)
     # (w and b are the kernel's own stacks or stacked parameters, never functorch wrappers.)
     return _apply_linear(_unwrap_dead(xs), w, b)
 

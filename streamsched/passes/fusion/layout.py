@@ -101,8 +101,13 @@ def for_caller(x: torch.Tensor) -> torch.Tensor:
 
 
 def _owns_storage(x: torch.Tensor) -> bool:
-    """Whether ``x`` spans its whole storage (nothing else can be a slice of it)."""
-    return x.storage_offset() == 0 and x.untyped_storage().nbytes() == x.numel() * x.element_size()
+    """Whether ``x`` spans its whole storage (nothing else can be a slice of it); ``False``
+    for a tensor without storage of its own to ask (torch.func's batched tensors, wrapper
+    subclasses): copied, then."""
+    try:
+        return x.storage_offset() == 0 and x.untyped_storage().nbytes() == x.numel() * x.element_size()
+    except (NotImplementedError, RuntimeError):
+        return False
 
 
 def eager_strides(x: torch.Tensor) -> torch.Tensor:

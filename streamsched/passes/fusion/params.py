@@ -507,6 +507,11 @@ class StackedTensors:
             return stack
         first, last = self.tensors[0], self.tensors[-1]
         if grad and (first.requires_grad or last.requires_grad):
+            if _functorch_active():
+                # Under torch.func's transforms (vmap, grad over the wrapper), which refuse
+                # a Python autograd Function without their hooks: autograd's own stack of
+                # the members (a copy), which hands every member its slice.
+                return torch.cat(self.tensors, 0) if self.concat else torch.stack(self.tensors, 0)
             cell = None
             if self.track:
                 cell = self.cell = UseCell()
