@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import random
 import statistics
 import sys
 import time
@@ -130,6 +131,24 @@ class Annealed(Branchy):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         outs = [m(x) for m in self.mlps] + [self.a(x), self.b(x)]
         return torch.stack(outs).sum(0) * self.tau
+
+
+class Scaled(Branchy):
+    """Branchy scaled by a plain number passed on every call (a timestep, a temperature,
+    a guidance scale): the value is read into a tensor op."""
+
+    def forward(self, x: torch.Tensor, t: float = 1.0) -> torch.Tensor:  # type: ignore[override]
+        outs = [m(x) for m in self.mlps] + [self.a(x), self.b(x)]
+        return torch.stack(outs).sum(0) * t
+
+
+class Gated(Branchy):
+    """Branchy whose plain number only selects which branch runs (control flow on it)."""
+
+    def forward(self, x: torch.Tensor, t: float = 1.0) -> torch.Tensor:  # type: ignore[override]
+        outs = [m(x) for m in self.mlps]
+        outs.append(self.a(x) if t > 0.5 else self.b(x))
+        return torch.stack(outs).sum(0)
 
 
 class Cache:
@@ -290,6 +309,83 @@ def _branchy_calls(
     return run
 
 
+def _per_pass_calls(make_args: Callable[[int, int], tuple]) -> Callable[[Callable[..., Any]], list]:
+    """Like ``_branchy_calls``, with ``make_args(pass, i)``: the ``pass``-th pass of each
+    callable (the eager model's and the wrapper's) gets the same values, so their outputs
+    compare, and each pass of one gets values its earlier passes did not have (a value new
+    on every call stays new across the interleaved rounds)."""
+    xs = [torch.randn(8, 16) for _ in range(240)]
+    passes: dict[int, int] = {}
+
+    def run(f: Callable[..., Any]) -> list:
+        n = passes.get(id(f), 0)
+        passes[id(f)] = n + 1
+        outs = []
+        for i, x in enumerate(xs):
+            args, kwargs = make_args(n, i)
+            outs.append(f(x, *args, **kwargs))
+        return outs
+
+    return run
+
+
+def _new_value(n: int, i: int) -> float:
+    """A float no earlier call had (a temperature drawn at random, a noise level)."""
+    return random.Random(n * 1000 + i).uniform(0.5, 1.5)
+
+
+def _varying_cases() -> list[Case]:
+    """A plain number passed on every call, new on (nearly) every call or cycling through a
+    few values: each under the default executor and ``serial``."""
+    levels = (0.25, 0.5, 1.0, 2.0)
+    patterns = [
+        (
+            "float_new",
+            "Scaled (Branchy * t), a float argument new on every call",
+            Scaled,
+            lambda n, i: ((_new_value(n, i),), {}),
+        ),
+        (
+            "float_kwarg_new",
+            "Scaled, a float keyword (t=...) new on every call",
+            Scaled,
+            lambda n, i: ((), {"t": _new_value(n, i)}),
+        ),
+        (
+            "timestep_countdown",
+            "Scaled, an int timestep counting down a 1000-step schedule, run after run",
+            Scaled,
+            lambda n, i: ((999 - (n * 240 + i) % 1000,), {}),
+        ),
+        (
+            "float_4_levels",
+            "Scaled, a float cycling through 4 values (noise levels)",
+            Scaled,
+            lambda n, i: ((levels[i % 4],), {}),
+        ),
+        (
+            "float_gates_branch",
+            "Gated (the float only selects a branch), new on every call",
+            Gated,
+            lambda n, i: ((_new_value(n, i),), {}),
+        ),
+    ]
+    cases = []
+    for executor in ("auto", "serial"):
+        for name, what, make, args in patterns:
+            suffix, options = ("", None) if executor == "auto" else ("_serial", {"executor": "serial"})
+            cases.append(
+                Case(
+                    f"small_{name}{suffix}",
+                    f"{what}; executor={executor}",
+                    make,
+                    _per_pass_calls(args),
+                    options=options,
+                )
+            )
+    return cases
+
+
 def _small_cases() -> list[Case]:
     sizes = [1, 3, 5, 8, 12, 16, 24, 32]
     masks = [torch.rand(8, 8) > 0.5 for _ in range(240)]
@@ -376,6 +472,7 @@ def _small_cases() -> list[Case]:
             Untraceable,
             _branchy_calls(lambda i: ((torch.randn(8, 16),), {})),
         ),
+        *_varying_cases(),
     ]
 
 

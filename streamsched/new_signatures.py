@@ -63,8 +63,27 @@ def new_signature(runner: Runner, key: Any, spec: Any, tensors: list[torch.Tenso
     structure_key = (spec.key, tuple([m[1:] + (len(m[0]),) for m in sizes]), *key[2:])
     structure = st.structures.get_fresh(structure_key)
     shapes = tuple([tuple(m[0]) for m in sizes])
+    valued = None
+    if structure is None and spec.static_leaves and runner.varies():
+        valued = _value_met(runner, spec, structure_key, args, kwargs)
+        if valued is NEW_VALUE:
+            # A plain argument (a temperature, a dropout ``p``, a timestep) with a value
+            # this call structure has not met, where it has met others: the model as
+            # written, as for a size not met before; traced and planned if the value comes
+            # back. Under every executor (``Runner.may_vary``): a value new on every call
+            # would be traced and recorded on every call. Later calls of its layout with
+            # values not met take the settled shortcut (a varying layout,
+            # settled_calls.py): binding and keying each would cost as much again.
+            why = runner.as_written_because(
+                "a plain argument has a value this call structure has not met: planned if it comes back"
+            )
+            runner.say_varying()
+            written = st.last = AsWritten(make=lambda: _as_written_plan(runner, why))
+            runner.settle_varying(args, kwargs, written)
+            return runner.as_written(args, kwargs)
     if (
         structure is None
+        and valued is not VALUE_BACK
         and not key[3]
         and not runner.module.training
         and signatures.FIRST_CALL_AS_WRITTEN
@@ -114,18 +133,6 @@ def new_signature(runner: Runner, key: Any, spec: Any, tensors: list[torch.Tenso
             why = "modules hold hooks this call structure has not met: planned if it comes back with them"
             st.last = AsWritten(make=lambda: _as_written_plan(runner, why))
             return runner.as_written(args, kwargs)
-    if structure is None and spec.static_leaves and runner.varies() and _new_value(st, spec, structure_key):
-        # A plain argument (a temperature, a dropout ``p``) with a value this call
-        # structure has not met, where it has met others: the model as written, as for a
-        # size not met before; traced and planned if the value comes back. Under every
-        # executor (``Runner.may_vary``): a value new on every call would be traced and
-        # recorded on every call.
-        why = runner.as_written_because(
-            "a plain argument has a value this call structure has not met: planned if it comes back"
-        )
-        runner.say_varying()
-        st.last = AsWritten(make=lambda: _as_written_plan(runner, why))
-        return runner.as_written(args, kwargs)
     start = time.perf_counter()
     count_unsettled()
     # A trace bakes in the training flags of the modules it traced through, and is
@@ -204,10 +211,20 @@ def a_chain(traced: Traced) -> bool:
     return True
 
 
-def _new_value(st: Any, spec: Any, structure_key: tuple) -> bool:
+# What ``_value_met`` says of a call structure with plain arguments: the first of its shape
+# (its values met now), one that differs from a structure met before only in the values of
+# plain arguments and is met for the first time, or such a one met before (it came back).
+FIRST_OF_SHAPE = "first of its shape"
+NEW_VALUE = "a new value"
+VALUE_BACK = "a value met before"
+
+
+def _value_met(runner: Runner, spec: Any, structure_key: tuple, args: tuple, kwargs: dict) -> str:
     """Whether ``structure_key`` differs from a call structure met before only in the
-    values of plain arguments, and is met for the first time (noted: the next time it is
-    planned)."""
+    values of plain arguments (``NEW_VALUE``, noted: the next time it is planned;
+    ``VALUE_BACK`` where it was met before, here or by a varying layout's calls), or is
+    the first of its shape (``FIRST_OF_SHAPE``)."""
+    st = runner.st
     shape = (
         str(spec.treedef),
         spec.tensor_positions,
@@ -220,11 +237,12 @@ def _new_value(st: Any, spec: Any, structure_key: tuple) -> bool:
         # no Structure, untraceable or as written, is asked again on its next call).
         st.valued_shapes.put(shape, True)
         st.values_seen.put(structure_key, True)
-        return False
-    if st.values_seen.get_fresh(structure_key) is not None:
-        return False
+        return FIRST_OF_SHAPE
+    if st.values_seen.get_fresh(structure_key) is not None or st.values_met(args, kwargs):
+        st.values_seen.put(structure_key, True)
+        return VALUE_BACK
     st.values_seen.put(structure_key, True)
-    return True
+    return NEW_VALUE
 
 
 def _trace_key(st: Any, spec: Any, tensors: list) -> tuple:

@@ -39,7 +39,7 @@ from .runtime.chaos import Chaos
 from .runtime.graphs import GraphExecutor
 from .runtime.program import Program, annotate_exception, failing_node
 from .runtime.synclog import SyncLog
-from .settled_calls import SettledCalls, settles, shapes_of
+from .settled_calls import SettledCalls, has_free_values, settles, shapes_of
 from .state import (
     UNIFORM_SCHEDULE_MARGIN,
     AsWritten,
@@ -452,6 +452,21 @@ class Runner:
         settled.add_size(shapes, written)
         if bucket is not None:
             settled.add_bucket(shapes, bucket, planned)
+        st.settle(settled)
+
+    def settle_varying(self, args: tuple, kwargs: dict, written: Any) -> None:
+        """A call whose plain arguments hold values new to its call structure ran as
+        written (``written``): later calls of its layout whose plain numbers hold values
+        not met run as written too, through a varying layout (settled_calls.py) that
+        notes their values; a value met comes back to the full path, which plans it.
+        Its table forgets values as the full path's does (``values_seen``)."""
+        st = self.st
+        if st.observer is not None or not settles(args, kwargs) or not has_free_values(args, kwargs):
+            return
+        settled = st.settled_layout(args, kwargs, varying=True)
+        if settled is None:
+            settled = SettledCalls(st.generation, args, kwargs, written, values=st.values_seen.maxsize)
+        settled.sizes.add(args, kwargs)
         st.settle(settled)
 
     def run_as_written(self, written: Any, spec: Any, args: tuple, kwargs: dict) -> Any:

@@ -16,7 +16,14 @@ Two kinds of call run the model as written whatever their sizes, once decided:
   the size policy would run it as written for being new (``planning.signatures``: not
   seen, not planned, its bucket neither decided nor under trial): it is counted as seen,
   as the full path would count it, and the next call of that size takes the full path.
-  A decoding loop brings a new size on every call, from its first.
+  A decoding loop brings a new size on every call, from its first;
+- a call of tensors and plain values whose plain numbers (ints, floats, tuples of them:
+  a temperature, a timestep, a guidance scale) hold values its call structure has not
+  met, where a value new to the structure runs as written (``new_signatures``: under
+  every executor): a *varying* layout checks everything but those numbers, and their
+  values against a table of the values it met (``ValueTable``). A value not in the table
+  is added and runs as written; one in it came back and takes the full path, which plans
+  it. A sampler passes a new timestep on every call.
 
 All such a call needs is the forward itself. Binding, the plan key (every tensor's
 shape, dtype, device and grad flag, the modules' modes, autocast) and the LRU lookups
@@ -49,6 +56,7 @@ __all__ = [
     "BucketCall",
     "SettledCalls",
     "SizeTable",
+    "ValueTable",
     "settles",
     "shapes_of",
     "tensor_meta",
@@ -138,6 +146,34 @@ class SizeTable(dict):
         return bool(found)
 
 
+class ValueTable(dict):
+    """A varying layout's table (``SettledCalls(..., values=...)``): the values of its
+    plain numbers met, in the order the layout reads them (``key_of``), the oldest
+    forgotten first past ``cap`` (as the full path's own table of values met forgets
+    them: a value that comes back after that is new again). Read and filled by the
+    layout's check, without the lock, as ``SizeTable.hits`` is."""
+
+    __slots__ = ("cap", "key_of")
+
+    # (WrapperState.stop_counting reads a settled layout's table for the sizes it counts.)
+    structure = None
+
+    def __init__(self, cap: int, key_of: Callable[[tuple, dict], tuple]):
+        super().__init__()
+        self.cap = cap
+        self.key_of = key_of
+
+    def met(self, args: tuple, kwargs: dict) -> bool:
+        """Whether the call's plain numbers hold values the layout met (read, not added)."""
+        return self.key_of(args, kwargs) in self
+
+    def add(self, args: tuple, kwargs: dict) -> None:
+        """Note the call's values as met."""
+        if len(self) >= self.cap:
+            del self[next(iter(self))]
+        self[self.key_of(args, kwargs)] = True
+
+
 def tensor_meta(t: torch.Tensor) -> tuple:
     """What a uniform structure's key holds of a tensor: all but its sizes."""
     return (t.dtype, t.device, t.requires_grad, t.dim())
@@ -148,7 +184,7 @@ class SettledCalls:
     reports, the nested children to count calls for (object calls), and how many calls may
     take the shortcut before their retry."""
 
-    __slots__ = ("generation", "admits", "left", "reported", "nested", "sizes")
+    __slots__ = ("generation", "admits", "left", "reported", "nested", "sizes", "varying")
 
     def __init__(
         self,
@@ -160,14 +196,30 @@ class SettledCalls:
         left: Optional[int] = None,
         tensors: bool = False,
         sizes: Optional[dict] = None,
+        values: Optional[int] = None,
     ):
         """``tensors``: a tensor layout (every argument a plain tensor, checked with its
         metadata, or a plain value, checked by value); otherwise an object layout, checked
         by types alone. ``sizes``:
         for a tensor layout settled size by size, ``{(each tensor's shape, ...): what sm.plan
         reports}`` (more are added as they settle, and size buckets: ``SizeTable``);
-        ``None``: every size."""
+        ``None``: every size. ``values``: a varying tensor layout (at every size), whose
+        plain numbers (``free_entry``) are checked by type, and their values against a
+        table of at most ``values`` of them met (``ValueTable``): it admits a call whose
+        values it has not met, and notes them."""
         self.generation = generation
+        self.varying = values is not None
+        if values is not None:
+            arg_entries = tuple(free_entry(a) for a in args)
+            kw_entries = tuple((k, free_entry(v)) for k, v in kwargs.items())
+            grad, autocast = torch.is_grad_enabled(), autocast_state()
+            check = _tensor_layout_check(arg_entries, kw_entries, grad, autocast, True)
+            self.admits = check
+            self.left = _NEVER
+            self.reported = reported
+            self.nested = nested
+            self.sizes: Any = ValueTable(values, _values_reader(arg_entries, kw_entries))
+            return
         if tensors:
             check = _tensor_layout_check(
                 tuple(value_entry(a) for a in args),
@@ -248,6 +300,41 @@ def value_entry(value: Any) -> tuple:
     return ("value", type(value), value)
 
 
+# The plain numbers a varying layout reads by value from its table: a number, or a short
+# tuple of them (a guidance pair, per-channel scales).
+_NUMBERS = (int, float)
+_MAX_FREE_TUPLE = 8
+
+
+def free_entry(value: Any) -> tuple:
+    """How a varying layout checks one argument: a plain number (or a short tuple of them)
+    by its type (and, for a tuple, its length and its items' types), its value read into
+    the call's key of values met; anything else as ``value_entry`` does."""
+    kind = type(value)
+    if kind in _NUMBERS:
+        return ("free", kind, ())
+    if kind is tuple and 0 < len(value) <= _MAX_FREE_TUPLE and all(type(v) in _NUMBERS for v in value):
+        return ("free", tuple, tuple(type(v) for v in value))
+    return value_entry(value)
+
+
+def has_free_values(args: tuple, kwargs: dict) -> bool:
+    """Whether a call has a plain number a varying layout would read from its table."""
+    return any(free_entry(v)[0] == "free" for v in itertools.chain(args, kwargs.values()))
+
+
+def _values_reader(arg_entries: tuple, kw_entries: tuple) -> Callable[[tuple, dict], tuple]:
+    """``key_of(args, kwargs)``: the values of a varying layout's plain numbers, in the
+    order its check reads them (positional arguments, then keywords by name)."""
+    reads: list[Any] = [i for i, e in enumerate(arg_entries) if e[0] == "free"]
+    reads += [name for name, e in sorted(kw_entries, key=lambda x: x[0]) if e[0] == "free"]
+
+    def key_of(args: tuple, kwargs: dict) -> tuple:
+        return tuple([args[r] if type(r) is int else kwargs[r] for r in reads])
+
+    return key_of
+
+
 def settles(args: tuple, kwargs: dict) -> bool:
     """Whether a call may settle as a tensor layout: every argument a plain tensor or a
     plain value, at least one tensor among them."""
@@ -290,7 +377,7 @@ def _device_test(value: str, device: torch.device, name: str) -> str:
 
 @functools.lru_cache(maxsize=256)
 def _tensor_layout_check(
-    arg_entries: tuple, kw_entries: tuple, grad: bool, autocast: tuple
+    arg_entries: tuple, kw_entries: tuple, grad: bool, autocast: tuple, varying: bool = False
 ) -> Callable[[tuple, dict, Optional[dict]], Any]:
     """``check(args, kwargs, sizes)``: the grad mode and autocast state of the settled call
     (a structure's key holds both; read first: they are what a wrapper's settled layouts
@@ -301,7 +388,13 @@ def _tensor_layout_check(
     tensors' shapes (``shapes_of``: they hold the ranks), or a ``BucketCall`` where it holds
     their size bucket, or, where the layout's new sizes run as written
     (``SizeTable.structure``) and the shapes are new to its structure, the table's
-    ``fresh`` record, the shapes counted as seen (``None`` where none of these holds)."""
+    ``fresh`` record, the shapes counted as seen (``None`` where none of these holds).
+
+    ``varying``: a varying layout's check (``free_entry``): its plain numbers checked by
+    type; then, where ``sizes`` (the ``ValueTable``) is ``None``, whether each tensor has
+    the settled one's number of dimensions, else, at those ranks, ``True`` where the
+    numbers' values are not in the table (added), ``None`` where they are (met: the full
+    path plans them)."""
     names: dict[str, Any] = {
         "_Tensor": torch.Tensor,
         "_grad": torch.is_grad_enabled,
@@ -335,9 +428,20 @@ def _tensor_layout_check(
     entries = [(f"args[{i}]", e) for i, e in enumerate(arg_entries)]
     entries += [(f"kwargs.get({name!r}, _MISSING)", e) for name, e in sorted(kw_entries, key=lambda x: x[0])]
     ranks = []
+    values = []
     for i, (read, entry) in enumerate(entries):
         lines.append(f"v{i} = {read}")
-        if entry[0] == "tensor":
+        if entry[0] == "free":
+            names[f"_T{i}"] = entry[1]
+            tests = [f"type(v{i}) is not _T{i}"]
+            if entry[1] is tuple:
+                tests.append(f"len(v{i}) != {len(entry[2])}")
+                for j, item in enumerate(entry[2]):
+                    names[f"_T{i}_{j}"] = item
+                    tests.append(f"type(v{i}[{j}]) is not _T{i}_{j}")
+            lines.append(f"if {' or '.join(tests)}: return False")
+            values.append(f"v{i}, ")
+        elif entry[0] == "tensor":
             dtype, device, requires_grad, ndim = entry[1]
             names[f"_D{i}"], names[f"_V{i}"] = dtype, device
             lines.append(
@@ -349,6 +453,16 @@ def _tensor_layout_check(
         else:
             names[f"_T{i}"], names[f"_X{i}"] = entry[1], entry[2]
             lines.append(f"if type(v{i}) is not _T{i} or not (v{i} == _X{i}): return False")
+    if varying:
+        # Every size, at the settled ranks; the values from the table.
+        lines.append(f"if not ({' and '.join(ranks) or 'True'}): return False")
+        lines.append("if sizes is None: return True")
+        lines.append(f"key = ({''.join(values)})")
+        lines.append("if key in sizes: return None")
+        lines.append("if len(sizes) >= sizes.cap: del sizes[next(iter(sizes))]")
+        lines.append("sizes[key] = True")
+        lines.append("return True")
+        return _compiled_check(lines, names)
     # The ranks: read where every size is admitted (a table's shapes hold them already).
     lines.append(f"if sizes is None: return {' and '.join(ranks) or 'True'}")
     lines.append(f"key = ({''.join(shapes)})")

@@ -384,14 +384,27 @@ class WrapperState:
                 return record, found
         return None, None
 
-    def settled_layout(self, args: tuple, kwargs: dict) -> Optional[SettledCalls]:
+    def settled_layout(self, args: tuple, kwargs: dict, varying: bool = False) -> Optional[SettledCalls]:
         """The settled record, first or other, of this call's layout (at any size), at the
-        wrapper's generation."""
+        wrapper's generation: a varying one (``SettledCalls(..., values=...)``, its
+        numbers read from a table of values) where ``varying``, else one of another kind."""
         generation = self.generation
         for record in (self.settled, *self.settled_more):
-            if record is not None and record.generation == generation and record.admits(args, kwargs, None):
+            if (
+                record is not None
+                and record.varying is varying
+                and record.generation == generation
+                and record.admits(args, kwargs, None)
+            ):
                 return record
         return None
+
+    def values_met(self, args: tuple, kwargs: dict) -> bool:
+        """Whether a varying layout settled for this call's layout met the values of its
+        plain numbers (its calls that ran as written noted them there, not in
+        ``values_seen``)."""
+        record = self.settled_layout(args, kwargs, varying=True)
+        return record is not None and record.sizes.met(args, kwargs)
 
     def stop_counting(self) -> None:
         """A plan of a call structure runs: its settled layouts stop counting its new sizes
