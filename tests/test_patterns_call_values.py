@@ -61,3 +61,35 @@ def test_a_plain_argument_cycling_through_values_is_planned_when_they_come_back(
     assert paths[1:3] == ["as-written"] * 2, paths  # met once: as written
     assert paths.count("recorded") <= 3, paths  # traced once per value at most
     assert all(p != "recorded" for p in paths[6:]), paths
+
+
+class Typed(Towers):
+    """What ``t`` does depends on its type, not only on what it equals: ``1``, ``1.0`` and
+    ``True`` are equal in Python (so are ``0.0`` and ``-0.0``), and a trace made with one
+    bakes in what it does."""
+
+    def forward(self, x, t=1):
+        y = torch.stack(self.branches(x)).sum(0)
+        if t is True:
+            return y * 100
+        if isinstance(t, float) and t == 0.0:
+            return y / t  # inf for 0.0, -inf for -0.0
+        return (y > 0).long() * t  # an integer tensor for 1, a float one for 1.0
+
+
+@pytest.mark.parametrize("executor", ["serial", "threads", "auto"])
+def test_equal_plain_values_of_other_types_or_signs_are_other_values(executor):
+    # Each value three times in a row (planned by its third call under every executor),
+    # then the next: a plan of one must not run for another that equals it.
+    torch.manual_seed(0)
+    model = Typed().eval()
+    sm = ss.StreamScheduledModule(model, executor=executor)
+    with torch.no_grad():
+        for t in (1, 1.0, True, 0.0, -0.0, 1, True):
+            for call in range(3):
+                x = torch.randn(4, D)
+                expected, actual = model(x, t), sm(x, t)
+                path = assert_path(sm, "recorded", "plan", "as-written")
+                what = f"t={t!r} call {call} ({path})"
+                assert_close(actual, expected, what=what)  # (the dtypes too)
+        assert path.startswith("plan") or executor == "auto", path

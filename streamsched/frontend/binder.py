@@ -38,7 +38,7 @@ class CallSpec:
         # Plain values key by value; any other object by its type only, so that no cache
         # keyed by this holds a caller's object alive (such calls are never traced: see
         # ``has_objects``).
-        static = tuple((i, v if is_plain(v) else ("object", _type_of(v))) for i, v in self.static_leaves)
+        static = tuple((i, value_key(v) if is_plain(v) else ("object", _type_of(v))) for i, v in self.static_leaves)
         return (str(self.treedef), self.tensor_positions, _hashable(static), self.positional)
 
     @functools.cached_property
@@ -104,6 +104,20 @@ def is_plain(value: Any) -> bool:
     if type(value) is slice:
         return is_plain(value.start) and is_plain(value.stop) and is_plain(value.step)
     return False
+
+
+def value_key(value: Any) -> Any:
+    """A plain value as a key of the traces and plans made for it: with its type, a float
+    by its bits. ``1``, ``1.0`` and ``True`` are equal in Python, as are ``0.0`` and
+    ``-0.0``, and a trace made with one is no trace of another: ``x * 1`` keeps an integer
+    tensor's dtype where ``x * 1.0`` makes it float, ``t is True`` tells them apart, and
+    ``y / t`` gives ``inf`` for one zero and ``-inf`` for the other."""
+    kind = type(value)
+    if kind is float:
+        return (kind, value.hex())
+    if kind is tuple or kind is frozenset:
+        return (kind, kind(value_key(v) for v in value))
+    return (kind, value)
 
 
 def _hashable(value: Any) -> Hashable:
@@ -233,7 +247,8 @@ class ShapeCachedBinder:
                 if kind not in _BY_VALUE and len(kinds) < self._MAX_KINDS:
                     kinds[kind] = tag
             if tag is _SCALAR:
-                tag = (kind, v)
+                # (A float by its bits: 0.0 and -0.0 are calls of different specs.)
+                tag = (kind, v.hex() if kind is float else v)
             tags.append(tag)
         shape = (len(args), tuple(kwargs), tuple(tags))
         entry = self.shapes.get(shape)
