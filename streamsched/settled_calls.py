@@ -148,17 +148,18 @@ class SizeTable(dict):
 
 class ValueTable(dict):
     """A varying layout's table (``SettledCalls(..., values=...)``): the values of its
-    plain numbers met, in the order the layout reads them (``key_of``), the oldest
-    forgotten first past ``cap`` (as the full path's own table of values met forgets
-    them: a value that comes back after that is new again). Read and filled by the
-    layout's check, without the lock, as ``SizeTable.hits`` is."""
+    plain numbers met, in the order the layout reads them (``key_of``: a tuple of them, or
+    the one number itself), forgotten all at once past ``cap`` (the full path's own
+    table of values met holds as many: a value that comes back after more calls than
+    that is new again, and runs as written). Read and filled by the layout's check,
+    without the lock, as ``SizeTable.hits`` is."""
 
     __slots__ = ("cap", "key_of")
 
     # (WrapperState.stop_counting reads a settled layout's table for the sizes it counts.)
     structure = None
 
-    def __init__(self, cap: int, key_of: Callable[[tuple, dict], tuple]):
+    def __init__(self, cap: int, key_of: Callable[[tuple, dict], Any]):
         super().__init__()
         self.cap = cap
         self.key_of = key_of
@@ -170,7 +171,7 @@ class ValueTable(dict):
     def add(self, args: tuple, kwargs: dict) -> None:
         """Note the call's values as met."""
         if len(self) >= self.cap:
-            del self[next(iter(self))]
+            self.clear()
         self[self.key_of(args, kwargs)] = True
 
 
@@ -213,7 +214,7 @@ class SettledCalls:
             arg_entries = tuple(free_entry(a) for a in args)
             kw_entries = tuple((k, free_entry(v)) for k, v in kwargs.items())
             grad, autocast = torch.is_grad_enabled(), autocast_state()
-            check = _tensor_layout_check(arg_entries, kw_entries, grad, autocast, True)
+            check = _tensor_layout_check(arg_entries, kw_entries, grad, autocast, values)
             self.admits = check
             self.left = _NEVER
             self.reported = reported
@@ -323,14 +324,16 @@ def has_free_values(args: tuple, kwargs: dict) -> bool:
     return any(free_entry(v)[0] == "free" for v in itertools.chain(args, kwargs.values()))
 
 
-def _values_reader(arg_entries: tuple, kw_entries: tuple) -> Callable[[tuple, dict], tuple]:
+def _values_reader(arg_entries: tuple, kw_entries: tuple) -> Callable[[tuple, dict], Any]:
     """``key_of(args, kwargs)``: the values of a varying layout's plain numbers, in the
-    order its check reads them (positional arguments, then keywords by name)."""
+    order its check reads them (positional arguments, then keywords by name), as its
+    check keys its table: one number itself, more in a tuple."""
     reads: list[Any] = [i for i, e in enumerate(arg_entries) if e[0] == "free"]
     reads += [name for name, e in sorted(kw_entries, key=lambda x: x[0]) if e[0] == "free"]
 
-    def key_of(args: tuple, kwargs: dict) -> tuple:
-        return tuple([args[r] if type(r) is int else kwargs[r] for r in reads])
+    def key_of(args: tuple, kwargs: dict) -> Any:
+        key = tuple([args[r] if type(r) is int else kwargs[r] for r in reads])
+        return key[0] if len(key) == 1 else key
 
     return key_of
 
@@ -377,7 +380,7 @@ def _device_test(value: str, device: torch.device, name: str) -> str:
 
 @functools.lru_cache(maxsize=256)
 def _tensor_layout_check(
-    arg_entries: tuple, kw_entries: tuple, grad: bool, autocast: tuple, varying: bool = False
+    arg_entries: tuple, kw_entries: tuple, grad: bool, autocast: tuple, varying: int = 0
 ) -> Callable[[tuple, dict, Optional[dict]], Any]:
     """``check(args, kwargs, sizes)``: the grad mode and autocast state of the settled call
     (a structure's key holds both; read first: they are what a wrapper's settled layouts
@@ -390,11 +393,11 @@ def _tensor_layout_check(
     (``SizeTable.structure``) and the shapes are new to its structure, the table's
     ``fresh`` record, the shapes counted as seen (``None`` where none of these holds).
 
-    ``varying``: a varying layout's check (``free_entry``): its plain numbers checked by
-    type; then, where ``sizes`` (the ``ValueTable``) is ``None``, whether each tensor has
-    the settled one's number of dimensions, else, at those ranks, ``True`` where the
-    numbers' values are not in the table (added), ``None`` where they are (met: the full
-    path plans them)."""
+    ``varying``: where not 0, a varying layout's check (``free_entry``), its table holding
+    up to ``varying`` values: its plain numbers checked by type; then, where ``sizes``
+    (the ``ValueTable``) is ``None``, whether each tensor has the settled one's number of
+    dimensions, else, at those ranks, ``True`` where the numbers' values are not in the
+    table (added), ``None`` where they are (met: the full path plans them)."""
     names: dict[str, Any] = {
         "_Tensor": torch.Tensor,
         "_grad": torch.is_grad_enabled,
@@ -457,9 +460,11 @@ def _tensor_layout_check(
         # Every size, at the settled ranks; the values from the table.
         lines.append(f"if not ({' and '.join(ranks) or 'True'}): return False")
         lines.append("if sizes is None: return True")
-        lines.append(f"key = ({''.join(values)})")
+        # (One number is its own key: no tuple to make and hash. The table is forgotten
+        # all at once when full: evicting the oldest on every call cost as much again.)
+        lines.append(f"key = {values[0][:-2]}" if len(values) == 1 else f"key = ({''.join(values)})")
         lines.append("if key in sizes: return None")
-        lines.append("if len(sizes) >= sizes.cap: del sizes[next(iter(sizes))]")
+        lines.append(f"if len(sizes) >= {varying}: sizes.clear()")
         lines.append("sizes[key] = True")
         lines.append("return True")
         return _compiled_check(lines, names)
