@@ -98,6 +98,21 @@ def set_arguments(node: fx.Node, args: tuple, kwargs: dict) -> None:
         update(args, kwargs if kwargs else node.kwargs)
 
 
+def fast_context(tracer: Any) -> bool:
+    """Whether ``tracer`` (a :class:`FastTracerMixin` tracer) makes its nodes the fast
+    way now: fx's context is the plain one (see ``create_node``) and the scope is fx's
+    own ``Scope`` (see ``call_module``)."""
+    return bool(
+        tracer.__dict__.get("_fast")
+        and type(tracer.scope) is Scope
+        and not tracer.check_mutable_operations
+        and not tracer.record_stack_traces
+        and tracer.graph.owning_module is None
+        and not fx_traceback.has_preserved_node_meta()
+        and not _FX_LOG.isEnabledFor(logging.DEBUG)
+    )
+
+
 class FastTracerMixin:
     """Mixed into an ``fx.Tracer`` subclass, before ``fx.Tracer``: cheaper ``create_arg``,
     ``create_node`` and ``call_module`` with fx's results (see the module docstring)."""

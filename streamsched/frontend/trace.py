@@ -49,6 +49,7 @@ from ..errors import TraceError
 from . import opaque_functions
 from .binder import CallBinder, CallSpec, is_plain
 from .fx_fast import FastTracerMixin
+from .member_replay import MemberReplay
 from .hooks import capture_collecting, capture_hooks, captures_below, has_hooks
 from .nodes import AUGMENTED_OPERATORS, has_children, modules_of, named_modules_of, submodule_resolver
 from .opaque_functions import OpaqueFunction, UnsafeOpaqueCall
@@ -184,6 +185,7 @@ class _LeafTracer(FastTracerMixin, fx.Tracer):
         # What the objects the modules hold held before the trace (trace_guard.HeldState).
         self.held_state: Optional[HeldState] = None
         self._decided: Optional[tuple[torch.nn.Module, bool]] = None
+        self.members = MemberReplay(self)
         # Leaf functions are patched wherever a traced forward's module names them; the
         # root's forward is called directly, so its module is searched too.
         model_module = sys.modules.get(type(model).__module__)
@@ -258,6 +260,11 @@ class _LeafTracer(FastTracerMixin, fx.Tracer):
                     f"{type(m).__name__} holds modules whose outputs the forward collects (output capturing: "
                     "output_attentions / output_hidden_states); run as one call, they would hand over nothing"
                 )
+            if not leaf and m is not self.model:
+                # A member whose forward only calls its leaf children: the first of its
+                # kind is traced and recorded, later ones made from the recording
+                # (frontend.member_replay).
+                forward = self._member_forward(m, forward)
             out = super().call_module(m, forward, args, kwargs)
             if not leaf and self.held_state is not None:
                 # A write to an object the modules hold, made by this forward or below it
@@ -283,6 +290,15 @@ class _LeafTracer(FastTracerMixin, fx.Tracer):
                     pass
             raise
 
+    def _member_forward(self, m: torch.nn.Module, forward: Any) -> Any:
+        members = self.members
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            # Decided where fx would run the forward: m's scope and module stack are set.
+            return members.run(m, forward, args, kwargs)
+
+        return run
+
     def _known_structure(self, label: str, out: Any) -> Any:
         """A leaf call's value as the traced code sees it: the proxy, or, where a real
         call showed what it returns (``None`` in a tuple, say), that structure, read
@@ -298,6 +314,11 @@ class _LeafTracer(FastTracerMixin, fx.Tracer):
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return _Proxy(node, self)
+
+    @property
+    def proxy_type(self) -> type:
+        """The class of the proxies :meth:`proxy` makes."""
+        return _Proxy
 
     def create_proxy(self, kind: str, target: Any, args: tuple, kwargs: dict, *rest: Any, **more: Any) -> fx.Proxy:
         # Autocast and inference mode are thread state fx does not record: an op recorded
