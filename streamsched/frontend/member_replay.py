@@ -68,11 +68,11 @@ _ALLOWED = frozenset(
 )
 _ATTRIBUTE_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
 _CONSTANTS = (type(None), bool, int, float, str)
-# Code flags that rule a forward out: *args, **kwargs, generators and coroutines, and
-# nested functions (whose frames could read the enclosing one's cells).
-_REFUSED_FLAGS = 0x04 | 0x08 | 0x10 | 0x20 | 0x80 | 0x100 | 0x200
+# Code flags that rule a forward out: *args, **kwargs, generators and coroutines. (A
+# closure's cells are refused by co_freevars.)
+_REFUSED_FLAGS = 0x04 | 0x08 | 0x20 | 0x80 | 0x100 | 0x200
 
-_plans: "weakref.WeakKeyDictionary[types.CodeType, Optional[tuple[str, ...]]]" = weakref.WeakKeyDictionary()
+_plans: weakref.WeakKeyDictionary[types.CodeType, Optional[tuple[str, ...]]] = weakref.WeakKeyDictionary()
 
 # Names a class may not define (below nn.Module) for its members to be replayed: each
 # would run code of its own on the call, or read the children otherwise.
@@ -213,6 +213,7 @@ class MemberReplay:
             if (
                 "forward" in child.__dict__
                 or child._forward_hooks
+                or child._forward_pre_hooks
                 or not _class_plain(kind, _CHILD_OVERRIDES)
                 or not tracer.is_leaf_module(child, "")
             ):
@@ -297,9 +298,7 @@ class MemberReplay:
             child = children[name]
             path = tracer.path_of_module(child)
             kind = type(child)
-            call_args = tuple(
-                args[i] if where == "in" else values[i] if where == "step" else i for where, i in sources
-            )
+            call_args = tuple(args[i] if where == "in" else values[i] if where == "step" else i for where, i in sources)
             saved = scope.module_path, scope.module_type
             scope.module_path, scope.module_type = path, kind
             try:
@@ -309,9 +308,7 @@ class MemberReplay:
                 num_calls[path] = count + 1
                 node = graph.create_node("call_module", path, None, None, None, None)
                 if call_args:
-                    set_arguments(
-                        node, tuple(a.node if type(a) is tracer.proxy_type else a for a in call_args), {}
-                    )
+                    set_arguments(node, tuple(a.node if type(a) is tracer.proxy_type else a for a in call_args), {})
                 name_to_scope[node.name] = (path, kind)
                 node.meta["nn_module_stack"] = stack.copy() if type(stack) is OrderedDict else copy.copy(stack)
                 proxy = make_proxy(node)

@@ -49,8 +49,8 @@ from ..errors import TraceError
 from . import opaque_functions
 from .binder import CallBinder, CallSpec, is_plain
 from .fx_fast import FastTracerMixin
-from .member_replay import MemberReplay
 from .hooks import capture_collecting, capture_hooks, captures_below, has_hooks
+from .member_replay import MemberReplay
 from .nodes import AUGMENTED_OPERATORS, has_children, modules_of, named_modules_of, submodule_resolver
 from .opaque_functions import OpaqueFunction, UnsafeOpaqueCall
 from .opaque_outputs import (
