@@ -14,8 +14,8 @@ no branch, no global, closure or other attribute read, no operator and no consta
 plain atoms, does nothing in a trace but call those children in that order, each with
 values the earlier calls returned. Where every child it calls is a leaf (decided for
 each member, as the trace decides it), with the same class as the first member's, no
-instance ``forward``, no forward hook and no ``__call__`` of its own, that trace is one
-``call_module`` node per call, whose name, ``meta``, scope, module stack and call count
+instance ``forward``, no forward or forward-pre hook and no ``__call__`` of its own,
+that trace is one ``call_module`` node per call, whose name, ``meta``, scope, module stack and call count
 follow from the child's path alone. So the first member of a kind is traced the normal
 way and its nodes recorded (:class:`Recording`); a later member of the same kind makes
 the same calls on its own children (:meth:`MemberReplay.replay`), in the way
