@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch.utils._pytree as pytree
 
@@ -67,6 +67,17 @@ class _Custom:
             self.keys = [f.name for f in dataclasses.fields(value)]
             children.extend(getattr(value, k) for k in self.keys)
             self.attrs = {k: v for k, v in self.attrs.items() if k not in self.keys}
+
+    def same_as(self, other: _Custom) -> bool:
+        """Whether ``other`` builds the same container: class, kind, keys, and instance
+        attributes (plain values by value, anything else by identity)."""
+        return (
+            self.cls is other.cls
+            and self.kind == other.kind
+            and self.keys == other.keys
+            and self.attrs.keys() == other.attrs.keys()
+            and all(_same_attribute(v, other.attrs[k]) for k, v in self.attrs.items())
+        )
 
     def build(self, values: list[Any]) -> Any:
         cls = self.cls
@@ -122,6 +133,18 @@ class OutputTree:
         tree = cls(treedef, customs, len(leaves))
         tree.leaves = leaves
         return tree
+
+    def same_structure(self, other: Optional[OutputTree]) -> bool:
+        """Whether ``other`` rebuilds the same output from the same leaves: the same
+        containers (types, keys, named-tuple classes) at every level. A graph returns
+        only the leaves, so two traces whose programs read alike may still differ here
+        (a flag that picks a dict or a tuple of the same tensors: ``config.return_dict``)."""
+        if other is None or self.treedef != other.treedef or len(self.customs) != len(other.customs):
+            return False
+        return all(
+            pos == other_pos and custom.same_as(other_custom) and sub.same_structure(other_sub)
+            for (pos, custom, sub), (other_pos, other_custom, other_sub) in zip(self.customs, other.customs)
+        )
 
     @property
     def is_plain(self) -> bool:
@@ -179,6 +202,16 @@ class OutputTree:
         if self.is_plain:
             return _identity
         return self.rebuild
+
+
+_PLAIN_ATTRIBUTES = (bool, int, float, complex, str, bytes, type(None))
+
+
+def _same_attribute(a: Any, b: Any) -> bool:
+    """Whether two copied instance attributes are the same: equal plain values, or the same object."""
+    if a is b:
+        return True
+    return type(a) is type(b) and isinstance(a, _PLAIN_ATTRIBUTES) and a == b
 
 
 def _identity(value: Any) -> Any:

@@ -685,8 +685,14 @@ class Traced:
         return all(_flag_values(module) == values for module, values in self.flags)
 
     def same_program(self, other: Traced) -> bool:
-        """Whether ``other`` (a re-trace) records exactly this trace's program."""
-        return self.program_text() == other.program_text()
+        """Whether ``other`` (a re-trace) records exactly this trace's program, and
+        rebuilds the same output from it: the graph returns the output's leaves, and the
+        container they go back into (``output_tree``) is not in the program text."""
+        if self.program_text() != other.program_text():
+            return False
+        if self.output_tree is None or other.output_tree is None:
+            return self.output_tree is other.output_tree
+        return self.output_tree.same_structure(other.output_tree)
 
     def opaque_paths(self) -> dict[str, str]:
         """Each module call that runs opaque because its class could not be traced: path -> reason."""

@@ -197,3 +197,25 @@ def test_generate_without_a_cache_past_the_sliding_window_twice():
                 assert torch.equal(sm.attach().generate(prompt, **kwargs), expected)
         finally:
             sm.detach()
+
+
+def test_transformers_config_return_dict_set_after_planning():
+    """``model.config.return_dict = False`` after the plan was made: eager returns
+    ``to_tuple()`` of its output, and so does the wrapper; set back, the ``ModelOutput``."""
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=24
+    )
+    model = transformers.BertModel(cfg).eval()
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    with torch.no_grad():
+        for call, return_dict in enumerate([True, True, False, False, True, True]):
+            model.config.return_dict = return_dict
+            ids = torch.randint(1, VOCAB, (2, 7))
+            actual, expected = sm(input_ids=ids), model(input_ids=ids)
+            assert last_path(sm) == ("recorded" if call in (0, 2, 4) else "plan:serial"), (call, last_path(sm))
+            assert type(actual) is type(expected), (call, type(actual).__name__, type(expected).__name__)
+            got = list(actual.values()) if return_dict else list(actual)
+            want = list(expected.values()) if return_dict else list(expected)
+            for a, e in zip(got, want, strict=True):
+                torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
