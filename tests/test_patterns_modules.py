@@ -5,6 +5,8 @@ updated in place, on the model itself and on a submodule."""
 from __future__ import annotations
 
 import types
+from collections import OrderedDict, defaultdict
+from functools import partial
 
 import pytest
 import torch
@@ -114,11 +116,11 @@ class CachesItsBias(nn.Module):
     """Caches a computed bias in a dict attribute in eval, per device (LeViT's attention
     biases, in timm and transformers)."""
 
-    def __init__(self):
+    def __init__(self, cache: type = dict):
         super().__init__()
         self.lin = nn.Linear(D, D)
         self.biases = nn.Parameter(torch.randn(D))
-        self.cache = {}
+        self.cache = cache()
 
     def bias(self, device):
         if self.training:
@@ -134,24 +136,28 @@ class CachesItsBias(nn.Module):
 
 
 class HoldsACachingModule(nn.Module):
-    def __init__(self):
+    def __init__(self, cache: type = dict):
         super().__init__()
-        self.inner = CachesItsBias()
+        self.inner = CachesItsBias(cache)
         self.out = nn.Linear(D, D)
 
     def forward(self, x, scale: bool = False):
         return self.out(self.inner(x, scale))
 
 
+@pytest.mark.parametrize(
+    "cache", [dict, OrderedDict, partial(defaultdict, int)], ids=["dict", "OrderedDict", "defaultdict"]
+)
 @pytest.mark.parametrize("executor", ["serial", "threads", "auto"])
-def test_a_value_cached_in_a_dict_while_tracing_does_not_stay_there(executor):
+def test_a_value_cached_in_a_dict_while_tracing_does_not_stay_there(executor, cache):
     """A trace runs the forward once on proxies: the proxy cached in the module's dict
     stayed there, the next trace (another signature) took that proxy of the old graph
     (its recording failed with a KeyError), and the model itself, called as written,
     found a proxy in its cache. The module that writes into a container it holds runs
-    as written, and its container holds what eager would."""
+    as written, and its container holds what eager would: a dict, or a subclass of one
+    (an ``OrderedDict``, a ``defaultdict``)."""
     torch.manual_seed(0)
-    model = HoldsACachingModule().eval()
+    model = HoldsACachingModule(cache).eval()
     sm = ss.StreamScheduledModule(model, executor=executor)
     with torch.no_grad():
         for call, scale in enumerate([False, False, True, True, False]):

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import pickle
 import random
 import sys
@@ -405,22 +406,30 @@ def snapshot_containers(
         for name, value in m.__dict__.items():
             if name in _MODULE_TABLES:
                 continue
-            kind = type(value)
-            if kind is dict:
-                found.append((m, name, value, dict(value)))
-            elif kind is list:
-                found.append((m, name, value, list(value)))
-            elif kind is set:
-                found.append((m, name, value, set(value)))
+            if _is_plain_container(value):
+                found.append((m, name, value, _container_copy(value)))
     return found
+
+
+def _is_plain_container(value: Any) -> bool:
+    """Whether ``value`` is a list, dict or set, or an instance of a subclass of one whose
+    items are all it holds (an ``OrderedDict``, a ``defaultdict``, a ``Counter``; not a
+    dataclass such as a ``ModelOutput``): compared, copied and refilled by its items. A
+    ``defaultdict`` read with a key it lacks inserts one, so a trace that looks up a
+    traced value (``self.outputs[x.device]``) writes it."""
+    kind = type(value)
+    if kind is dict or kind is list or kind is set:
+        return True
+    return isinstance(value, (dict, list, set)) and not dataclasses.is_dataclass(value)
 
 
 def _same(container: Any, copy: Any) -> bool:
     if len(container) != len(copy):
         return False
-    if type(container) is dict:
-        return all(k in copy and copy[k] is v for k, v in container.items())
-    if type(container) is list:
+    if isinstance(container, dict):
+        # (dict.__contains__ and dict.__getitem__: a defaultdict's lookup would insert.)
+        return all(dict.__contains__(copy, k) and dict.__getitem__(copy, k) is v for k, v in container.items())
+    if isinstance(container, list):
         return all(a is b for a, b in zip(container, copy))
     return container == copy
 
@@ -443,7 +452,7 @@ def restore_containers(snapshots: list[tuple[torch.nn.Module, str, Any, Any]]) -
 def _refill(container: Any, copy: Any) -> None:
     """Give a list, dict or set the contents ``copy`` holds (a copy made before a trace)."""
     container.clear()
-    if type(container) is list:
+    if isinstance(container, list):
         container.extend(copy)
     else:
         container.update(copy)
@@ -610,8 +619,7 @@ class HeldState:
             if callable(value) or isinstance(value, types.ModuleType):
                 # (A function or class: what the trace itself patches, as opaque functions.)
                 continue
-            kind = type(value)
-            copy = _data_copy(value) if kind in (list, dict, set) else None
+            copy = _data_copy(value) if _is_plain_container(value) else None
             if value is not _MISSING:
                 self._note_hidden(value, self.hidden_globals)
             self.globals[key] = (namespace, name, value, copy)
@@ -723,6 +731,8 @@ def _hidden_state(value: Any) -> bool:
     kind = type(value)
     if kind in (list, dict, set, tuple, frozenset, str, bytes) or isinstance(value, types.ModuleType):
         return False
+    if _is_plain_container(value):
+        return False  # (its items are compared and put back: HeldState's contents)
     module = kind.__module__.partition(".")[0]
     return module not in ("torch", "streamsched") and (_library_object(value) or not holds_state(value))
 
@@ -790,7 +800,7 @@ def _data_copy(value: Any) -> Any:
     (a registry, which opaque functions patch while a trace runs) or is too long."""
     if len(value) > _MAX_COPIED:
         return None
-    for item in value.values() if type(value) is dict else value:
+    for item in value.values() if isinstance(value, dict) else value:
         if callable(item):
             return None
     return _container_copy(value)
@@ -800,7 +810,7 @@ def _contents(items: dict[str, Any]) -> dict[str, Any]:
     """Copies of the lists, dicts and sets of data among an object's attributes."""
     out = {}
     for k, v in items.items():
-        if type(v) in (list, dict, set):
+        if _is_plain_container(v):
             copy = _data_copy(v)
             if copy is not None:
                 out[k] = copy
@@ -808,4 +818,5 @@ def _contents(items: dict[str, Any]) -> dict[str, Any]:
 
 
 def _container_copy(value: Any) -> Any:
-    return dict(value) if type(value) is dict else list(value) if type(value) is list else set(value)
+    """A plain copy of a list, dict or set (of a subclass of one too: its items)."""
+    return dict(value) if isinstance(value, dict) else list(value) if isinstance(value, list) else set(value)

@@ -300,6 +300,13 @@ TIMM: list[ModelSpec] = [
     _timm("rdnet_tiny"),
     _timm("dla60x_c"),
     _timm("repghostnet_050"),
+    _spec(
+        "resnet18_features_hook",
+        "timm",
+        timm_model("resnet18", features_only=True, feature_cls="hook", out_indices=(1, 3)),
+        images(2, 64),
+        "features collected by forward hooks into a defaultdict, read and cleared by the forward",
+    ),
 ]
 
 
