@@ -75,10 +75,13 @@ def _same_trace(model, args, monkeypatch, leaf_types=()):
     return tracer.members.replayed
 
 
-@pytest.mark.parametrize("name,make,args,kwargs", _cases(), ids=[c[0] for c in _cases()])
+# (Zoo cases called with keywords are left out: a member called with keywords is never
+# replayed, so such a case would compare two normal traces.)
+_POSITIONAL_CASES = [c for c in _cases() if not c[3]]
+
+
+@pytest.mark.parametrize("name,make,args,kwargs", _POSITIONAL_CASES, ids=[c[0] for c in _POSITIONAL_CASES])
 def test_the_zoo_traces_as_without_replay(name, make, args, kwargs, monkeypatch):
-    if kwargs:
-        pytest.skip("replayed members take positional proxies only; covered without kwargs")
     torch.manual_seed(0)
     replayed = _same_trace(make().eval(), args, monkeypatch)
     assert replayed == {"pfcn": 11, "nasnet": 9, "randwire": 31}.get(name, 0)
