@@ -49,6 +49,7 @@ from ..errors import TraceError
 from . import opaque_functions
 from .binder import CallBinder, CallSpec, is_plain
 from .fx_fast import FastTracerMixin
+from .held_reads import stale_held_read
 from .hooks import capture_collecting, capture_hooks, captures_below, has_hooks
 from .member_replay import MemberReplay
 from .nodes import AUGMENTED_OPERATORS, has_children, modules_of, named_modules_of, submodule_resolver
@@ -1093,6 +1094,7 @@ def _trace_once(
             raise exc
         copy_fresh_constants(graph, root, guard.fresh)
         baked = tuple(guard.baked.values())
+        fresh = guard.fresh
     except TraceError:
         raise
     except Exception as exc:  # fx raises many types; all mean "cannot trace"
@@ -1113,6 +1115,9 @@ def _trace_once(
 
     module_ids: dict[str, int] = {}
     resolve = submodule_resolver(root)
+    stale = stale_held_read(graph, root, resolve, fresh, baked)
+    if stale is not None:
+        raise TraceError(f"streamsched cannot trace {type(model).__name__}.forward: {stale}")
     for node in graph.nodes:
         if node.op == "call_module":
             module_ids[node.target] = id(resolve(node.target))
