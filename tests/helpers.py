@@ -261,6 +261,44 @@ def step_alongside(
     return path
 
 
+def calls_alongside(
+    sm: Any,
+    model: nn.Module,
+    reference: nn.Module,
+    trains: list[bool],
+    paths: tuple[str, ...],
+    what: str,
+    width: int,
+    check: Any = None,
+) -> None:
+    """Calls of the eager ``reference`` and of ``sm`` (wrapping ``model``) on one fresh
+    input ``[4, width]`` each, in training or eval mode as ``trains`` says (gradients on
+    in training): each call's path must be one of ``paths`` and its outputs (a sequence)
+    equal eager's; ``check(call, actual, expected)``, where given, asserts more of each
+    call; in training, the squares of the outputs that need a gradient are summed and
+    backpropagated, and every parameter's gradient must equal eager's."""
+    for call, train in enumerate(trains):
+        model.train(train)
+        reference.train(train)
+        x = torch.randn(4, width)
+        for p in [*model.parameters(), *reference.parameters()]:
+            p.grad = None
+        with torch.set_grad_enabled(train):
+            expected = reference(x)
+            actual = sm(x)
+        assert_path(sm, *paths)
+        assert_close(actual, expected, what=f"{what}, call {call}")
+        if check is not None:
+            check(call, actual, expected)
+        if train:
+            sum((t * t).sum() for t in actual if t.requires_grad).backward()
+            sum((t * t).sum() for t in expected if t.requires_grad).backward()
+            got, want = grads(model), grads(reference)
+            assert got.keys() == want.keys()
+            for name in want:
+                assert_close(got[name], want[name], what=f"{what}: grad {name}, call {call}")
+
+
 def spin(seconds: float) -> None:
     """Busy-wait for ``seconds`` of this thread's CPU time (a sleep would hand the core to
     other processes, and on a busy machine the call after it waits for the core to come

@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 import streamsched as ss
-from streamsched.testing import assert_path, last_path
+from streamsched.testing import last_path
 
-from .helpers import assert_close, grads
+from .helpers import calls_alongside
 
 D = 8
 EXECUTORS = ["serial", "threads", "auto"]
@@ -104,24 +104,7 @@ class Reads(nn.Module):
 
 
 def _compare_calls(sm, model, ref, trains, paths, what):
-    for call, train in enumerate(trains):
-        model.train(train)
-        ref.train(train)
-        x = torch.randn(4, D)
-        for p in [*model.parameters(), *ref.parameters()]:
-            p.grad = None
-        with torch.set_grad_enabled(train):
-            expected = ref(x)
-            actual = sm(x)
-        assert_path(sm, *paths)
-        assert_close(actual, expected, what=f"{what}, call {call}")
-        if train:
-            sum((t * t).sum() for t in actual if t.requires_grad).backward()
-            sum((t * t).sum() for t in expected if t.requires_grad).backward()
-            got, want = grads(model), grads(ref)
-            assert got.keys() == want.keys()
-            for name in want:
-                assert_close(got[name], want[name], what=f"{what}: grad {name}, call {call}")
+    calls_alongside(sm, model, ref, trains, paths, what, D)
 
 
 WRITERS = [
