@@ -97,6 +97,13 @@ def _describe(exc: ValidationError) -> str:
             close = difflib.get_close_matches(error["input"], choices, n=1)
             if close and close[0] != error["input"]:
                 message += f" (did you mean {close[0]!r}?)"
+            if error["input"] == "eager" and (error.get("loc") or ("",))[0] == "executor":
+                # plan.executor can read 'eager' (auto's trial chose the model's own forward),
+                # so a reader of a plan may ask for it: say what it means and how to get it.
+                message += (
+                    " ('eager' is what executor='auto' reports when the model's own forward measured"
+                    " faster; to run the model as written, call the model itself)"
+                )
         loc = error.get("loc") or ()
         field = str(loc[0]) if loc else ""
         if field:

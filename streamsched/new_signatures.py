@@ -529,7 +529,18 @@ def _measured_costs(runner: Runner, tensors: list[torch.Tensor]) -> Optional[dic
         return None
     st = runner.st
     if st.profile is None:
-        st.profile = load_profile(profile)
+        try:
+            st.profile = load_profile(profile)
+        except FileNotFoundError as exc:
+            # The bare OSError names only the path: say which option and which model it is for,
+            # and how such a file is made. Same type, so callers catching it still do.
+            raise FileNotFoundError(
+                exc.errno,
+                f"SchedulerConfig.profile of the StreamScheduledModule wrapping {type(runner.module).__name__} "
+                "(write one with `python -m streamsched profile MODULE:FACTORY --input-shape ... --out FILE`, "
+                "or leave profile=None to plan with estimated costs): no such file",
+                exc.filename,
+            ) from None
     device = device_of(tensors, runner.module)
     try:
         check_profile(st.profile, type(runner.module).__name__, signature_text(tensors), str(device))

@@ -67,3 +67,16 @@ def test_typed_options_match_the_config_fields():
     assert set(SchedulerOptions.__annotations__) == set(SchedulerConfig.model_fields)
     annotation = inspect.signature(ss.StreamScheduledModule.__init__).parameters["overrides"].annotation
     assert "Unpack[SchedulerOptions]" in str(annotation)
+
+
+def test_executor_eager_says_what_eager_means_in_a_plan():
+    """``sm.plan`` reads ``executor eager`` when ``auto`` kept the model's own forward, so a
+    reader of a plan asks for it: the error says it is not a choice and how to get it."""
+    with pytest.raises(ss.ConfigError) as info:
+        ss.StreamScheduledModule(nn.Linear(2, 2), executor="eager")
+    message = str(info.value)
+    assert "Linear" in message and "executor='eager'" in message, message
+    assert "call the model itself" in message and not _noise(message), message
+    with pytest.raises(ss.ConfigError) as info:
+        ss.StreamScheduledModule(nn.Linear(2, 2), executor="thread")
+    assert "call the model itself" not in str(info.value)

@@ -16,6 +16,7 @@ from streamsched.observe.schedule_profiles import (
     profile_costs,
 )
 from streamsched.observe.timeline import ObservedCall, TaskSpan
+from streamsched.testing import assert_path
 
 from .helpers import ConvTowers, Towers
 
@@ -168,3 +169,29 @@ def test_documented_import_paths_name_the_schedule_profiles_module():
     assert old_path is profiles and attribute is profiles
     assert old_load is load_profile and old_measure is measure_profile
     assert short_path.measure_profile is measure_profile and short_path.ScheduleProfile is ScheduleProfile
+
+
+def test_a_missing_profile_file_names_the_option_and_the_model_and_the_next_call_recovers(measured, tmp_path):
+    """A mistyped ``profile=`` path: the error says which option of which wrapper points at
+    nothing and how such a file is made (a bare ``[Errno 2]`` named only the path), keeps
+    the type ``FileNotFoundError``, and once the file exists the same wrapper plans with it
+    and computes as eager."""
+    sm, profile = measured
+    model = sm.module
+    path = tmp_path / "towers.json"
+    wrapped = ss.StreamScheduledModule(model, executor="threads", num_streams=4, min_task_cost=0.0, profile=str(path))
+    x = torch.randn(2, 8, 12, 12)
+    with torch.no_grad(), pytest.raises(FileNotFoundError) as info:
+        wrapped(x)
+    message = str(info.value)
+    assert "SchedulerConfig.profile" in message and "ConvTowers" in message, message
+    assert "python -m streamsched profile" in message and str(path) in message, message
+    assert info.value.filename == str(path)
+    profile.save(path)
+    with torch.no_grad():
+        for _ in range(2):  # the recording call, then the compiled plan
+            x = torch.randn(2, 8, 12, 12)
+            out = wrapped(x)
+            torch.testing.assert_close(out, model(x))
+    assert_path(wrapped, "plan:threads")
+    assert any("profile" in note for note in wrapped.plan.notes)
