@@ -4,10 +4,15 @@ Wraps the Inception-v3 architecture (defined in benchmarks.zoo, no torchvision
 needed), checks it against eager PyTorch on fresh random inputs, and prints the plan
 and the speed of both, on whatever device is there (CUDA if available).
 
-    python examples/inception.py [--batch 1] [--size 299] [--device cuda]
+    python examples/inception.py [--batch 1] [--size 299] [--device cuda] [--executor auto]
 
-To see the schedule in Nsight Systems on a GPU machine:
-    nsys profile -t cuda,nvtx python examples/inception.py
+To see the schedule in Nsight Systems on a GPU machine (one NVTX range per task, domain
+``streamsched``; docs/observability.md says how to read it):
+    nsys profile -t nvtx,cuda,osrt -o inception python examples/inception.py --executor streams
+
+With the default ``--executor auto`` the wrapper keeps the model's own forward where that
+measured faster (the plan says so), and a forward run as written has no task ranges: name
+the executor (``streams`` on CUDA, ``serial`` or ``threads`` on CPU) to capture the schedule.
 """
 
 from __future__ import annotations
@@ -34,6 +39,12 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=None, help="input side (default 299 on GPU, 149 on CPU)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--executor",
+        default="auto",
+        choices=["auto", "serial", "streams", "threads"],
+        help="SchedulerConfig.executor (default auto: the fastest of the schedule and the model's own forward)",
+    )
     add_threads_option(parser)
     args = parser.parse_args()
     apply_threads(args)
@@ -42,7 +53,7 @@ def main() -> None:
 
     torch.manual_seed(0)
     model = Inception3().eval().to(device)
-    sm = ss.StreamScheduledModule(model)
+    sm = ss.StreamScheduledModule(model, executor=args.executor)
     print(
         f"streamsched {ss.__version__}: runtime {ss.runtime_info()['runtime']}, torch {torch.__version__}, "
         f"device {device}, {cpu_threads()}"
@@ -56,10 +67,11 @@ def main() -> None:
             errors.append(float((sm(x) - model(x)).abs().max()))
         # The first calls of an input signature record and plan it, then measure the
         # schedule against the model's own forward (the ``auto`` trial) and keep the
-        # faster: time what runs after that, and show the decision in the plan.
+        # faster: time what runs after that, and show the decision in the plan. A named
+        # executor has no trial: the calls above planned it already.
         x = torch.randn(args.batch, 3, size, size, device=device)
         warmup = 0
-        while sm.plan is not None and sm.plan.trial is None and warmup < 40:
+        while args.executor == "auto" and sm.plan is not None and sm.plan.trial is None and warmup < 40:
             sm(x)
             warmup += 1
         print(sm.plan.summary())

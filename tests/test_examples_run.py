@@ -60,3 +60,26 @@ def test_the_example_runs_on_cpu_and_prints_its_check(name):
     assert "(s)" not in out, out
     errors = [float(m) for m in re.findall(r"max abs error[^:]*: ([0-9.e+-]+)", out)]
     assert all(e < 1e-4 for e in errors), out
+
+
+@pytest.mark.slow
+def test_the_demo_runs_a_named_executor_for_an_nvtx_capture():
+    """``examples/inception.py --executor serial`` (what docs/observability.md runs under
+    ``nsys``, ``streams`` on a GPU): the plan is the schedule on that executor, which
+    ranges every call, not the model's own forward an ``auto`` trial may keep."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "inception.py"), "--size", "75", "--rounds", "1", "--threads", "1"]
+        + ["--executor", "serial"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=EXAMPLES.parent,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert re.search(r"^Plan for Inception3 \(.*\): executor serial \[traced\]$", out, re.M), out
+    assert re.search(r"^  why: requested \(executor='serial'\)$", out, re.M), out
+    errors = [float(m) for m in re.findall(r"max abs error[^:]*: ([0-9.e+-]+)", out)]
+    assert errors and all(e < 1e-4 for e in errors), out
