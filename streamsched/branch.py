@@ -21,6 +21,10 @@ Three forms::
     class Block(nn.Module):          # a module class: every instance is a leaf task
         ...
 
+A ``@staticmethod`` (the decorator above or below it) and a ``functools.partial`` work as
+a free function does; a classmethod, or a module instance (decorate its class, or name
+it in ``leaf_modules``), is refused with a ``TypeError`` that says so.
+
 Outside a :class:`~streamsched.StreamScheduledModule` a decorated function behaves
 exactly like the undecorated one.
 """
@@ -60,14 +64,16 @@ class BranchCall:
         self.owner_path = owner_path
         # fx formats call_function targets by __module__ and __name__.
         self.__module__ = getattr(fn, "__module__", None) or "streamsched"
-        self.__name__ = fn.__name__
-        self.__qualname__ = getattr(fn, "__qualname__", fn.__name__)
+        # A functools.partial (or another callable object) has no __name__ of its own.
+        inner = getattr(fn, "func", fn)
+        self.__name__ = getattr(fn, "__name__", None) or getattr(inner, "__name__", None) or type(fn).__name__
+        self.__qualname__ = getattr(fn, "__qualname__", None) or getattr(inner, "__qualname__", self.__name__)
 
     @property
     def task_name(self) -> str:
         if self.owner is None:
             return self.__qualname__
-        return f"{self.owner_path}.{self.fn.__name__}" if self.owner_path else self.fn.__name__
+        return f"{self.owner_path}.{self.__name__}" if self.owner_path else self.__name__
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.owner is None:
@@ -122,6 +128,22 @@ def branch(obj: F) -> F:
             raise TypeError(f"@streamsched.branch on a class needs an nn.Module subclass, got {obj.__name__}")
         setattr(obj, _BRANCH_ATTR, True)
         return obj
+    if isinstance(obj, staticmethod):
+        # `@ss.branch` above `@staticmethod`: the wrapper must stay a staticmethod, or the
+        # instance is passed as the first argument of a function that takes none.
+        return staticmethod(branch(obj.__func__))  # type: ignore[return-value]
+    if isinstance(obj, classmethod):
+        raise TypeError(
+            f"@streamsched.branch cannot mark the classmethod {obj.__func__.__qualname__}: a branch runs "
+            "with the module instance as `self` or with no receiver; make it a method or a @staticmethod"
+        )
+    if isinstance(obj, torch.nn.Module):
+        # A wrapper function stored on a model is no submodule: its parameters would drop
+        # out of model.parameters(), state_dict and .to().
+        raise TypeError(
+            f"@streamsched.branch marks a module class, not an instance (got a {type(obj).__name__}): "
+            f"decorate the class, or pass leaf_modules=({type(obj).__name__},) to StreamScheduledModule"
+        )
     if not callable(obj):
         raise TypeError(f"@streamsched.branch needs a function, method or module class, got {obj!r}")
 

@@ -205,7 +205,9 @@ class Runner:
             try:
                 leaves, spec = st.bind(args, kwargs)
             except TypeError as exc:
-                raise TypeError(f"{type(self.module).__name__}.forward(): {exc}") from None
+                raise TypeError(
+                    f"{type(self.module).__name__}.forward(): {st.binder.bind_error(exc, kwargs)}"
+                ) from None
             tensors = [leaves[i] for i in spec.tensor_positions]
             if (
                 spec is not st.tensors_spec

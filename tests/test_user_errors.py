@@ -130,3 +130,32 @@ def _line_of(text: str) -> int:
         lines = [i for i, line in enumerate(f, 1) if text in line and "_line_of(" not in line]
     assert len(lines) == 1, (text, lines)
     return lines[0]
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x, *, scale: float):
+        return self.a(x) * scale
+
+
+def test_a_misspelt_keyword_is_named_as_eager_names_it_and_the_next_call_works():
+    """``sm(x, scal=2.0)``: eager says "unexpected keyword argument 'scal'"; the binder
+    reported only the missing ``scale``, which reads as if the keyword had not been given."""
+    from .helpers import called_on
+
+    model = Scaled()
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    x = torch.randn(2, 4)
+    with pytest.raises(TypeError) as info:
+        sm(x, scal=2.0)
+    message = str(info.value)
+    assert message.startswith("Scaled.forward(): "), message
+    assert "unexpected keyword argument 'scal' (did you mean 'scale'?)" in message, message
+    with pytest.raises(TypeError, match="unexpected keyword argument 'scal'"):
+        model(x, scal=2.0)  # eager's wording
+    for path in ("recorded", "plan:serial"):
+        x = torch.randn(2, 4)
+        assert_close(called_on(sm, path, x, scale=2.0), model(x, scale=2.0))

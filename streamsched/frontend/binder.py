@@ -8,6 +8,7 @@ common cases take a shortcut here.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import functools
 import inspect
@@ -168,6 +169,26 @@ class CallBinder:
         tensor_positions = tuple(i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor))
         static = tuple((i, v) for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor))
         return leaves, CallSpec(treedef, tensor_positions, static, len(args))
+
+    def bind_error(self, exc: TypeError, kwargs: dict) -> str:
+        """What a call that does not fit ``forward`` got wrong, as eager would say it.
+
+        ``inspect.Signature.bind`` reports a missing argument before an unexpected keyword,
+        so a misspelt keyword (``scal=`` for ``scale=``) read "missing a required argument:
+        'scale'" where eager says "got an unexpected keyword argument 'scal'": name the
+        unexpected keywords, with the closest parameter, after its message."""
+        params = self.signature.parameters
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            return str(exc)
+        names = [n for n, p in params.items() if p.kind is not inspect.Parameter.POSITIONAL_ONLY]
+        unexpected = [k for k in kwargs if k not in names]
+        if not unexpected or "unexpected keyword" in str(exc):
+            return str(exc)
+        parts = []
+        for key in unexpected:
+            close = difflib.get_close_matches(key, names, n=1)
+            parts.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        return f"{exc}; got an unexpected keyword argument {', '.join(parts)}"
 
     def rebuild(self, leaves: Sequence[Any], spec: CallSpec) -> tuple[tuple, dict]:
         """Inverse of :meth:`bind`: positional and keyword arguments for ``forward``, split
