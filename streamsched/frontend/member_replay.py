@@ -292,6 +292,7 @@ class MemberReplay:
         note = tracer.ranks.note
         root = tracer.root
         make_proxy = tracer.proxy
+        proxy_type = tracer.proxy_type  # a property: read once, not per argument
         children = m._modules
         values: list[Any] = []
         for name, sources in recording.steps:
@@ -308,11 +309,12 @@ class MemberReplay:
                 num_calls[path] = count + 1
                 node = graph.create_node("call_module", path, None, None, None, None)
                 if call_args:
-                    set_arguments(node, tuple(a.node if type(a) is tracer.proxy_type else a for a in call_args), {})
+                    set_arguments(node, tuple([a.node if type(a) is proxy_type else a for a in call_args]), {})
                 name_to_scope[node.name] = (path, kind)
                 node.meta["nn_module_stack"] = stack.copy() if type(stack) is OrderedDict else copy.copy(stack)
                 proxy = make_proxy(node)
-                note(node, "call_module", path, call_args, {}, root)
+                # The module at ``path`` is ``child`` (fx's path of it): not looked up again.
+                note(node, "call_module", path, call_args, {}, root, child)
                 key, _ = stack.popitem(last=True)
                 if key != module_key:  # pragma: no cover - as fx's own check
                     raise AssertionError(f"Unexpected key {key}, expected {module_key}")

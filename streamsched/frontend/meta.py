@@ -215,9 +215,6 @@ class _RecordingRun:
         parents = tree.leaf_parents()
         return any(leaf is node and parents[i] in (tuple, list) for i, leaf in enumerate(leaves) if i < len(parents))
 
-    def _load(self, a: Any) -> Any:
-        return load_argument(a, self.env)
-
     def _evaluate(self, node: fx.Node) -> Any:
         """The node's value (the output's: the call's result), its storage accesses
         charged to it; an error goes to ``on_error`` first."""
@@ -234,23 +231,23 @@ class _RecordingRun:
                 effects.end()
 
     def _compute(self, node: fx.Node) -> Any:
-        load = self._load
-        if node.op == "placeholder":
+        env, op = self.env, node.op
+        if op == "placeholder":
             return next(self.inputs)
-        if node.op == "get_attr":
+        if op == "get_attr":
             return fetch_attr(self.root, node.target)
-        if node.op == "call_module":
+        if op == "call_module":
             module = self.submodule(node.target)
-            args = load(node.args)
-            kwargs = load(node.kwargs) if node.kwargs else {}
+            args = load_argument(node.args, env)
+            kwargs = load_argument(node.kwargs, env) if node.kwargs else {}
             return module(*args, **kwargs) if self.counter is None else self.counter.call(module, args, kwargs)
-        if node.op == "call_function":
-            return node.target(*load(node.args), **(load(node.kwargs) if node.kwargs else {}))
-        if node.op == "call_method":
-            self_obj, *rest = load(node.args)
-            return getattr(self_obj, node.target)(*rest, **load(node.kwargs))
-        if node.op == "output":
-            return load(node.args[0])
+        if op == "call_function":
+            return node.target(*load_argument(node.args, env), **(load_argument(node.kwargs, env) if node.kwargs else {}))
+        if op == "call_method":
+            self_obj, *rest = load_argument(node.args, env)
+            return getattr(self_obj, node.target)(*rest, **load_argument(node.kwargs, env))
+        if op == "output":
+            return load_argument(node.args[0], env)
         raise RuntimeError(f"unknown fx op {node.op}")  # pragma: no cover - fx has no other ops
 
     def _trace_again(self, i: int, node: fx.Node, value: Any) -> fx.Node:
@@ -377,6 +374,8 @@ def load_argument(a: Any, env: dict) -> Any:
     kind = type(a)
     if kind is fx.Node:
         return env[a]
+    if kind is tuple:  # the common case (a node's arguments): no generator, no _fields
+        return tuple([env[v] if type(v) is fx.Node else load_argument(v, env) for v in a])
     if isinstance(a, tuple):
         items = tuple(load_argument(v, env) for v in a)
         return kind(*items) if hasattr(a, "_fields") else items

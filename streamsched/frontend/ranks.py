@@ -446,15 +446,26 @@ class RankTracker:
         sources = self.sources.get(like, frozenset()) | {source}
         self.promised.setdefault(node, {})[index] = (rank, known_dtype, sources)
 
-    def note(self, node: fx.Node, kind: str, target: Any, args: tuple, kwargs: dict, root: Any) -> None:
-        """Note what is known of a node just created."""
+    def note(
+        self,
+        node: fx.Node,
+        kind: str,
+        target: Any,
+        args: tuple,
+        kwargs: dict,
+        root: Any,
+        module: Optional[nn.Module] = None,
+    ) -> None:
+        """Note what is known of a node just created. ``module``: a ``call_module``
+        node's module where the caller holds it (``frontend.member_replay``: the child
+        whose path is ``target``), so that it is not looked up by its path again."""
         index = None
         if kind == "placeholder":
             index = self.placeholders
             self.placeholders += 1
         if self._passed_on(node, kind, target, args):
             return
-        if kind == "call_module" and self._same_module_call(node, target, args, root):
+        if kind == "call_module" and self._same_module_call(node, target, args, root, module):
             self._inherit(node, args, kwargs)
             return
         try:
@@ -470,7 +481,9 @@ class RankTracker:
                 pass
         self._inherit(node, args, kwargs)
 
-    def _same_module_call(self, node: fx.Node, target: Any, args: tuple, root: Any) -> bool:
+    def _same_module_call(
+        self, node: fx.Node, target: Any, args: tuple, root: Any, module: Optional[nn.Module] = None
+    ) -> bool:
         """What :meth:`_dtype` and :meth:`_note` conclude for a call of one of torch's
         modules that keep their input's rank and floating dtype (``Linear``, ``ReLU``,
         ``Conv2d``...; the most common node), with the module looked up once. ``False``
@@ -478,7 +491,8 @@ class RankTracker:
         if not args:
             return False
         try:
-            module = self._attribute(root, str(target))
+            if module is None:
+                module = self._attribute(root, str(target))
             forward = type(module).forward
             if (
                 not isinstance(module, _SAME_MODULES)

@@ -325,15 +325,16 @@ class _LeafTracer(FastTracerMixin, fx.Tracer):
         # Autocast and inference mode are thread state fx does not record: an op recorded
         # inside a forward's own ``torch.autocast`` / ``inference_mode`` block would run
         # without it every call.
-        if threading.get_ident() == self.thread and self._thread_state() != self.thread_state:
+        own_thread = threading.get_ident() == self.thread
+        if own_thread and self._thread_state() != self.thread_state:
             raise SideEffectDuringTrace(
                 "enters torch.autocast or torch.inference_mode while running: a trace cannot record that, "
                 "and the traced ops would run without it"
             )
         proxy = super().create_proxy(kind, target, args, kwargs, *rest, **more)
-        if threading.get_ident() == self.thread:
+        if own_thread:
             self.ranks.note(proxy.node, kind, target, args, kwargs, self.root)
-        if kind == "call_function" and isinstance(target, BranchCall) and threading.get_ident() == self.thread:
+        if own_thread and kind == "call_function" and isinstance(target, BranchCall):
             # A @streamsched.branch function is a leaf call too: what it returns may be learned.
             label = leaf_label(proxy.node)
             assert label is not None
