@@ -297,12 +297,13 @@ def misleads(node: fx.Node, value: Any, in_sequence: Callable[[fx.Node], bool] =
     never, unless read through an :class:`OutputCheck`: a value read through one misled
     the trace where it has another structure than the check's (the trace was made for
     the structure learned on an earlier call: learned again)."""
-    checks = [u.target for u in node.users if u.op == "call_function" and isinstance(u.target, OutputCheck)]
-    if checks:
-        # Read through a check: the trace was made for a learned structure. Another one
-        # on a recording call (a new size of the call structure: a mask builder returns
-        # None up to a window length and a tensor beyond it) is learned in its place.
-        return not checks[0].skeleton.matches(value)
+    for user in node.users:  # (a loop, not a list: asked of every leaf call's value)
+        if user.op == "call_function" and isinstance(user.target, OutputCheck):
+            # Read through a check: the trace was made for a learned structure. Another
+            # one on a recording call (a new size of the call structure: a mask builder
+            # returns None up to a window length and a tensor beyond it) is learned in
+            # its place. (The first check, where several read it.)
+            return not user.target.skeleton.matches(value)
     if isinstance(value, torch.Tensor):
         return False
     if node.meta.get(_STRUCTURE_READ):
