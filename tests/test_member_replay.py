@@ -194,6 +194,23 @@ def test_a_member_with_a_hook_is_traced(monkeypatch):
     assert _same_trace(model, (_x(4),), monkeypatch) == 1
 
 
+def test_a_replayed_members_child_with_a_backward_hook(monkeypatch):
+    # A backward hook is no forward hook: the member is replayed. Its child's rank note
+    # (given the child the replay holds, not looked up by path) must know nothing of the
+    # hooked child's value, as a normal trace's does: the hook may hand back another one.
+    torch.manual_seed(0)
+    model = Members([Member() for _ in range(4)]).eval()
+    model.members[2].fc1.register_full_backward_hook(lambda m, gi, go: None)
+    assert _same_trace(model, (_x(4),), monkeypatch) == 3
+    monkeypatch.setattr(member_replay, "ENABLED", True)
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    with torch.no_grad():
+        for _ in range(3):
+            x = _x(4)
+            assert_close(sm(x), model(x))
+    assert_path(sm, "plan:serial")
+
+
 def test_a_global_module_hook_turns_replay_off(monkeypatch):
     torch.manual_seed(0)
     model = Members([Member() for _ in range(4)]).eval()
