@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from benchmarks.zoo import Inception3, ParallelFCN
-from streamsched.frontend.nodes import modules_of, named_modules_of, own_tensor_ids
+from streamsched.frontend.nodes import modules_of, named_modules_of, own_tensor_ids, own_tensors
 
 
 class Shared(nn.Module):
@@ -76,6 +76,10 @@ def test_the_walks_give_torchs_answers(name, make):
         ours = [(n, id(m)) for n, m in named_modules_of(model, remove_duplicate=remove)]
         assert ours == [(n, id(m)) for n, m in model.named_modules(remove_duplicate=remove)]
     assert own_tensor_ids(model) == {id(t) for t in (*model.parameters(), *model.buffers())}
+    # The tensors themselves, each of them (a shared one may come again): fusion's views
+    # check walks them for their storages.
+    assert {id(t) for t in own_tensors(model)} == own_tensor_ids(model)
+    assert all(isinstance(t, torch.Tensor) for t in own_tensors(model))
 
 
 def test_the_shared_model_is_walked_with_its_duplicates():

@@ -32,6 +32,7 @@ __all__ = [
     "modules_of",
     "named_modules_of",
     "own_tensor_ids",
+    "own_tensors",
     "SubmoduleResolver",
     "resolving_submodules",
     "VIEW_METHODS",
@@ -307,10 +308,10 @@ def named_modules_of(root: nn.Module, remove_duplicate: bool = True) -> list[tup
     return out
 
 
-def own_tensor_ids(root: nn.Module) -> set[int]:
-    """``{id(t) for t in (*root.parameters(), *root.buffers())}``, read off the tables of
-    :func:`modules_of`'s modules (the two walks generated a frame per module and per
-    tensor)."""
+def own_tensors(root: nn.Module) -> list[torch.Tensor]:
+    """The tensors of ``(*root.parameters(), *root.buffers())`` (a tensor that several
+    modules hold may come more than once), read off the tables of :func:`modules_of`'s
+    modules (the two walks generated a frame per module and per tensor)."""
     kind = type(root)
     if (
         kind.parameters,
@@ -319,13 +320,18 @@ def own_tensor_ids(root: nn.Module) -> set[int]:
         kind.named_buffers,
         kind._named_members,
     ) != _OWN_TENSORS:
-        return {id(t) for t in (*root.parameters(), *root.buffers())}
-    out: set[int] = set()
+        return [*root.parameters(), *root.buffers()]
+    out: list[torch.Tensor] = []
     for m in modules_of(root):
         for table in (m._parameters, m._buffers):
             if table:
-                out.update([id(t) for t in table.values() if t is not None])
+                out.extend([t for t in table.values() if t is not None])
     return out
+
+
+def own_tensor_ids(root: nn.Module) -> set[int]:
+    """``{id(t) for t in (*root.parameters(), *root.buffers())}`` (:func:`own_tensors`)."""
+    return {id(t) for t in own_tensors(root)}
 
 
 # --- module paths ----------------------------------------------------------------------

@@ -17,7 +17,7 @@ from torch import fx, nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ... import _generation
-from ...frontend.nodes import own_tensor_ids
+from ...frontend.nodes import own_tensors
 from .fuse import FuseResult, fuse_graph
 from .params import StackedTensors, stacks_holding
 from .propose import StaticSignatures, plain_attribute_names, structure_signature
@@ -89,7 +89,8 @@ class FusionContext:
         copy. Eager's view of a weight written by the caller writes the weight; a view a
         module keeps (``self.rows = self.linear.weight.detach()[:2]``) follows every
         optimizer step."""
-        own = own_tensor_ids(self.model)
+        tensors_held = own_tensors(self.model)  # (one walk of the modules for both uses)
+        own = {id(t) for t in tensors_held}
         storages = set()
         for t in tensors:
             # (A parameter read or returned itself follows its storage.)
@@ -100,7 +101,7 @@ class FusionContext:
                     continue
         if not storages:
             return
-        for t in (*self.model.parameters(), *self.model.buffers()):
+        for t in tensors_held:
             try:
                 if t.untyped_storage().data_ptr() in storages:
                     self._returned.add(id(t))
