@@ -242,7 +242,9 @@ class _RecordingRun:
             kwargs = load_argument(node.kwargs, env) if node.kwargs else {}
             return module(*args, **kwargs) if self.counter is None else self.counter.call(module, args, kwargs)
         if op == "call_function":
-            return node.target(*load_argument(node.args, env), **(load_argument(node.kwargs, env) if node.kwargs else {}))
+            args = load_argument(node.args, env)
+            kwargs = load_argument(node.kwargs, env) if node.kwargs else {}
+            return node.target(*args, **kwargs)
         if op == "call_method":
             self_obj, *rest = load_argument(node.args, env)
             return getattr(self_obj, node.target)(*rest, **load_argument(node.kwargs, env))
