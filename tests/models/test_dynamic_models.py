@@ -219,3 +219,35 @@ def test_transformers_config_return_dict_set_after_planning():
             want = list(expected.values()) if return_dict else list(expected)
             for a, e in zip(got, want, strict=True):
                 torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("executor", ["auto", "serial"])
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_decoding_loop_passing_its_dynamic_cache_on_every_call(family, executor):
+    """A hand-written greedy loop over the wrapper itself (no ``generate``): the prompt,
+    then one token a call with the ``DynamicCache`` the last call returned, and the
+    prompt's length growing the cache every call. The cache is an object the trace would
+    bake in: every call runs as written (the prompt's call, without a cache, under
+    ``auto`` as a first call in inference) and its logits equal the eager loop's, which
+    keeps its own cache; then a second prompt on a new cache, as a server starts a
+    request."""
+    torch.manual_seed(0)
+    model = DECODERS[family]().eval()
+    sm = ss.StreamScheduledModule(model, executor=executor)
+    paths = []
+    with torch.no_grad():
+        for prompt_len in (5, 7):
+            prompt = torch.randint(1, VOCAB, (2, prompt_len))
+            caches = [transformers.DynamicCache(), transformers.DynamicCache()]
+            ids = [prompt, prompt]
+            for step in range(8):
+                out = sm(input_ids=ids[0], past_key_values=caches[0], use_cache=True)
+                paths.append(last_path(sm))
+                expected = model(input_ids=ids[1], past_key_values=caches[1], use_cache=True)
+                torch.testing.assert_close(out.logits, expected.logits, rtol=0, atol=0)
+                assert out.past_key_values is caches[0] and expected.past_key_values is caches[1]
+                token = out.logits[:, -1:].argmax(-1)
+                ids = [token, expected.logits[:, -1:].argmax(-1)]
+                assert torch.equal(ids[0], ids[1])
+            assert caches[0].get_seq_length() == caches[1].get_seq_length() == prompt_len + 7
+    assert set(paths) == {"as-written"}, paths
