@@ -364,6 +364,12 @@ def _varying_cases() -> list[Case]:
             lambda n, i: ((levels[i % 4],), {}),
         ),
         (
+            "float_20_levels",
+            "Scaled, a float cycling through 20 values (more than the plans kept: each baked into its trace)",
+            Scaled,
+            lambda n, i: ((0.25 + 0.125 * (i % 20),), {}),
+        ),
+        (
             "float_gates_branch",
             "Gated (the float only selects a branch), new on every call",
             Gated,
@@ -467,6 +473,26 @@ def _small_cases() -> list[Case]:
             fresh=True,
         ),
         Case(
+            "small_batch_random",
+            "Branchy, a batch size drawn at random (1 to 64) every call",
+            Branchy,
+            _branchy_calls(lambda i: ((torch.randn(random.Random(i).randint(1, 64), 16),), {})),
+        ),
+        Case(
+            "tiny_decode_child_hook",
+            "tiny_decode_growing, a forward hook registered on a child after the warm-up",
+            TwoBranches,
+            _branchy_calls(lambda i: ((torch.randn(1 + i, 16),), {})),
+            prepare=lambda model, sm: model.a[2].register_forward_hook(lambda m, i, out: out + 1),
+        ),
+        Case(
+            "tiny_decode_child_swapped",
+            "tiny_decode_growing, a child replaced after the warm-up",
+            TwoBranches,
+            _branchy_calls(lambda i: ((torch.randn(1 + i, 16),), {})),
+            prepare=lambda model, sm: setattr(model.b, "2", nn.Linear(24, 8)),
+        ),
+        Case(
             "small_untraceable",
             "Branchy with an untraceable forward (control flow on a value)",
             Untraceable,
@@ -492,7 +518,7 @@ CASES = [
 def _hf_cases() -> list[Case]:
     """transformers models from configs (random weights, nothing downloaded)."""
     try:
-        import transformers  # noqa: F401
+        import transformers
     except ImportError:
         return []
     from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
@@ -523,7 +549,26 @@ def _hf_cases() -> list[Case]:
         )
         return LlamaForCausalLM(cfg).eval()
 
+    def cache_loop_case(name: str, make: Callable[[], nn.Module]) -> Case:
+        prompts = [torch.randint(0, 100, (1, 6)) for _ in range(3)]
+
+        def calls(f: Callable[..., Any]) -> list:
+            # A hand-written greedy loop over the callable itself: the prompt, then one
+            # token a call with the DynamicCache the last call returned.
+            outs = []
+            for ids in prompts:
+                cache = transformers.DynamicCache()
+                for _ in range(12):
+                    out = f(input_ids=ids, past_key_values=cache, use_cache=True)
+                    ids = out.logits[:, -1:].argmax(-1)
+                    outs.append(ids)
+            return outs
+
+        return Case(name, f"{make.__name__}: a greedy loop passing its DynamicCache every call, 3 x 12", make, calls)
+
     return [
+        cache_loop_case("hf_gpt2_dynamic_cache_loop", gpt2),
+        cache_loop_case("hf_llama_dynamic_cache_loop", llama),
         Case(
             "hf_bert_10_lengths",
             "BERT, 10 sequence lengths",

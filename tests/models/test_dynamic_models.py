@@ -240,7 +240,7 @@ def test_a_decoding_loop_passing_its_dynamic_cache_on_every_call(family, executo
             prompt = torch.randint(1, VOCAB, (2, prompt_len))
             caches = [transformers.DynamicCache(), transformers.DynamicCache()]
             ids = [prompt, prompt]
-            for step in range(8):
+            for _ in range(8):
                 out = sm(input_ids=ids[0], past_key_values=caches[0], use_cache=True)
                 paths.append(last_path(sm))
                 expected = model(input_ids=ids[1], past_key_values=caches[1], use_cache=True)
