@@ -20,6 +20,7 @@ from .config import SchedulerConfig
 from .errors import (
     ConfigError,
     ExtensionError,
+    HeldStateWarning,
     HooksWarning,
     PlanError,
     ProfileMismatchError,
@@ -48,6 +49,7 @@ __all__ = [
     "TraceError",
     "UntraceableWarning",
     "HooksWarning",
+    "HeldStateWarning",
     "PlanError",
     "ExtensionError",
     "ProfileMismatchError",
