@@ -23,12 +23,16 @@ as written (``runner``), and a hook added after planning changes the hook guards
 
 from __future__ import annotations
 
+import dis
+import functools
+import inspect
 from typing import Any, Callable, Optional
 
 import torch
 from torch import fx
 
 from ..branch import BranchCall, runs_as_branch
+from .binder import is_plain
 from .effects import storage_key
 from .hooks import has_hooks
 from .opaque_functions import OpaqueFunction
@@ -165,10 +169,6 @@ def may_write(fn: Any, depth: int = 0) -> bool:
     functions it calls by name, three levels down) stores an attribute, an item or a
     global, or calls a method or function of a name that changes things in place
     (``append``, ``update``, ``setattr``). True where the code cannot be read."""
-    import dis
-    import functools
-    import inspect
-
     while isinstance(fn, functools.partial):
         fn = fn.func
     fn = getattr(fn, "__func__", fn)
@@ -304,8 +304,6 @@ class HeldWrites:
 
 def _plain_items(owner: Any) -> list[tuple[str, Any]]:
     """The attributes of ``owner`` a trace may bake in (plain values)."""
-    from .binder import is_plain
-
     items = owner.__dict__ if isinstance(owner, torch.nn.Module) else getattr(owner, "__dict__", {})
     return [(k, v) for k, v in list(items.items()) if not k.startswith("_streamsched") and is_plain(v)]
 
