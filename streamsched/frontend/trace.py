@@ -51,6 +51,7 @@ from .binder import CallBinder, CallSpec, is_plain
 from .fx_fast import FastTracerMixin
 from .held_reads import HeldWrites, stale_held_read
 from .hooks import capture_collecting, capture_hooks, captures_below, has_hooks
+from .made_modules import made_module_refusal
 from .member_replay import MemberReplay
 from .nodes import AUGMENTED_OPERATORS, has_children, modules_of, named_modules_of, submodule_resolver
 from .opaque_functions import OpaqueFunction, UnsafeOpaqueCall
@@ -246,6 +247,13 @@ class _LeafTracer(FastTracerMixin, fx.Tracer):
     def call_module(self, m: torch.nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
         if threading.get_ident() != self.thread:
             return forward(*args, **kwargs)
+        if m is not self.model and not self._installed(m):
+            # Made by the forward as it runs (``loss_fct = CrossEntropyLoss()``): traced
+            # through, as a function of its constructor's arguments (frontend.made_modules).
+            refusal = made_module_refusal(m)
+            if refusal is not None:
+                raise TraceError(refusal)
+            return forward(*args, **kwargs)
         leaf = self.is_leaf_module(m, "")
         # fx's call_module asks again, for the same module, right away: one decision.
         self._decided = (m, leaf)
@@ -377,6 +385,14 @@ class _LeafTracer(FastTracerMixin, fx.Tracer):
         if mod is self.model:
             return ""
         return super().path_of_module(mod)
+
+    def _installed(self, m: torch.nn.Module) -> bool:
+        """Whether ``m`` is one of the model's modules (fx can name it)."""
+        try:
+            self.path_of_module(m)
+        except NameError:
+            return False
+        return True
 
 
 class _Proxy(fx.Proxy):

@@ -1,0 +1,104 @@
+"""Modules a forward makes as it runs (transformers' ``loss_fct = CrossEntropyLoss()``
+in every head that takes labels): one without parameters or buffers is traced through
+and the model is planned; one holding tensors is refused, and the model runs as written.
+Every call is compared with eager on fresh inputs, its path asserted."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import streamsched as ss
+from streamsched.testing import assert_path
+from tests.helpers import assert_close, grads
+
+
+class LossHeads(nn.Module):
+    """Two classifier heads whose losses are computed by loss modules built in the
+    forward, as transformers' heads do (ignore_index from the call's labels)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 5))
+        self.b = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 5))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> tuple:
+        la, lb = self.a(x), self.b(x)
+        loss_fct = nn.CrossEntropyLoss(ignore_index=-100)
+        loss = loss_fct(la, labels) + nn.MSELoss(reduction="sum")(lb, la.detach())
+        return loss, nn.Dropout(0.0)(la), nn.Flatten()(lb[:, None])
+
+
+class WeightedLoss(nn.Module):
+    """A loss module given a tensor it holds as a buffer: built from an attribute the
+    caller changes between calls, it must not be baked into a trace."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 5)
+        self.class_weight = torch.ones(5)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> tuple:
+        logits = self.lin(x)
+        return nn.CrossEntropyLoss(weight=self.class_weight)(logits, labels), logits
+
+
+def _labels(n: int) -> torch.Tensor:
+    labels = torch.randint(0, 5, (n,))
+    labels[torch.randint(0, n, (2,))] = -100
+    return labels
+
+
+def _call(sm, model, reference, train: bool, make_labels=_labels) -> None:
+    model.train(train)
+    reference.train(train)
+    x, labels = torch.randn(7, 6), make_labels(7)
+    for p in [*model.parameters(), *reference.parameters()]:
+        p.grad = None
+    with torch.set_grad_enabled(train):
+        expected = reference(x, labels)
+        actual = sm(x, labels)
+    assert_close(actual, expected)
+    if train:
+        actual[0].backward()
+        expected[0].backward()
+        got, want = grads(model), grads(reference)
+        assert got.keys() == want.keys() and want
+        for name in want:
+            assert_close(got[name], want[name], what=f"grad {name}")
+
+
+@pytest.mark.parametrize("executor", ["serial", "threads"])
+def test_loss_modules_built_in_the_forward_are_traced_through(executor):
+    torch.manual_seed(0)
+    model = LossHeads()
+    reference = copy.deepcopy(model)
+    sm = ss.StreamScheduledModule(model, executor=executor)
+    for train in (False, False, True, True, True, False, False):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ss.UntraceableWarning)
+            _call(sm, model, reference, train)
+    assert_path(sm, "plan")
+    # The heads were fused, and the loss modules' operations are the plan's.
+    nodes = [n for task in sm.plan.tasks for n in task.nodes]
+    assert any(task.fused_group is not None for task in sm.plan.tasks), sm.plan.tasks
+    assert "cross_entropy" in nodes and "mse_loss" in nodes, nodes
+
+
+@pytest.mark.parametrize("executor", ["serial", "threads"])
+def test_a_loss_module_holding_a_tensor_is_refused(executor):
+    torch.manual_seed(0)
+    model = WeightedLoss()
+    reference = copy.deepcopy(model)
+    sm = ss.StreamScheduledModule(model, executor=executor)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ss.UntraceableWarning)
+        for call in range(6):
+            weight = torch.rand(5) + 0.5
+            model.class_weight, reference.class_weight = weight, weight.clone()
+            _call(sm, model, reference, train=call >= 3, make_labels=lambda n: torch.randint(0, 5, (n,)))
+            assert_path(sm, "eager-dispatch")
