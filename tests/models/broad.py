@@ -771,5 +771,146 @@ TRANSFORMERS += [
     ),
 ]
 
+
+def seq2seq_labels(batch: int, length: int, vocab: int) -> Callable[[int], Inputs]:
+    """Encoder ids with padding and decoder ``labels`` (the model shifts them into its
+    decoder inputs), some set to -100 (ignored by the loss), where by the seed."""
+
+    def make(seed: int) -> Inputs:
+        g = _g(seed)
+        ids = torch.randint(3, vocab, (batch, length), generator=g)
+        mask = torch.ones(batch, length, dtype=torch.long)
+        mask[1, length - 3 :] = 0
+        labels = torch.randint(3, vocab, (batch, length // 2), generator=g)
+        labels[seed % batch, seed % (length // 2) :] = -100
+        return (), {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+    return make
+
+
+def layout_tokens(batch: int, length: int, vocab: int) -> Callable[[int], Inputs]:
+    """LayoutLM's inputs: ids with padding and a box (x0, y0, x1, y1) per token."""
+
+    def make(seed: int) -> Inputs:
+        args, kwargs = tokens(batch, length, vocab)(seed)
+        g = _g(seed + 1000)
+        corner = torch.randint(0, 500, (batch, length, 2), generator=g)
+        size = torch.randint(1, 400, (batch, length, 2), generator=g)
+        return args, {**kwargs, "bbox": torch.cat([corner, corner + size], -1)}
+
+    return make
+
+
+def image_text(batch: int, length: int, vocab: int, size: int, image_tokens: int = 0) -> Callable[[int], Inputs]:
+    """Ids and images; with ``image_tokens``, that many ids after the first two are the
+    image token (the vocabulary's last), as a LLaVA prompt holds them."""
+
+    def make(seed: int) -> Inputs:
+        g = _g(seed)
+        ids = torch.randint(3, vocab - 2, (batch, length), generator=g)
+        ids[:, 2 : 2 + image_tokens] = vocab - 1
+        kwargs = {"input_ids": ids, "pixel_values": torch.randn(batch, 3, size, size, generator=g)}
+        if image_tokens:
+            kwargs.update(attention_mask=torch.ones_like(ids), use_cache=False)
+        return (), kwargs
+
+    return make
+
+
+def _blip() -> nn.Module:
+    import transformers
+
+    text = dict(_SMALL, max_position_embeddings=32)
+    vision = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37)
+    config = transformers.BlipConfig(
+        text_config=text, vision_config=dict(vision, image_size=32, patch_size=8), projection_dim=16
+    )
+    return transformers.BlipModel(config)
+
+
+def _llava() -> nn.Module:
+    import transformers
+
+    vision = dict(
+        model_type="clip_vision_model",
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=37,
+        image_size=32,
+        patch_size=8,
+        projection_dim=16,
+    )
+    config = transformers.LlavaConfig(
+        vision_config=vision,
+        text_config=dict(model_type="llama", **_DECODER),
+        image_token_index=VOCAB - 1,
+        vision_feature_layer=-1,
+    )
+    return transformers.LlavaForConditionalGeneration(config)
+
+
+_T5_SMALL = dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4, decoder_start_token_id=0)
+
+TRANSFORMERS += [
+    # Their loss modules are built in the forward (loss_fct = CrossEntropyLoss()).
+    _hf(
+        "t5_labels",
+        "T5Config",
+        "T5ForConditionalGeneration",
+        seq2seq_labels(2, 16, VOCAB),
+        note="labels shifted into decoder inputs in place; a loss module built in the forward",
+        **_T5_SMALL,
+    ),
+    _hf(
+        "bart_labels",
+        "BartConfig",
+        "BartForConditionalGeneration",
+        seq2seq_labels(2, 16, VOCAB),
+        note="labels shifted into decoder inputs; a loss module built in the forward",
+        **_SEQ2SEQ,
+    ),
+    _hf(
+        "qwen2_moe",
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        _DECODER_TOKENS,
+        note="top-k routed experts (data-dependent) and a gated shared expert",
+        **dict(
+            _DECODER, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16
+        ),
+    ),
+    _hf(
+        "mamba2",
+        "Mamba2Config",
+        "Mamba2ForCausalLM",
+        tokens(2, 16, VOCAB, padded=False, use_cache=False),
+        note="chunked state-space scan in plain torch",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_heads=4,
+        head_dim=16,
+        state_size=8,
+        expand=2,
+        n_groups=1,
+        chunk_size=8,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    _hf(
+        "layoutlm", "LayoutLMConfig", "LayoutLMModel", layout_tokens(2, 12, VOCAB), note="2-D box embeddings", **_SMALL
+    ),
+    _spec("hf_blip", "transformers", _blip, image_text(2, 10, VOCAB, 32), "text and vision towers"),
+    _spec(
+        "hf_llava",
+        "transformers",
+        _llava,
+        image_text(2, 26, VOCAB, 32, image_tokens=16),
+        "image features scattered into the token embeddings at the image tokens",
+    ),
+]
+
 SPECS: list[ModelSpec] = TORCHVISION + TIMM + TRANSFORMERS
 BY_NAME = {s.name: s for s in SPECS}
