@@ -102,3 +102,32 @@ def test_a_loss_module_holding_a_tensor_is_refused(executor):
             model.class_weight, reference.class_weight = weight, weight.clone()
             _call(sm, model, reference, train=call >= 3, make_labels=lambda n: torch.randint(0, 5, (n,)))
             assert_path(sm, "eager-dispatch")
+
+
+class HeldInAList(nn.Module):
+    """Activations held in a plain list (not submodules): the same objects every call,
+    whose attributes the caller changes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 5)
+        self.acts = [nn.LeakyReLU(0.01)]
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> tuple:
+        y = self.acts[0](self.lin(x))
+        return y.square().sum(), y
+
+
+@pytest.mark.parametrize("executor", ["serial", "threads"])
+def test_a_module_held_in_a_plain_list_is_refused(executor):
+    torch.manual_seed(0)
+    model = HeldInAList()
+    reference = copy.deepcopy(model)
+    sm = ss.StreamScheduledModule(model, executor=executor)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ss.UntraceableWarning)
+        for call in range(6):
+            slope = 0.01 + 0.2 * call
+            model.acts[0].negative_slope = reference.acts[0].negative_slope = slope
+            _call(sm, model, reference, train=call >= 3)
+            assert_path(sm, "eager-dispatch")
