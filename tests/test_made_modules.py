@@ -6,6 +6,7 @@ Every call is compared with eager on fresh inputs, its path asserted."""
 from __future__ import annotations
 
 import copy
+import threading
 import warnings
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 import streamsched as ss
+from streamsched.frontend import made_modules
 from streamsched.testing import assert_path
 from tests.helpers import assert_close, grads
 
@@ -131,3 +133,113 @@ def test_a_module_held_in_a_plain_list_is_refused(executor):
             model.acts[0].negative_slope = reference.acts[0].negative_slope = slope
             _call(sm, model, reference, train=call >= 3)
             assert_path(sm, "eager-dispatch")
+
+
+# Modules the forward reaches outside the model's submodules, other than in a traced
+# module's attributes: the same object every call. Each is refused by where it was made
+# (not during the trace), whatever holds it.
+ACT = nn.LeakyReLU(0.01)
+
+
+class GlobalAct(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 5)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> tuple:
+        y = ACT(self.lin(x))
+        return y.square().sum(), y
+
+
+def _closure_model() -> tuple[nn.Module, nn.LeakyReLU]:
+    act = nn.LeakyReLU(0.01)
+
+    class ClosureAct(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(6, 5)
+
+        def forward(self, x: torch.Tensor, labels: torch.Tensor) -> tuple:
+            y = act(self.lin(x))
+            return y.square().sum(), y
+
+    return ClosureAct(), act
+
+
+class ClassAct(nn.Module):
+    act = nn.LeakyReLU(0.01)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 5)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> tuple:
+        y = self.act(self.lin(x))
+        return y.square().sum(), y
+
+
+class _Config:
+    def __init__(self) -> None:
+        self.act = nn.LeakyReLU(0.01)
+
+
+class HeldObjectAct(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 5)
+        self.cfg = _Config()
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> tuple:
+        y = self.cfg.act(self.lin(x))
+        return y.square().sum(), y
+
+
+def _reached_outside() -> dict:
+    """Each model with the one activation object it and its reference share (a global,
+    a closure cell and a class attribute are shared by a deep copy)."""
+    closure, act = _closure_model()
+    held = HeldObjectAct()
+    return {
+        "global": (GlobalAct(), lambda reference: (ACT, ACT)),
+        "closure": (closure, lambda reference: (act, act)),
+        "class attribute": (ClassAct(), lambda reference: (ClassAct.act, ClassAct.act)),
+        "held object": (held, lambda reference: (held.cfg.act, reference.cfg.act)),
+    }
+
+
+@pytest.mark.parametrize("executor", ["serial", "threads"])
+@pytest.mark.parametrize("where", ["global", "closure", "class attribute", "held object"])
+def test_a_module_reached_outside_the_model_is_refused(executor, where):
+    torch.manual_seed(0)
+    model, acts = _reached_outside()[where]
+    reference = copy.deepcopy(model)
+    sm = ss.StreamScheduledModule(model, executor=executor)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ss.UntraceableWarning)
+            for call in range(6):
+                for act in acts(reference):
+                    act.negative_slope = 0.01 + 0.2 * call
+                _call(sm, model, reference, train=call >= 3)
+                assert_path(sm, "eager-dispatch", "as-written")
+        messages = [str(w.message) for w in caught if issubclass(w.category, ss.UntraceableWarning)]
+        assert any("outside the model's submodules" in m for m in messages), messages
+    finally:
+        ACT.negative_slope = ClassAct.act.negative_slope = 0.01
+
+
+def test_recording_counts_only_the_recording_threads_constructions():
+    """Modules constructed on another thread while a trace records are not the trace's."""
+    original = nn.Module.__init__
+    other: list = []
+    with made_modules.recording() as made:
+        mine = nn.ReLU()
+        with made_modules.recording() as inner:
+            nested = nn.Tanh()
+        t = threading.Thread(target=lambda: other.append(nn.ReLU()))
+        t.start()
+        t.join()
+    assert made.get(id(mine)) is mine and made.get(id(nested)) is nested
+    assert list(inner.values()) == [nested]
+    assert id(other[0]) not in made
+    assert nn.Module.__init__ is original

@@ -46,7 +46,7 @@ from torch import fx
 from .. import _generation
 from ..branch import _BRANCH_ATTR, BranchCall, is_branch_module
 from ..errors import TraceError
-from . import opaque_functions
+from . import made_modules, opaque_functions
 from .binder import CallBinder, CallSpec, is_plain
 from .fx_fast import FastTracerMixin
 from .held_reads import HeldWrites, stale_held_read
@@ -187,6 +187,8 @@ class _LeafTracer(FastTracerMixin, fx.Tracer):
         # What the objects the modules hold held before the trace (trace_guard.HeldState).
         self.held_state: Optional[HeldState] = None
         self._decided: Optional[tuple[torch.nn.Module, bool]] = None
+        # Modules constructed on this thread while the trace runs (made_modules.recording).
+        self.constructed: dict[int, torch.nn.Module] = {}
         self.members = MemberReplay(self)
         # Leaf functions are patched wherever a traced forward's module names them; the
         # root's forward is called directly, so its module is searched too.
@@ -201,8 +203,14 @@ class _LeafTracer(FastTracerMixin, fx.Tracer):
         # entry, so two traces on two threads ending in another order than they began
         # left the first one's patch installed for good (every later module call went
         # through a finished trace's wrapper, and one on its thread was recorded into it).
-        with _FX_PATCHING, opaque_functions.patched(self, self.function_sites):
-            return super().trace(root, concrete_args)
+        # Modules the forward constructs meanwhile (on this thread) may be traced through
+        # (frontend.made_modules); any other that is not installed is refused.
+        with _FX_PATCHING, opaque_functions.patched(self, self.function_sites), made_modules.recording() as made:
+            self.constructed = made
+            try:
+                return super().trace(root, concrete_args)
+            finally:
+                self.constructed = {}
 
     def create_args_for_root(self, root_fn: Any, is_module: bool, concrete_args: Any = None) -> Any:
         # fx has collected the tensors the root's modules hold as attributes, by path;
@@ -250,7 +258,7 @@ class _LeafTracer(FastTracerMixin, fx.Tracer):
         if m is not self.model and not self._installed(m):
             # Made by the forward as it runs (``loss_fct = CrossEntropyLoss()``): traced
             # through, as a function of its constructor's arguments (frontend.made_modules).
-            refusal = made_module_refusal(m, self.traced_through.values())
+            refusal = made_module_refusal(m, self.traced_through.values(), self.constructed)
             if refusal is not None:
                 raise TraceError(refusal)
             return forward(*args, **kwargs)
