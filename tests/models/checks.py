@@ -355,8 +355,9 @@ class Lockstep:
         # The path of every call, and of the calls whose output types were compared.
         self.paths: list[str] = []
         # Signatures whose first call ran as written (a call structure's first call in
-        # inference under auto, planning.signatures.FIRST_CALL_AS_WRITTEN): their next
-        # call records, as a first call does.
+        # inference under auto, planning.signatures.FIRST_CALL_AS_WRITTEN; a trace's first
+        # call watching held writes, new_signatures._observe): their next call records,
+        # as a first call does.
         self.deferred: set = set()
         self.structure_paths: list[str] = []
         self.seen = PATHS_SEEN.setdefault((spec.name, options_name(options)), Counter())
@@ -449,6 +450,13 @@ class Lockstep:
         plan = self.sm.plan
         return plan is not None and "is a chain" in (plan.reason or "")
 
+    def _watching_writes(self) -> bool:
+        """Whether the last call ran as written while it watched what the code the trace
+        did not run (a hook, an opaque module) assigns (``new_signatures._observe``): the
+        first call of a trace that reads held plain values, under every executor."""
+        plan = self.sm.plan
+        return plan is not None and "watching which of them that code writes" in (plan.reason or "")
+
     def _check_path(self, label: str, signature: tuple) -> str:
         """The path of the wrapper's last call, asserted against what the options allow.
 
@@ -462,7 +470,10 @@ class Lockstep:
         from then on the same rules hold. Under ``auto``, a call structure's first call in
         inference (``eval()``, no gradients) runs as written and its next call is the
         first one: it is not counted as a call of the signature; and a traced forward that
-        is a chain runs as written from then on, nothing recorded (``CHAIN_AS_WRITTEN``)."""
+        is a chain runs as written from then on, nothing recorded (``CHAIN_AS_WRITTEN``).
+        Under every executor, a trace that reads held plain values while code it did not
+        run (a hook, an opaque module) runs during the call has its first call run as
+        written, watching what that code assigns: that call is not counted either."""
         path = last_path(self.sm)
         self.seen[path] += 1
         before = self.last_of.get(signature)
@@ -470,7 +481,7 @@ class Lockstep:
         if (
             before is None
             and path == "as-written"
-            and not (self.explicit or training or grad)
+            and (not (self.explicit or training or grad) or self._watching_writes())
             and signature not in self.deferred
         ):
             self.deferred.add(signature)
