@@ -6,6 +6,7 @@ Every call is compared with eager on fresh inputs, its path asserted."""
 from __future__ import annotations
 
 import copy
+import functools
 import threading
 import warnings
 
@@ -226,6 +227,74 @@ def test_a_module_reached_outside_the_model_is_refused(executor, where):
         assert any("outside the model's submodules" in m for m in messages), messages
     finally:
         ACT.negative_slope = ClassAct.act.negative_slope = 0.01
+
+
+@functools.cache
+def _cached_act() -> nn.LeakyReLU:
+    return nn.LeakyReLU(0.01)
+
+
+class CachedAct(nn.Module):
+    """An activation from a cached factory: constructed on the first call, the same
+    object on every later one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 5)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> tuple:
+        y = _cached_act()(self.lin(x))
+        return y.square().sum(), y
+
+
+_FILLED: dict = {}
+
+
+class FilledGlobalAct(nn.Module):
+    """An activation put in a global on the first call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 5)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> tuple:
+        act = _FILLED.get("act")
+        if act is None:
+            act = _FILLED["act"] = nn.LeakyReLU(0.01)
+        y = act(self.lin(x))
+        return y.square().sum(), y
+
+
+@pytest.mark.parametrize("executor", ["serial", "threads"])
+@pytest.mark.parametrize("kind", [CachedAct, FilledGlobalAct])
+def test_a_module_constructed_while_traced_but_kept_is_refused(executor, kind):
+    """The trace is the first call to construct the activation, which is then kept: a
+    trace through it would bake its slope, which the calls after change."""
+    _cached_act.cache_clear()
+    _FILLED.clear()
+    torch.manual_seed(0)
+    model = kind()
+    reference = copy.deepcopy(model)
+    sm = ss.StreamScheduledModule(model, executor=executor)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ss.UntraceableWarning)
+        for call in range(6):
+            if call:
+                act = _cached_act() if kind is CachedAct else _FILLED["act"]
+                act.negative_slope = 0.01 + 0.2 * call
+            train = call >= 3
+            model.train(train)
+            reference.train(train)
+            x, labels = torch.randn(7, 6), _labels(7)
+            with torch.set_grad_enabled(train):
+                actual = sm(x, labels)  # first: the wrapper's trace constructs the activation
+                expected = reference(x, labels)
+            assert_close(actual, expected)
+            assert_path(sm, "eager-dispatch", "as-written")
+    messages = [str(w.message) for w in caught if issubclass(w.category, ss.UntraceableWarning)]
+    # (A global dict filled by the forward is also a write the trace refuses.)
+    reason = "kept after the call" if kind is CachedAct else "ObjectWrittenDuringTrace"
+    assert any(reason in m for m in messages), messages
 
 
 def test_recording_counts_only_the_recording_threads_constructions():

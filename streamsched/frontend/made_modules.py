@@ -22,6 +22,7 @@ which a trace would bake in. Telling those apart by where the object is *not* fo
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 from typing import Any, Iterable, Iterator, Optional
 
@@ -90,6 +91,30 @@ def recording() -> Iterator[dict[int, torch.nn.Module]]:
                     torch.nn.Module.__init__ = _ORIGINAL_INIT  # type: ignore[method-assign]
                 else:
                     _BURIED = True
+
+
+def kept_after_trace(made_through: list) -> Optional[str]:
+    """Why the trace must be refused where a module it traced through as made by the
+    forward (weak references in ``made_through``) outlives the trace; ``None`` where all
+    are gone. A module constructed on the traced call but kept (a global filled on the
+    first call, an ``functools.lru_cache`` factory) is the same object on later calls,
+    whose attributes may change while the trace baked them in. Modules hold no reference
+    cycles of their own, so the common case needs no collection: one runs only where a
+    module is still alive."""
+    alive = [ref() for ref in made_through]
+    if not any(m is not None for m in alive):
+        return None
+    del alive
+    gc.collect()
+    for ref in made_through:
+        m = ref()
+        if m is not None:
+            return (
+                f"a {type(m).__name__} the forward constructed while traced is kept after the call (a global "
+                "or cache filled on the first call): the same object on later calls, its attributes may "
+                "change between calls and a trace would bake them in"
+            )
+    return None
 
 
 def made_module_refusal(

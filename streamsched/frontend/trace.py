@@ -189,6 +189,9 @@ class _LeafTracer(FastTracerMixin, fx.Tracer):
         self._decided: Optional[tuple[torch.nn.Module, bool]] = None
         # Modules constructed on this thread while the trace runs (made_modules.recording).
         self.constructed: dict[int, torch.nn.Module] = {}
+        # The modules made during the trace and traced through: each must be gone once
+        # the trace ends (made_modules.kept_after_trace).
+        self.made_through: list[weakref.ref] = []
         self.members = MemberReplay(self)
         # Leaf functions are patched wherever a traced forward's module names them; the
         # root's forward is called directly, so its module is searched too.
@@ -208,9 +211,14 @@ class _LeafTracer(FastTracerMixin, fx.Tracer):
         with _FX_PATCHING, opaque_functions.patched(self, self.function_sites), made_modules.recording() as made:
             self.constructed = made
             try:
-                return super().trace(root, concrete_args)
+                graph = super().trace(root, concrete_args)
             finally:
                 self.constructed = {}
+                made.clear()
+        kept = made_modules.kept_after_trace(self.made_through)
+        if kept is not None:
+            raise TraceError(kept)
+        return graph
 
     def create_args_for_root(self, root_fn: Any, is_module: bool, concrete_args: Any = None) -> Any:
         # fx has collected the tensors the root's modules hold as attributes, by path;
@@ -261,6 +269,7 @@ class _LeafTracer(FastTracerMixin, fx.Tracer):
             refusal = made_module_refusal(m, self.traced_through.values(), self.constructed)
             if refusal is not None:
                 raise TraceError(refusal)
+            self.made_through.append(weakref.ref(m))
             return forward(*args, **kwargs)
         leaf = self.is_leaf_module(m, "")
         # fx's call_module asks again, for the same module, right away: one decision.
