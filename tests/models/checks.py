@@ -359,6 +359,9 @@ class Lockstep:
         # call watching held writes, new_signatures._observe): their next call records,
         # as a first call does.
         self.deferred: set = set()
+        # Calls that ran as written watching held writes, not yet made up for by a call
+        # more (take_watched).
+        self.watched = 0
         self.structure_paths: list[str] = []
         self.seen = PATHS_SEEN.setdefault((spec.name, options_name(options)), Counter())
         # (args, kwargs, every module's training flag) of each call: replayed in float64
@@ -450,6 +453,13 @@ class Lockstep:
         plan = self.sm.plan
         return plan is not None and "is a chain" in (plan.reason or "")
 
+    def take_watched(self) -> int:
+        """How many calls since the last ask ran as written watching held writes: a
+        cycle of a fixed number of calls makes each up with one more, so that its
+        last call is still one of a planned signature's."""
+        watched, self.watched = self.watched, 0
+        return watched
+
     def _watching_writes(self) -> bool:
         """Whether the last call ran as written while it watched what the code the trace
         did not run (a hook, an opaque module) assigns (``new_signatures._observe``): the
@@ -472,8 +482,9 @@ class Lockstep:
         first one: it is not counted as a call of the signature; and a traced forward that
         is a chain runs as written from then on, nothing recorded (``CHAIN_AS_WRITTEN``).
         Under every executor, a trace that reads held plain values while code it did not
-        run (a hook, an opaque module) runs during the call has its first call run as
-        written, watching what that code assigns: that call is not counted either."""
+        run (a hook, an opaque module or function) runs during the call has its first call
+        run as written, watching what that code assigns: that call is not counted, and the
+        next one records as a first call does."""
         path = last_path(self.sm)
         self.seen[path] += 1
         before = self.last_of.get(signature)
@@ -481,11 +492,17 @@ class Lockstep:
         if (
             before is None
             and path == "as-written"
-            and (not (self.explicit or training or grad) or self._watching_writes())
+            and not (self.explicit or training or grad)
             and signature not in self.deferred
         ):
             self.deferred.add(signature)
             return path  # the next call of the signature is its first planned one
+        if path == "as-written" and self._watching_writes():
+            # A new trace's first call, watching held writes (once per trace: after the
+            # first trace, or a re-trace of the signature): its next call records.
+            self.last_of.pop(signature, None)
+            self.watched += 1
+            return path
         self.paths.append(path)
         self.last_of[signature] = path
         if path == "recorded":
