@@ -20,7 +20,6 @@ from .config import SchedulerConfig
 from .errors import (
     ConfigError,
     ExtensionError,
-    HeldStateWarning,
     HooksWarning,
     PlanError,
     ProfileMismatchError,
@@ -49,7 +48,6 @@ __all__ = [
     "TraceError",
     "UntraceableWarning",
     "HooksWarning",
-    "HeldStateWarning",
     "PlanError",
     "ExtensionError",
     "ProfileMismatchError",

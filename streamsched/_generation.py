@@ -305,8 +305,6 @@ def watch_object(obj: Any) -> bool:
                 if callback is not None:
                     callback(self, name)
             original(self, name, value)
-            if _writes_logged:
-                _writes.add((id(self), name))
             key = id(self)
             ref = _watched_objects.get(key)
             if ref is not None and ref() is self:
@@ -343,39 +341,6 @@ def assignments() -> int:
 _PLAIN = (bool, int, float, str)
 _MISSING = object()
 
-# Attribute assignments seen while a wrapper watches a call (``log_writes``): the
-# ``(id(owner), name)`` of every attribute of a tracked module or watched object assigned,
-# whatever the value (one that assigns the value it holds now may assign another on a
-# later call). Calls on other threads add theirs too: a watcher sees more, never less.
-_writes: set[tuple[int, str]] = set()
-_writes_logged = 0
-_writes_lock = threading.Lock()
-
-
-class log_writes:
-    """``with log_writes() as seen:`` the attributes of tracked modules and watched
-    objects assigned inside the block (on any thread), as ``(id(owner), name)`` in
-    ``seen`` once it is left."""
-
-    __slots__ = ("seen",)
-
-    def __enter__(self) -> set[tuple[int, str]]:
-        global _writes_logged
-        with _writes_lock:
-            if not _writes_logged:
-                _writes.clear()
-            _writes_logged += 1
-        self.seen: set[tuple[int, str]] = set()
-        return self.seen
-
-    def __exit__(self, *exc: Any) -> None:
-        global _writes_logged
-        with _writes_lock:
-            self.seen.update(_writes)
-            _writes_logged -= 1
-            if not _writes_logged:
-                _writes.clear()
-
 
 def _unchanged(module: Any, name: str, value: Any) -> bool:
     """Whether ``module`` holds ``value`` as ``name`` already (the object itself, or an
@@ -394,8 +359,6 @@ def _unchanged(module: Any, name: str, value: Any) -> bool:
 
 
 def _setattr(self, name: str, value: Any) -> None:
-    if _writes_logged and tracked(self):
-        _writes.add((id(self), name))
     if name in _watched and tracked(self):
         if name == "training":
             _bump_mode()

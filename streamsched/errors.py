@@ -82,16 +82,6 @@ class HooksWarning(UserWarning):
     of its own, its hooks firing as in eager) to keep the schedule."""
 
 
-class HeldStateWarning(UserWarning):
-    """A call ran a plan while code the trace did not run (a hook, a
-    ``@streamsched.branch`` function, an opaque module) wrote a plain value the traced
-    forward reads (``self.n = int(x.shape[0])`` in a forward hook), to a value other than
-    the one the trace read: that call's result may have read the old value. Seen after
-    the call, on a call after the first (which runs as written and watched): the trace is
-    refused from then on (eager dispatch, exact), and ``sm.plan`` names the value. Keep
-    such values in tensors, or return them from the forward, to be exact on every call."""
-
-
 class UntraceableWarning(UserWarning):
     """The model's own ``forward`` cannot be traced; it runs as written (eager dispatch).
 

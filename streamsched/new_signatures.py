@@ -19,7 +19,6 @@ import torch
 from . import _generation
 from .errors import FusedMembersReshaped, ProfileMismatchError, TraceError
 from .frontend.effects import EffectRecorder, Effects, reads_only
-from .frontend.held_reads import HeldWrites
 from .frontend.meta import fetch_attr, run_and_record
 from .frontend.nodes import node_label, resolving_submodules, submodule_resolver
 from .frontend.opaque_outputs import OutputCheck, check_recorded_structures
@@ -173,37 +172,8 @@ def new_signature(runner: Runner, key: Any, spec: Any, tensors: list[torch.Tenso
         )
         structure.decide(signatures.ANY_SIZE, signatures.Decision(True, "serial", why, shapes))
         return new_signature(runner, key, spec, tensors, args, kwargs)
-    watch = traced.held_writes
-    if watch is None:
-        compiled, out = compile_signature(runner, traced, key, tensors)
-    elif not watch.observed:
-        return _observe(runner, watch, trace_key, args, kwargs)
-    else:
-        with _generation.log_writes() as seen:
-            compiled, out = compile_signature(runner, traced, key, tensors)
-        compiled.held_writes, compiled.trace_key = watch, trace_key
-        if runner.held_written(watch, seen, trace_key, ran_plan=True):
-            return out
+    compiled, out = compile_signature(runner, traced, key, tensors)
     _join_structure(runner, compiled, structure_key, structure, shapes, time.perf_counter() - start)
-    return out
-
-
-def _observe(runner: Runner, watch: HeldWrites, trace_key: Any, args: tuple, kwargs: dict) -> Any:
-    """The first call with a trace that read held plain state while code it did not run
-    (a hook, an opaque call) runs during each call: the model as written, exact, with the
-    assignments it makes logged (``frontend.held_reads.HeldWrites``). Where it wrote state
-    the trace read, the trace is refused (eager dispatch from the next call); else the
-    next call is planned, and watched as every later one."""
-    st = runner.st
-    with _generation.log_writes() as seen:
-        out = runner.as_written(args, kwargs)
-    if not runner.held_written(watch, seen, trace_key, ran_plan=False):
-        watch.observed = True
-        why = (
-            f"the trace reads held plain values while {watch.writer} runs during the call: this first call ran as "
-            "written, watching which of them that code writes (none: the next call is planned)"
-        )
-        st.last = AsWritten(make=lambda: _as_written_plan(runner, why))
     return out
 
 

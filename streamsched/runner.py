@@ -22,15 +22,7 @@ from . import _generation
 from ._clock import runqueue_wait_ns
 from .backward_timing import BackwardSample
 from .config import SchedulerConfig
-from .errors import (
-    FusedMembersReshaped,
-    HeldStateWarning,
-    HooksWarning,
-    TraceError,
-    UntraceableWarning,
-    raised_in,
-    user_stacklevel,
-)
+from .errors import FusedMembersReshaped, HooksWarning, TraceError, UntraceableWarning, raised_in, user_stacklevel
 from .frontend.checkpointing import in_checkpoint_region
 from .frontend.hooks import global_hooks, has_hooks
 from .frontend.leafcalls import counting_dispatch
@@ -260,65 +252,22 @@ class Runner:
         if st.counting and not entry.as_written:
             st.stop_counting()
         try:
-            if entry.held_writes is not None:
-                return self.watched(entry, spec, tensors, args, kwargs)
-            return self.dispatch(entry, spec, tensors, args, kwargs)
+            if st.observer is None:
+                if entry.as_written:
+                    return self.run_as_written(entry, spec, args, kwargs)
+                if entry.checks:
+                    return self.checked(entry, tensors, args, kwargs)
+                if entry.trial is not None and self.trials:
+                    return self.trial(entry, entry.trial, tensors, args, kwargs)
+            elif entry.checks:
+                return self.checked(entry, tensors, args, kwargs)
+            return entry.rebuild(self.run(entry, tensors))
         except FusedMembersReshaped as exc:
             # Raised by the check of the plan's stacks, before any of its tasks ran (a
             # trial's call runs one candidate): the call is planned again.
             log.info("streamsched: %s; re-planning", exc)
             self.retrace()
             return self.call(args, kwargs, inside_model_call)
-
-    def dispatch(self, entry: Compiled, spec: Any, tensors: list[torch.Tensor], args: tuple, kwargs: dict) -> Any:
-        """One call of a compiled signature: as the trial decided, through its checks, a
-        trial's candidate, or the plan."""
-        if self.st.observer is None:
-            if entry.as_written:
-                return self.run_as_written(entry, spec, args, kwargs)
-            if entry.checks:
-                return self.checked(entry, tensors, args, kwargs)
-            if entry.trial is not None and self.trials:
-                return self.trial(entry, entry.trial, tensors, args, kwargs)
-        elif entry.checks:
-            return self.checked(entry, tensors, args, kwargs)
-        return entry.rebuild(self.run(entry, tensors))
-
-    def watched(self, entry: Compiled, spec: Any, tensors: list[torch.Tensor], args: tuple, kwargs: dict) -> Any:
-        """A call of a plan whose trace read held plain state that code it did not run (a
-        hook, an opaque call) may write during the call (``frontend.held_reads``): the
-        assignments the call makes are logged, and one to that state refuses the trace."""
-        with _generation.log_writes() as seen:
-            out = self.dispatch(entry, spec, tensors, args, kwargs)
-        self.held_written(entry.held_writes, seen, entry.trace_key, ran_plan=self.st.last_path != "as-written")
-        return out
-
-    def held_written(self, watch: Any, seen: set, trace_key: Any, ran_plan: bool) -> bool:
-        """Whether a watched call (``seen``: the assignments it made) wrote held state the
-        trace ``watch`` describes read: then every trace and plan is dropped and that
-        trace is refused (``trace_key`` holds the refusal: its calls run in eager
-        dispatch, and ``sm.plan`` names the value). ``ran_plan``: the call ran the plan,
-        whose result read the value the trace baked in; where the value written differs
-        from it, a :class:`HeldStateWarning` says the result may be stale."""
-        found = watch.written(seen)
-        if found is None:
-            return False
-        what, changed = found
-        st = self.st
-        name = type(self.module).__name__
-        refusal = TraceError(f"streamsched cannot trace {name}.forward: {watch.refusal(what)}")
-        st.clear(self.module)
-        st.traces.put(trace_key, refusal)
-        st.last = AsWritten(make=lambda: _as_written_plan(self, str(refusal)))
-        log.info("streamsched: %s", refusal)
-        if ran_plan and changed:
-            warnings.warn(
-                f"{refusal}. This call ran the plan, which read the value the trace saw: its result may be stale. "
-                "From the next call the forward runs in eager dispatch.",
-                HeldStateWarning,
-                stacklevel=user_stacklevel(),
-            )
-        return True
 
     def checked(self, compiled: Compiled, tensors: list[torch.Tensor], args: tuple, kwargs: dict) -> Any:
         """A call of a plan that reads opaque calls' values through checks of their

@@ -81,7 +81,6 @@ class AsWritten:
     as_written = True
     alias_pattern = None
     trial = None
-    held_writes = None
 
     def __init__(self, plan: Optional[Plan] = None, make: Any = None, nests: bool = False):
         self._plan = plan
@@ -124,8 +123,6 @@ class Compiled:
         "direct",
         "checks",
         "written",
-        "held_writes",
-        "trace_key",
     )
 
     # Its calls run as written (``as_written``) without nesting the forward's children; the
@@ -171,11 +168,6 @@ class Compiled:
         # written (written_state.WrittenState), saved before each call and put back by a
         # stopped one; ``None`` where there is none to save or it cannot be found.
         self.written: Any = None
-        # Where the trace read held plain state that code it did not run may write
-        # (frontend.held_reads.HeldWrites): each call is watched (Runner.watched), and a
-        # write refuses the trace (cached under ``trace_key``).
-        self.held_writes: Any = None
-        self.trace_key: Any = None
 
     @property
     def plan(self) -> Plan:

@@ -49,7 +49,7 @@ from ..errors import TraceError
 from . import made_modules, opaque_functions
 from .binder import CallBinder, CallSpec, is_plain
 from .fx_fast import FastTracerMixin
-from .held_reads import HeldWrites, stale_held_read
+from .held_reads import stale_held_read
 from .hooks import capture_collecting, capture_hooks, captures_below, has_hooks
 from .made_modules import made_module_refusal
 from .member_replay import MemberReplay
@@ -620,9 +620,6 @@ class Traced:
     """``(graph, program text)`` of the graph as traced, held before the recording call
     added checks of what leaf calls returned (``opaque_outputs.check_recorded_structures``):
     :meth:`same_program` compares a re-trace with the program as traced."""
-    held_writes: Optional[HeldWrites] = field(default=None, compare=False, repr=False)
-    """What the trace read of held plain state while code it did not run runs during
-    each call (``frontend.held_reads.HeldWrites``): None where either is missing."""
     resolver: Optional[tuple] = field(default=None, compare=False, repr=False)
     """``(generation, resolver)``: the module paths the trace resolved
     (:func:`~streamsched.frontend.nodes.submodule_resolver` of ``root``) and the
@@ -693,7 +690,6 @@ class Traced:
         self.inlined_leaf_calls = fresh.inlined_leaf_calls
         self.dtype_guards = fresh.dtype_guards
         self.baked = fresh.baked
-        self.held_writes = fresh.held_writes
         self.root.__dict__["_streamsched_traced"] = weakref.ref(self)
 
     def modules_unchanged(self) -> bool:
@@ -1165,13 +1161,8 @@ def _trace_once(
     modules = tuple(tracer.traced_through.values())
     flags = tuple((m, _flag_values(m)) for m in modules)
     _generation.watch(k for _, values in flags for k, _ in values)
-    state_flags, state_guards, read = _python_state(modules)
+    state_flags, state_guards = _python_state(modules)
     state_guards += _baked_guards(baked, modules)
-    # Code the trace did not run that runs during each call (a hook, an opaque call) may
-    # write the plain values the trace read and baked in: the wrapper watches for that.
-    writes_watch = HeldWrites.of(
-        graph, resolve, [*modules, *(o for o, _ in state_flags)], read, state_guards, (*opaque, *module_types)
-    )
     flags += state_flags
     traced = Traced(
         graph,
@@ -1191,7 +1182,6 @@ def _trace_once(
         dtypes=dtypes,
         dtype_guards=_assumptions(tracer.ranks.assumed) + state_guards,
         baked=baked,
-        held_writes=writes_watch,
     )
     traced.resolver = (_generation.current(), resolve)
     # The recording call re-traces through this where a leaf call misled the trace.
@@ -1375,7 +1365,7 @@ def _grouped(guards: list[tuple]) -> tuple:
     return tuple(out)
 
 
-def _python_state(modules: Sequence[torch.nn.Module]) -> tuple[tuple, tuple, Optional[frozenset[str]]]:
+def _python_state(modules: Sequence[torch.nn.Module]) -> tuple[tuple, tuple]:
     """What a trace read of Python state besides the traced-through modules' own plain
     attributes (their flags), as (flags, guards): ``flags`` for the objects they hold,
     three levels down, whose assignments move the generation (``_generation.watch_object``);
@@ -1410,7 +1400,7 @@ def _python_state(modules: Sequence[torch.nn.Module]) -> tuple[tuple, tuple, Opt
     guards += _held_object_guards(held, watched, read)
     guards += _module_container_guards(modules, read)
     guards += _class_attribute_guards(modules, read)
-    return flags, _grouped(guards), read
+    return flags, _grouped(guards)
 
 
 def _global_guards(codes: dict[types.CodeType, dict]) -> tuple[list[tuple], list[Any]]:
