@@ -355,13 +355,9 @@ class Lockstep:
         # The path of every call, and of the calls whose output types were compared.
         self.paths: list[str] = []
         # Signatures whose first call ran as written (a call structure's first call in
-        # inference under auto, planning.signatures.FIRST_CALL_AS_WRITTEN; a trace's first
-        # call watching held writes, new_signatures._observe): their next call records,
-        # as a first call does.
+        # inference under auto, planning.signatures.FIRST_CALL_AS_WRITTEN): their next
+        # call records, as a first call does.
         self.deferred: set = set()
-        # Calls that ran as written watching held writes, not yet made up for by a call
-        # more (take_watched).
-        self.watched = 0
         self.structure_paths: list[str] = []
         self.seen = PATHS_SEEN.setdefault((spec.name, options_name(options)), Counter())
         # (args, kwargs, every module's training flag) of each call: replayed in float64
@@ -453,20 +449,6 @@ class Lockstep:
         plan = self.sm.plan
         return plan is not None and "is a chain" in (plan.reason or "")
 
-    def take_watched(self) -> int:
-        """How many calls since the last ask ran as written watching held writes: a
-        cycle of a fixed number of calls makes each up with one more, so that its
-        last call is still one of a planned signature's."""
-        watched, self.watched = self.watched, 0
-        return watched
-
-    def _watching_writes(self) -> bool:
-        """Whether the last call ran as written while it watched what the code the trace
-        did not run (a hook, an opaque module) assigns (``new_signatures._observe``): the
-        first call of a trace that reads held plain values, under every executor."""
-        plan = self.sm.plan
-        return plan is not None and "watching which of them that code writes" in (plan.reason or "")
-
     def _check_path(self, label: str, signature: tuple) -> str:
         """The path of the wrapper's last call, asserted against what the options allow.
 
@@ -480,11 +462,7 @@ class Lockstep:
         from then on the same rules hold. Under ``auto``, a call structure's first call in
         inference (``eval()``, no gradients) runs as written and its next call is the
         first one: it is not counted as a call of the signature; and a traced forward that
-        is a chain runs as written from then on, nothing recorded (``CHAIN_AS_WRITTEN``).
-        Under every executor, a trace that reads held plain values while code it did not
-        run (a hook, an opaque module or function) runs during the call has its first call
-        run as written, watching what that code assigns: that call is not counted, and the
-        next one records as a first call does."""
+        is a chain runs as written from then on, nothing recorded (``CHAIN_AS_WRITTEN``)."""
         path = last_path(self.sm)
         self.seen[path] += 1
         before = self.last_of.get(signature)
@@ -497,12 +475,6 @@ class Lockstep:
         ):
             self.deferred.add(signature)
             return path  # the next call of the signature is its first planned one
-        if path == "as-written" and self._watching_writes():
-            # A new trace's first call, watching held writes (once per trace: after the
-            # first trace, or a re-trace of the signature): its next call records.
-            self.last_of.pop(signature, None)
-            self.watched += 1
-            return path
         self.paths.append(path)
         self.last_of[signature] = path
         if path == "recorded":
