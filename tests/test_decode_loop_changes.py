@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import streamsched as ss
+from benchmarks.dynamic_bench import TwoBranches
 from streamsched.testing import last_path
 
 from .helpers import assert_close
@@ -27,18 +28,6 @@ from .helpers import assert_close
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 EXECUTORS = ["auto", "serial", "threads"]
-
-
-class TwoBranches(nn.Module):
-    """Two small MLPs of different widths, summed: a tiny model with two branches."""
-
-    def __init__(self, d: int = 16):
-        super().__init__()
-        self.a = nn.Sequential(nn.Linear(d, 32), nn.ReLU(), nn.Linear(32, 8))
-        self.b = nn.Sequential(nn.Linear(d, 24), nn.Tanh(), nn.Linear(24, 8))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.a(x) + self.b(x)
 
 
 class Branchy(nn.Module):

@@ -38,13 +38,12 @@ def test_every_example_has_a_case():
     assert {p.stem for p in EXAMPLES.glob("*.py") if not p.stem.startswith("_")} == set(CASES)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_the_example_runs_on_cpu_and_prints_its_check(name):
-    args, expected = CASES[name]
+def _run_example(name: str, *args: str) -> str:
+    """``examples/<name>.py`` run on the CPU with ``args``: its standard output, once it
+    exited with status 0."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""}
     done = subprocess.run(
-        [sys.executable, str(EXAMPLES / f"{name}.py"), *args, "--threads", "1"],
+        [sys.executable, str(EXAMPLES / f"{name}.py"), *args],
         capture_output=True,
         text=True,
         env=env,
@@ -52,7 +51,14 @@ def test_the_example_runs_on_cpu_and_prints_its_check(name):
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    out = done.stdout
+    return done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_example_runs_on_cpu_and_prints_its_check(name):
+    args, expected = CASES[name]
+    out = _run_example(name, *args, "--threads", "1")
     for pattern in expected:
         assert re.search(pattern, out, re.M), (pattern, out)
     # The heading names the thread count as a count of threads (not "1 CPU threads").
@@ -67,18 +73,7 @@ def test_the_demo_runs_a_named_executor_for_an_nvtx_capture():
     """``examples/inception.py --executor serial`` (what docs/observability.md runs under
     ``nsys``, ``streams`` on a GPU): the plan is the schedule on that executor, which
     ranges every call, not the model's own forward an ``auto`` trial may keep."""
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run(
-        [sys.executable, str(EXAMPLES / "inception.py"), "--size", "75", "--rounds", "1", "--threads", "1"]
-        + ["--executor", "serial"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=EXAMPLES.parent,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = done.stdout
+    out = _run_example("inception", "--size", "75", "--rounds", "1", "--threads", "1", "--executor", "serial")
     assert re.search(r"^Plan for Inception3 \(.*\): executor serial \[traced\]$", out, re.M), out
     assert re.search(r"^  why: requested \(executor='serial'\)$", out, re.M), out
     errors = [float(m) for m in re.findall(r"max abs error[^:]*: ([0-9.e+-]+)", out)]

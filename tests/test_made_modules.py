@@ -107,18 +107,32 @@ def test_a_loss_module_holding_a_tensor_is_refused(executor):
             assert_path(sm, "eager-dispatch")
 
 
-class HeldInAList(nn.Module):
+class LinearThenAct(nn.Module):
+    """A Linear, then an activation that is no submodule of the model, found where each
+    subclass's ``activation`` says."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 5)
+
+    def activation(self) -> nn.Module:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> tuple:
+        y = self.activation()(self.lin(x))
+        return y.square().sum(), y
+
+
+class HeldInAList(LinearThenAct):
     """Activations held in a plain list (not submodules): the same objects every call,
     whose attributes the caller changes."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.lin = nn.Linear(6, 5)
         self.acts = [nn.LeakyReLU(0.01)]
 
-    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> tuple:
-        y = self.acts[0](self.lin(x))
-        return y.square().sum(), y
+    def activation(self) -> nn.Module:
+        return self.acts[0]
 
 
 @pytest.mark.parametrize("executor", ["serial", "threads"])
@@ -142,41 +156,26 @@ def test_a_module_held_in_a_plain_list_is_refused(executor):
 ACT = nn.LeakyReLU(0.01)
 
 
-class GlobalAct(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(6, 5)
-
-    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> tuple:
-        y = ACT(self.lin(x))
-        return y.square().sum(), y
+class GlobalAct(LinearThenAct):
+    def activation(self) -> nn.Module:
+        return ACT
 
 
 def _closure_model() -> tuple[nn.Module, nn.LeakyReLU]:
     act = nn.LeakyReLU(0.01)
 
-    class ClosureAct(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(6, 5)
-
-        def forward(self, x: torch.Tensor, labels: torch.Tensor) -> tuple:
-            y = act(self.lin(x))
-            return y.square().sum(), y
+    class ClosureAct(LinearThenAct):
+        def activation(self) -> nn.Module:
+            return act
 
     return ClosureAct(), act
 
 
-class ClassAct(nn.Module):
+class ClassAct(LinearThenAct):
     act = nn.LeakyReLU(0.01)
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(6, 5)
-
-    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> tuple:
-        y = self.act(self.lin(x))
-        return y.square().sum(), y
+    def activation(self) -> nn.Module:
+        return self.act
 
 
 class _Config:
@@ -184,15 +183,13 @@ class _Config:
         self.act = nn.LeakyReLU(0.01)
 
 
-class HeldObjectAct(nn.Module):
+class HeldObjectAct(LinearThenAct):
     def __init__(self) -> None:
         super().__init__()
-        self.lin = nn.Linear(6, 5)
         self.cfg = _Config()
 
-    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> tuple:
-        y = self.cfg.act(self.lin(x))
-        return y.square().sum(), y
+    def activation(self) -> nn.Module:
+        return self.cfg.act
 
 
 def _reached_outside() -> dict:
@@ -234,35 +231,25 @@ def _cached_act() -> nn.LeakyReLU:
     return nn.LeakyReLU(0.01)
 
 
-class CachedAct(nn.Module):
+class CachedAct(LinearThenAct):
     """An activation from a cached factory: constructed on the first call, the same
     object on every later one."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(6, 5)
-
-    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> tuple:
-        y = _cached_act()(self.lin(x))
-        return y.square().sum(), y
+    def activation(self) -> nn.Module:
+        return _cached_act()
 
 
 _FILLED: dict = {}
 
 
-class FilledGlobalAct(nn.Module):
+class FilledGlobalAct(LinearThenAct):
     """An activation put in a global on the first call."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(6, 5)
-
-    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> tuple:
+    def activation(self) -> nn.Module:
         act = _FILLED.get("act")
         if act is None:
             act = _FILLED["act"] = nn.LeakyReLU(0.01)
-        y = act(self.lin(x))
-        return y.square().sum(), y
+        return act
 
 
 @pytest.mark.parametrize("executor", ["serial", "threads"])

@@ -112,17 +112,23 @@ def _x(n, d=4):
     return torch.randn(3, n * d)
 
 
-def test_alike_members_are_replayed_and_run_as_eager(monkeypatch):
-    torch.manual_seed(0)
-    model = Members([Member() for _ in range(6)]).eval()
-    assert _same_trace(model, (_x(6),), monkeypatch) == 5
+def _runs_as_eager(model, n, monkeypatch) -> None:
+    """With replay on, ``model`` (of ``n`` members) wrapped under serial runs its plan
+    and equals eager on fresh inputs."""
     monkeypatch.setattr(member_replay, "ENABLED", True)
     sm = ss.StreamScheduledModule(model, executor="serial")
     with torch.no_grad():
         for _ in range(3):
-            x = _x(6)
+            x = _x(n)
             assert_close(sm(x), model(x))
     assert_path(sm, "plan:serial")
+
+
+def test_alike_members_are_replayed_and_run_as_eager(monkeypatch):
+    torch.manual_seed(0)
+    model = Members([Member() for _ in range(6)]).eval()
+    assert _same_trace(model, (_x(6),), monkeypatch) == 5
+    _runs_as_eager(model, 6, monkeypatch)
 
 
 def test_members_of_other_widths_and_classes_of_child(monkeypatch):
@@ -202,13 +208,7 @@ def test_a_replayed_members_child_with_a_backward_hook(monkeypatch):
     model = Members([Member() for _ in range(4)]).eval()
     model.members[2].fc1.register_full_backward_hook(lambda m, gi, go: None)
     assert _same_trace(model, (_x(4),), monkeypatch) == 3
-    monkeypatch.setattr(member_replay, "ENABLED", True)
-    sm = ss.StreamScheduledModule(model, executor="serial")
-    with torch.no_grad():
-        for _ in range(3):
-            x = _x(4)
-            assert_close(sm(x), model(x))
-    assert_path(sm, "plan:serial")
+    _runs_as_eager(model, 4, monkeypatch)
 
 
 def test_a_global_module_hook_turns_replay_off(monkeypatch):
