@@ -404,7 +404,11 @@ class _LeafTracer(FastTracerMixin, fx.Tracer):
         return super().path_of_module(mod)
 
     def _installed(self, m: torch.nn.Module) -> bool:
-        """Whether ``m`` is one of the model's modules (fx can name it)."""
+        """Whether ``m`` is one of the model's modules (fx can name it). Asked of every
+        module call the trace meets: fx's own table of paths, where it has one, answers
+        with one lookup."""
+        if self.submodule_paths:
+            return m is self.model or m in self.submodule_paths
         try:
             self.path_of_module(m)
         except NameError:
