@@ -252,8 +252,31 @@ class FilledGlobalAct(LinearThenAct):
         return act
 
 
+class StoredOnTheModel(LinearThenAct):
+    """An activation the first call builds and keeps in a plain list of the model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kept: list = []
+
+    def activation(self) -> nn.Module:
+        if not self.kept:
+            self.kept.append(nn.LeakyReLU(0.01))
+        return self.kept[0]
+
+
+# Each model kind with the activations its wrapped model and its reference use (one
+# shared object where a global holds it), and why the trace is refused.
+_KEPT = {
+    CachedAct: (lambda model, reference: [_cached_act()], "kept after the call"),
+    # (A global dict filled by the forward is also a write the trace refuses.)
+    FilledGlobalAct: (lambda model, reference: [_FILLED["act"]], "ObjectWrittenDuringTrace"),
+    StoredOnTheModel: (lambda model, reference: [*model.kept, *reference.kept], "kept after the call"),
+}
+
+
 @pytest.mark.parametrize("executor", ["serial", "threads"])
-@pytest.mark.parametrize("kind", [CachedAct, FilledGlobalAct])
+@pytest.mark.parametrize("kind", list(_KEPT))
 def test_a_module_constructed_while_traced_but_kept_is_refused(executor, kind):
     """The trace is the first call to construct the activation, which is then kept: a
     trace through it would bake its slope, which the calls after change."""
@@ -267,8 +290,8 @@ def test_a_module_constructed_while_traced_but_kept_is_refused(executor, kind):
         warnings.simplefilter("always", ss.UntraceableWarning)
         for call in range(6):
             if call:
-                act = _cached_act() if kind is CachedAct else _FILLED["act"]
-                act.negative_slope = 0.01 + 0.2 * call
+                for act in _KEPT[kind][0](model, reference):
+                    act.negative_slope = 0.01 + 0.2 * call
             train = call >= 3
             model.train(train)
             reference.train(train)
@@ -279,9 +302,7 @@ def test_a_module_constructed_while_traced_but_kept_is_refused(executor, kind):
             assert_close(actual, expected)
             assert_path(sm, "eager-dispatch", "as-written")
     messages = [str(w.message) for w in caught if issubclass(w.category, ss.UntraceableWarning)]
-    # (A global dict filled by the forward is also a write the trace refuses.)
-    reason = "kept after the call" if kind is CachedAct else "ObjectWrittenDuringTrace"
-    assert any(reason in m for m in messages), messages
+    assert any(_KEPT[kind][1] in m for m in messages), messages
 
 
 def test_recording_counts_only_the_recording_threads_constructions():

@@ -24,22 +24,11 @@ from __future__ import annotations
 import contextlib
 import gc
 import threading
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
 from .hooks import has_hooks
-
-
-def _holds(value: Any, m: torch.nn.Module) -> bool:
-    if value is m:
-        return True
-    if isinstance(value, (list, tuple)):
-        return any(v is m for v in value)
-    if isinstance(value, dict):
-        return any(v is m for v in value.values())
-    return False
-
 
 # Modules constructed on each tracing thread, one dict per active :func:`recording`
 # (nested traces on one thread each see what was built inside them). Other threads
@@ -117,28 +106,20 @@ def kept_after_trace(made_through: list) -> Optional[str]:
     return None
 
 
-def made_module_refusal(
-    m: torch.nn.Module, owners: Iterable[torch.nn.Module], made: dict[int, torch.nn.Module]
-) -> Optional[str]:
+def made_module_refusal(m: torch.nn.Module, made: dict[int, torch.nn.Module]) -> Optional[str]:
     """Why ``m``, a module that is not installed in the model, cannot be traced
     through; ``None`` where it can. ``made`` are the modules constructed during the
     trace (:func:`recording`): any other is kept from call to call somewhere the forward
     reaches (a global, closure, class attribute or held object), where its attributes may
-    change (a ``LeakyReLU``'s slope) while a trace would have baked them in. ``owners``
-    are the modules the trace went through: one holding ``m`` (made during the trace and
-    kept for the next call) keeps it the same way."""
+    change (a ``LeakyReLU``'s slope) while a trace would have baked them in. One made
+    during the trace but kept for the next call (stored on the model, in a cache) is
+    refused once the trace ends (:func:`kept_after_trace`)."""
     if made.get(id(m)) is not m:
         return (
             f"a {type(m).__name__} the forward reaches outside the model's submodules (a global, closure, "
             "class attribute or held object): the same object every call, its attributes may change "
             "between calls and a trace would bake them in"
         )
-    for owner in owners:
-        if any(_holds(v, m) for v in vars(owner).values()):
-            return (
-                f"a {type(m).__name__} the model holds outside its submodules (in a plain attribute, "
-                "list or dict): its attributes may change between calls, a trace would bake them in"
-            )
     if next(m.parameters(), None) is not None or next(m.buffers(), None) is not None:
         return (
             f"a {type(m).__name__} made while the forward runs holds parameters or buffers: "

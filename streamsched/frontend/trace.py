@@ -266,7 +266,7 @@ class _LeafTracer(FastTracerMixin, fx.Tracer):
         if m is not self.model and not self._installed(m):
             # Made by the forward as it runs (``loss_fct = CrossEntropyLoss()``): traced
             # through, as a function of its constructor's arguments (frontend.made_modules).
-            refusal = made_module_refusal(m, self.traced_through.values(), self.constructed)
+            refusal = made_module_refusal(m, self.constructed)
             if refusal is not None:
                 raise TraceError(refusal)
             self.made_through.append(weakref.ref(m))
