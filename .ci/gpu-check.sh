@@ -14,7 +14,7 @@ ALL="$OUT_DIR/all"
 export PYTHONUNBUFFERED=1 STREAMSCHED_REQUIRE_EXT=1 MAX_JOBS="${MAX_JOBS:-16}"
 PY="${PYTHON:-python3}"
 status() { printf '%-28s %s\n' "$1" "$2" | tee -a "$ALL/status.txt"; }
-DEADLINE=${GPU_CHECK_DEADLINE:-560}  # seconds for the whole run: one device call is 10 minutes
+DEADLINE=${GPU_CHECK_DEADLINE:-540}  # seconds for the whole run: one device call is 10 minutes
 stage() {  # stage NAME SECONDS COMMAND...  (skipped when the run's deadline is near)
   local name=$1 budget=$2; shift 2
   local start=$SECONDS
@@ -39,14 +39,21 @@ if [ -n "$CUDA_HOME" ] && stage build 240 env USE_CUDA=1 "$PY" setup.py build_ex
   && stage ext-check 60 "$PY" .ci/check_cuda_ext.py built .; then
   stage info 30 "$PY" -m streamsched info --json
   cp "$ALL/info.log" "$ALL/env.json" 2>/dev/null
-  stage tests 200 "$PY" -m pytest -q -p no:cacheprovider tests -m "not slow" -o addopts="" --durations=15
-  stage sanitizer 90 env TORCH_CUDA_SANITIZER=1 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests \
-    -k "not graph and not capture and not peak_memory" -o addopts=""
+  # Most telling first, in case the deadline cuts the run: the cuda-marked tests on the
+  # device (verbose, so a cut log still names each result), the demo, the benchmarks.
+  stage cuda-tests 150 "$PY" -m pytest -v --tb=short -p no:cacheprovider -m cuda tests -o addopts="-ra" \
+    --timeout 60
+  stage demo 60 "$PY" examples/inception.py --rounds 5
   stage timeline 40 "$PY" -m streamsched timeline benchmarks.zoo:Inception3 --input-shape 1,3,299,299 \
     --device cuda --out "$ALL/inception_b1"
   stage overhead 30 "$PY" benchmarks/overhead_bench.py --device cuda --out "$ALL/overhead.json"
-  stage prefetch 40 "$PY" benchmarks/prefetch_bench.py --out "$ALL/prefetch.json"
-  stage bench 400 "$PY" -m streamsched bench --device cuda --rounds 10 --compile-budget 60 --out "$ALL/bench"
+  stage bench 200 "$PY" -m streamsched bench --device cuda --rounds 10 --compile-budget 60 --out "$ALL/bench"
+  stage sanitizer 60 env TORCH_CUDA_SANITIZER=1 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests \
+    -k "not graph and not capture and not peak_memory" -o addopts="" --timeout 60
+  stage prefetch 30 "$PY" benchmarks/prefetch_bench.py --out "$ALL/prefetch.json"
+  # The rest of the suite (what CI runs without a GPU) with whatever time is left.
+  stage tests 120 "$PY" -m pytest -q -p no:cacheprovider tests -m "not slow and not cuda" -o addopts="-ra" \
+    -n 12 --timeout 120
 else
   status "remaining stages" "skipped: no CUDA build of streamsched._C (see build)"
   BUILD_FAILED=1
@@ -59,7 +66,9 @@ fi
   if [ -n "${BUILD_FAILED:-}" ]; then
     echo; echo "## Build"; echo '```'; tail -n 40 "$ALL/build.log" "$ALL/ext-check.log" 2>/dev/null; echo '```'
   fi
-  echo; echo "## Tests"; echo '```'; tail -n 25 "$ALL/tests.log"; echo '```'
+  echo; echo "## CUDA tests"; echo '```'; grep -E "FAILED|ERROR" "$ALL/cuda-tests.log" | head -n 30; tail -n 8 "$ALL/cuda-tests.log"; echo '```'
+  echo; echo "## Demo"; echo '```'; tail -n 25 "$ALL/demo.log"; echo '```'
+  echo; echo "## Other tests"; echo '```'; tail -n 25 "$ALL/tests.log"; echo '```'
   echo; echo "## Sanitizer"; echo '```'; tail -n 10 "$ALL/sanitizer.log"; echo '```'
   if [ -f "$ALL/bench/bench.md" ]; then echo; echo "## Benchmarks"; cat "$ALL/bench/bench.md"; fi
   echo; echo "## Timeline"; echo '```'; tail -n 15 "$ALL/timeline.log"; echo '```'
