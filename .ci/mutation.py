@@ -50,7 +50,7 @@ GRAPHS = [
     "tests/test_cuda.py",
     "-k",
     "graph_replay_equals_eager and towers and not conv or failed_capture or pin_memory_thread "
-    "or capture_failure_falls_back",
+    "or capture_failure_falls_back or weights_updated_after_capture",
 ]
 
 
@@ -222,8 +222,9 @@ MUTANTS: list[Mutant] = [
     m(
         "graph-failed-capture-never-ended",
         GRAPHS_PY,
-        "    def _abandon(self, graph: Any, device: Any) -> None:\n        try:\n            graph.capture_end()\n",
-        "    def _abandon(self, graph: Any, device: Any) -> None:\n        try:\n            pass\n",
+        "    def _abandon(self, graph: Any, device: Any, side: Any) -> None:\n"
+        "        try:\n            graph.capture_end()\n",
+        "    def _abandon(self, graph: Any, device: Any, side: Any) -> None:\n        try:\n            pass\n",
         GRAPHS,
     ),
     m(
@@ -233,14 +234,35 @@ MUTANTS: list[Mutant] = [
         'capture_error_mode="global"',
         GRAPHS,
     ),
-    m(
+    Mutant(
         "graph-capture-begins-after-the-run",
         GRAPHS_PY,
-        '            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")\n            try:\n'
-        "                out = self.streams.run(program, static_inputs)\n",
-        "            out = self.streams.run(program, static_inputs)\n"
-        '            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")\n            try:\n'
-        "                pass\n",
+        [
+            (
+                "            try:\n"
+                '                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")\n',
+                "            out = self.streams.run(program, static_inputs)\n"
+                "            try:\n"
+                '                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")\n',
+            ),
+            ("                out = self.streams.run(program, static_inputs)\n", "                pass\n"),
+        ],
+        GRAPHS,
+    ),
+    # A pool every graph released is refused by PyTorch's allocator (an assert at capture).
+    m(
+        "graph-pool-reused-after-release",
+        GRAPHS_PY,
+        "        if self.pool is None or not self._graphs:\n",
+        "        if self.pool is None:\n",
+        GRAPHS,
+    ),
+    # A failed capture leaves the CUDA generator in capture mode: random kernels then fail.
+    m(
+        "graph-generator-left-capturing",
+        GRAPHS_PY,
+        "    graph = torch.cuda.CUDAGraph()\n    try:\n",
+        "    return\n    graph = torch.cuda.CUDAGraph()\n    try:\n",
         GRAPHS,
     ),
     # --- the native runtime (one schema build) ---

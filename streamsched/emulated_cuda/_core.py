@@ -284,6 +284,10 @@ class Emulator:
         self._pending: dict[tuple[int, int], list[tuple[str, _Stream, int, _Stream]]] = {}
         self._captures: list[_Capture] = []
         self._pools: dict[tuple, _Pool] = {}
+        # Devices whose CUDA generator is in capture mode (``CUDAGeneratorState.capturing_``):
+        # ``CUDAGraph::capture_begin`` sets it before any of its checks, only a successful
+        # ``capture_end`` clears it. While set, a random kernel outside a capture raises.
+        self.generators_capturing: set[int] = set()
         self._graphs: weakref.WeakSet[Any] = weakref.WeakSet()
         self._allocated = [0] * devices
         self._peak = [0] * devices
@@ -785,6 +789,9 @@ class Emulator:
             )
         with self.lock:
             stream = self.current_stream()
+            # capture_prologue of the device's generator comes first in CUDAGraph::capture_begin:
+            # a capture that fails from here on leaves the generator capturing.
+            self.generators_capturing.add(stream.device)
             if stream.stream_id == 0:
                 raise RuntimeError(
                     "CUDA graphs must be captured on a non-default stream. "
@@ -796,6 +803,14 @@ class Emulator:
             p = self._pools.get(pool_id)
             if p is None:
                 p = self._pools[pool_id] = _Pool(pool_id)
+            elif p.users == 0:
+                # PyTorch's allocator keeps a pool every graph released (until its cache is
+                # emptied) and asserts on a capture into it (create_or_incref_pool).
+                raise RuntimeError(
+                    f"it->second->use_count > 0 INTERNAL ASSERT FAILED at CUDACachingAllocator.cpp (emulated): "
+                    f"a capture into graph memory pool {pool_id}, which every graph captured into it has "
+                    "released; a pool is shared only with a graph that is alive (CUDAGraph.pool())"
+                )
             if p.recording is not None:
                 raise RuntimeError("beginAllocateToPool: already recording to mempool_id")
             p.users += 1
@@ -846,6 +861,7 @@ class Emulator:
                     "into the capturing stream)"
                 )
             cap.pool.recording = None
+            self.generators_capturing.discard(cap.device)
             graph = _Graph(cap)
             with _quiet():
                 for block in cap.allocations:
@@ -901,6 +917,12 @@ class Emulator:
                 out.append(
                     f"graph memory pool {p.pool_id} is held by {p.users - live.get(p.pool_id, 0)} dead capture(s)"
                 )
+        capturing = {c.device for c in self._captures}
+        for device in sorted(self.generators_capturing - capturing):
+            out.append(
+                f"the CUDA generator of cuda:{device} is still in capture mode after a capture that failed: "
+                "every random kernel outside a capture now raises"
+            )
         return out
 
     def take_leaks(self) -> list[str]:
@@ -914,6 +936,7 @@ class Emulator:
             if p.recording is not None and p.recording.ended:
                 p.recording = None
             p.users = min(p.users, live.get(p.pool_id, 0) + sum(1 for c in self._captures if c.pool is p))
+        self.generators_capturing &= {c.device for c in self._captures}
         return found
 
     def record_node(

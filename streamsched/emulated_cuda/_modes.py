@@ -258,6 +258,11 @@ def kernel(
     In the asynchronous mode (``_async``) the kernel is queued unless ``sync`` (the host
     reads its result) or ``at_once`` (a copy CUDA completes before returning)."""
     cap = emu._check_valid(stream)
+    if cap is None and emu.generators_capturing and stream.device in emu.generators_capturing:
+        if runs_at_issue(func) == "random":
+            # CUDAGeneratorState::increase: the generator was left in capture mode by a
+            # capture that failed after capture_begin; every random kernel now fails.
+            raise RuntimeError("Offset increment outside graph capture encountered unexpectedly.")
     if sync:
         emu.unsafe(f"{func} (a copy to the host and a stream synchronisation)", (stream,))
     elif unsafe is not None:

@@ -20,8 +20,12 @@ cross-stream dependencies as graph edges; one replay launches the whole schedule
   on plain streams and the graphs of the module's own weights are kept, replayed again
   once the swap ends.
 - **One graph per input signature** (each plan has its own), at most
-  ``graph_cache_size`` alive, in one memory pool per module, captured on one capture
-  stream per device (PyTorch wants the same stream for captures sharing a pool).
+  ``graph_cache_size`` alive, sharing one memory pool per module, captured on one capture
+  stream per device (PyTorch wants the same stream for captures sharing a pool). A pool
+  is shared only while a graph captured into it is alive: once every one is released
+  (new weights on the only graph, a failed capture), PyTorch's allocator keeps the pool
+  until its cache is emptied and asserts on a capture into it, so the next capture
+  starts a new pool.
 - **Not captured**: training (grad mode with any input or parameter requiring grad: the
   replays would all chain onto the one autograd graph recorded at capture) and calls
   under autocast (the capture would bake in autocast's cached casts of the weights, which
@@ -29,7 +33,9 @@ cross-stream dependencies as graph edges; one replay launches the whole schedule
   run on plain streams.
 - **Failures**: a capture that fails (a CPU synchronisation such as ``.item()`` inside a
   branch, an op that cannot be captured) leaves the module usable: the capture is ended,
-  its graph memory pool released, the caller's stream current again, and the error kept
+  its graph memory pool released, the device's CUDA generator taken out of the capture
+  mode ``capture_begin`` put it in (left there, every random kernel of the process outside
+  a capture raises), the caller's stream current again, and the error kept
   is the one that broke the capture (not ``cudaStreamEndCapture``'s), so it names the
   task; with ``cuda_graph="auto"`` the plan falls back to plain streams with one warning
   naming that task; with ``cuda_graph=True`` a :class:`CaptureError` is raised.
@@ -112,6 +118,32 @@ class _ProgramState:
     """Calls that could have replayed (``cuda_graph="auto"`` captures from the second)."""
     failed: Optional[str] = None
     """Why its capture failed (``"auto"``: it runs on plain streams from then on)."""
+
+
+def _end_generator_capture(stream: Any) -> None:
+    """Take the device's CUDA generator out of capture mode after a capture that failed.
+
+    ``CUDAGraph.capture_begin`` puts the generators in capture mode before anything else,
+    and only a successful ``capture_end`` takes them out: after a capture that failed,
+    every random kernel of the process outside a capture (dropout, ``randn``) raises
+    "Offset increment outside graph capture encountered unexpectedly". An empty capture,
+    begun and ended on ``stream`` in a pool of its own, ends their capture mode; the
+    generator's seed and offset are left as they were."""
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.stream(stream), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
+            # Relaxed: the capture records nothing, so no other thread's call need fail.
+            graph.capture_begin(capture_error_mode="relaxed")
+            graph.capture_end()
+        graph.reset()
+    except Exception as exc:  # noqa: BLE001 - the failed capture's error is the one raised
+        warnings.warn(
+            f"streamsched: could not take the CUDA generator out of capture mode after a failed capture "
+            f"({type(exc).__name__}: {exc}); random operations on this device may now fail",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
 
 class GraphExecutor:
@@ -223,7 +255,11 @@ class GraphExecutor:
 
     def _capture(self, program: Program, inputs: list[torch.Tensor], stacks: tuple[Any, ...]) -> _Captured:
         device = self.streams.backend.device
-        if self.pool is None:
+        if self.pool is None or not self._graphs:
+            # Graphs share one pool only while one of them is alive: once every graph
+            # captured into a pool is released, PyTorch's allocator keeps the pool (until
+            # its cache is emptied) and asserts on a capture into it. Weights changed on
+            # the only graph, or a failed capture, start a new pool.
             self.pool = torch.cuda.graph_pool_handle()
         static_inputs = [x.detach().clone() for x in inputs]
         side = self._capture_stream(device)
@@ -257,24 +293,30 @@ class GraphExecutor:
         """
         torch.cuda.synchronize(device)
         with torch.cuda.device(device), torch.cuda.stream(side):
-            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            try:
+                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            except BaseException:
+                _end_generator_capture(side)
+                raise
             try:
                 out = self.streams.run(program, static_inputs)
             except BaseException:
-                self._abandon(graph, device)
+                self._abandon(graph, device, side)
                 raise
             try:
                 graph.capture_end()
             except BaseException:
                 self._release_pool(device)
+                _end_generator_capture(side)
                 raise
         return out
 
-    def _abandon(self, graph: Any, device: Any) -> None:
+    def _abandon(self, graph: Any, device: Any, side: Any) -> None:
         try:
             graph.capture_end()
         except Exception:  # noqa: BLE001 - the capture's own error is the one to report
             self._release_pool(device)
+            _end_generator_capture(side)
         else:
             graph.reset()
 
