@@ -6,7 +6,9 @@
 The model is ``width`` independent chains of ``depth`` ``Linear(64, 64)`` layers on a
 ``[1, 64]`` input (a few microseconds of work each), wrapped with ``fuse=False``,
 ``min_task_cost=0`` and ``num_streams=4`` so that every layer is a task of its own and
-the chains spread over 4 streams with cross-stream events at the join. The wrapper's
+the chains spread over 4 streams with cross-stream events at the join (on CUDA the plan
+is made with throughputs at which these layers weigh: with the GPU's own, every layer
+costs less than its launch and the plan is one task on one stream). The wrapper's
 plan is compiled once; then the *same program* (``sm._ss.last.program``) is run by:
 
 - ``serial``: the reference, one generated function for the whole plan: the work alone;
@@ -44,6 +46,7 @@ import streamsched as ss  # noqa: E402
 from benchmarks.suite.report import environment, json_output_path  # noqa: E402
 from benchmarks.suite.timing import Clock, measure_interleaved  # noqa: E402
 from streamsched import _native  # noqa: E402
+from streamsched.ir import cost  # noqa: E402
 from streamsched.runtime import CudaBackend, SerialExecutor, SimulatedBackend, StreamExecutor, ThreadExecutor  # noqa: E402
 
 
@@ -66,9 +69,21 @@ def build(width: int, depth: int, device: torch.device) -> tuple[ss.StreamSchedu
     # torch.fx traces through nn.Sequential, so each Linear is a node (and, unfused, a task).
     sm = ss.StreamScheduledModule(model, fuse=False, min_task_cost=0, num_streams=4, executor="streams")
     x = torch.randn(1, 64).to(device)
-    with torch.no_grad():
-        sm(x)  # records shapes and plans
-        sm(x)
+    # With a GPU's throughputs a [1, 64] Linear costs less than its launch and the plan
+    # puts every layer on one stream, in one task: nothing per task would be measured.
+    # Planned with throughputs at which these layers weigh what large ones do, the plan
+    # keeps a task per layer on 4 streams (the kernels still take their real time).
+    saved = cost.GPU_MODEL
+    cost.GPU_MODEL = cost.DeviceModel("cuda", flops_per_us=2.0e4, bytes_per_us=4.0e3, launch_us=1.0)
+    try:
+        with torch.no_grad():
+            sm(x)  # records shapes and plans
+            sm(x)
+    finally:
+        cost.GPU_MODEL = saved
+    tasks = len(sm._ss.last.program.tasks)
+    if tasks < width * depth:
+        raise SystemExit(f"overhead_bench: the plan has {tasks} tasks, fewer than the {width * depth} layers")
     return sm, model, x
 
 

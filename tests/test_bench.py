@@ -366,13 +366,22 @@ def test_compile_peer_reports_its_compile_time(tmp_path):
 
 
 @pytest.mark.cuda
-def test_overhead_bench_on_cuda_runs_real_streams(tmp_path):
+def test_overhead_bench_on_cuda_runs_real_streams(tmp_path, monkeypatch):
+    from streamsched.ir import cost
+
+    # The GPU's own cost model (the cuda-marked tests plan with one scaled to test shapes):
+    # with it, the first GPU run's plan was one task on one stream, and nothing per task was
+    # measured; the benchmark now plans with throughputs at which its layers weigh.
+    monkeypatch.setattr(
+        cost, "GPU_MODEL", cost.DeviceModel("cuda", flops_per_us=4.0e7, bytes_per_us=2.5e6, launch_us=5.0)
+    )
     script = _load_script("overhead_bench")
     args = ["--device", "cuda", "--out", str(tmp_path), "--width", "3", "--depth", "2", "--rounds", "2"]
     assert script.main(args) == 0
     report = json.loads((tmp_path / "overhead_bench.json").read_text())
     names = {row["executor"] for row in report["rows"]}
     assert "threads" not in names and {"serial", "streams (Python)", "module call"} <= names
+    assert report["tasks"] == 3 * 2 + 1 and report["num_streams"] > 1
 
 
 @pytest.mark.cuda
@@ -382,7 +391,12 @@ def test_quick_suite_on_cuda_includes_the_cuda_peers(tmp_path):
     report = json.loads((tmp_path / "bench.json").read_text())
     assert code == 0
     names = {row["name"] for row in report["cases"][0]["rows"]}
-    assert {"CUDA graph (eager, 1 stream)", "streamsched streams", "torch.compile reduce-overhead"} <= names
+    assert {
+        "CUDA graph (eager, 1 stream)",
+        "streamsched streams",
+        "streamsched, cuda_graph",
+        "torch.compile reduce-overhead",
+    } <= names
     for row in report["cases"][0]["rows"]:
         if row["status"] == "ok":
             assert row["max_abs_err"] <= row["tolerance"]
