@@ -112,6 +112,9 @@ def test_peers_of_the_reference_case_compute_the_same_function(tmp_path):
     assert rows["streamsched"]["setup_what"].startswith("first two calls")
     assert rows["streamsched serial"]["setup_what"] == "first call (trace + fuse + plan)"
     assert rows["streamsched threads"]["info"]["executor"] == "threads"
+    # and the plan its timed calls ran (the auto trial may choose after the first calls)
+    assert rows["streamsched threads"]["info"]["timed"]["executor"] == "threads"
+    assert rows["streamsched"]["info"]["timed"]["executor"] in ("serial", "threads", "eager")
     train = report["cases"][1]
     assert {row["name"] for row in train["rows"]} == {
         "eager",

@@ -133,6 +133,9 @@ def run_inference_case(spec: CaseSpec, ctx: SuiteContext, opts: MeasureOptions, 
         rows = check_rows(variants, [inputs, fresh], references, opts.rtol)
         calls = {v.name: (lambda v=v: v.call(*inputs)) for v in variants if v.call is not None}
         time_rows(rows, calls, ctx, opts)
+        for variant, row in zip(variants, rows):
+            if variant.info_after is not None:
+                row.info.update(variant.info_after())
     del variants, calls, case, model, references
     free_memory(device)
     return CaseResult(

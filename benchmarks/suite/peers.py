@@ -260,6 +260,7 @@ def streamsched_variants(case: BuiltCase, ctx: SuiteContext) -> list[Variant]:
                 setup_s=seconds,
                 setup_what=what,
                 info=_plan_info(sm, config),
+                info_after=lambda sm=sm, config=config: {"timed": _plan_info(sm, config)},
             )
         )
     return out

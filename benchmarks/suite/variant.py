@@ -47,6 +47,9 @@ class Variant:
     streamsched's first call (trace + record shapes + fuse + plan)."""
     setup_what: Optional[str] = None
     info: dict[str, Any] = field(default_factory=dict)
+    info_after: Optional[Callable[[], dict[str, Any]]] = None
+    """What to add to ``info`` once the variant was timed (a wrapper's plan after its
+    executor trial: the executor its timed calls ran, not the one its first call chose)."""
 
     @classmethod
     def unavailable(
