@@ -34,6 +34,11 @@ def derandomize(model: nn.Module) -> nn.Module:
             value = getattr(m, name, None)
             if isinstance(value, float) and not isinstance(value, bool) and value > 0:
                 setattr(m, name, 0.0)
+        # A rate a module copied from its config under another name (GPTBigCode's
+        # attention keeps ``attn_pdrop`` and passes it to scaled_dot_product_attention).
+        for name, value in list(vars(m).items()):
+            if "drop" in name and isinstance(value, float) and value > 0:
+                setattr(m, name, 0.0)
         config = getattr(m, "config", None)
         if config is not None and hasattr(config, "to_dict"):
             for key, value in list(vars(config).items()):
@@ -909,6 +914,115 @@ TRANSFORMERS += [
         _llava,
         image_text(2, 26, VOCAB, 32, image_tokens=16),
         "image features scattered into the token embeddings at the image tokens",
+    ),
+]
+
+# More families, each built from a small config: encoders (convolutional, Fourier,
+# funnel-pooled, character-level, protein), decoders (multi-query attention, partial rotary,
+# parallel attention and MLP), encoder-decoders with sinusoidal or windowed attention.
+_ENCODER = dict(_SMALL, max_position_embeddings=80)
+_SEQ2SEQ = dict(
+    vocab_size=VOCAB,
+    d_model=32,
+    encoder_layers=2,
+    decoder_layers=2,
+    encoder_attention_heads=4,
+    decoder_attention_heads=4,
+    encoder_ffn_dim=37,
+    decoder_ffn_dim=37,
+    max_position_embeddings=64,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+    decoder_start_token_id=2,
+)
+_GQA = dict(_SMALL, num_key_value_heads=2)
+_GPT = dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+TRANSFORMERS += [
+    _hf(
+        "squeezebert",
+        "SqueezeBertConfig",
+        "SqueezeBertModel",
+        _TOKENS,
+        note="grouped 1x1 convolutions in place of linear layers",
+        **dict(
+            _ENCODER,
+            embedding_size=32,
+            q_groups=2,
+            k_groups=2,
+            v_groups=2,
+            post_attention_groups=1,
+            intermediate_groups=1,
+            output_groups=1,
+        ),
+    ),
+    _hf(
+        "gpt_bigcode",
+        "GPTBigCodeConfig",
+        "GPTBigCodeForCausalLM",
+        _DECODER_TOKENS,
+        note="multi-query attention; its dropout rate held as a float attribute",
+        **_GPT,
+    ),
+    _hf("funnel", "FunnelConfig", "FunnelModel", _TOKENS, vocab_size=VOCAB, block_sizes=[1, 1], d_model=32, n_head=4),
+    _hf("fnet", "FNetConfig", "FNetModel", _TOKENS, note="Fourier transforms for attention", **_ENCODER),
+    _hf("esm", "EsmConfig", "EsmModel", _TOKENS, **dict(_ENCODER, pad_token_id=1)),
+    _hf("data2vec_text", "Data2VecTextConfig", "Data2VecTextModel", _TOKENS, **_ENCODER),
+    _hf(
+        "canine",
+        "CanineConfig",
+        "CanineModel",
+        _TOKENS,
+        note="characters hashed, downsampled and upsampled",
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=37,
+        downsampling_rate=2,
+        num_hash_buckets=64,
+        num_hash_functions=2,
+    ),
+    _hf("biogpt", "BioGptConfig", "BioGptForCausalLM", _DECODER_TOKENS, **_SMALL),
+    _hf("codegen", "CodeGenConfig", "CodeGenForCausalLM", _DECODER_TOKENS, rotary_dim=4, **_GPT),
+    _hf(
+        "gptj",
+        "GPTJConfig",
+        "GPTJForCausalLM",
+        _DECODER_TOKENS,
+        note="attention and MLP in parallel",
+        rotary_dim=4,
+        **_GPT,
+    ),
+    _hf(
+        "xglm",
+        "XGLMConfig",
+        "XGLMForCausalLM",
+        _DECODER_TOKENS,
+        vocab_size=VOCAB,
+        d_model=32,
+        num_layers=2,
+        attention_heads=4,
+        ffn_dim=37,
+        max_position_embeddings=64,
+    ),
+    _hf("olmo", "OlmoConfig", "OlmoForCausalLM", _DECODER_TOKENS, **_GQA),
+    _hf("stablelm", "StableLmConfig", "StableLmForCausalLM", _DECODER_TOKENS, **_GQA),
+    _hf("starcoder2", "Starcoder2Config", "Starcoder2ForCausalLM", _DECODER_TOKENS, **_GQA),
+    _hf("granite", "GraniteConfig", "GraniteForCausalLM", _DECODER_TOKENS, **_GQA),
+    _hf("phi3", "Phi3Config", "Phi3ForCausalLM", _DECODER_TOKENS, **_GQA),
+    _hf("pegasus", "PegasusConfig", "PegasusModel", seq2seq(2, 16, VOCAB), **_SEQ2SEQ),
+    _hf(
+        "led",
+        "LEDConfig",
+        "LEDModel",
+        seq2seq(2, 16, VOCAB),
+        note="windowed (Longformer) encoder attention",
+        **dict(
+            _SEQ2SEQ,
+            max_encoder_position_embeddings=64,
+            max_decoder_position_embeddings=64,
+            attention_window=[4, 4],
+        ),
     ),
 ]
 

@@ -193,9 +193,15 @@ def _random_layers(model: nn.Module) -> list[str]:
     """Dropout-like layers that would draw random numbers in training mode."""
     found = []
     for name, m in model.named_modules():
+        # A rate held as a plain float attribute (``attn_pdrop``), whatever the class.
+        for attr, value in vars(m).items():
+            if "drop" in attr and isinstance(value, float) and value > 0:
+                found.append(f"{name} ({type(m).__name__}.{attr} = {value})")
         if "drop" not in type(m).__name__.lower():
             continue
         rate = next((getattr(m, a) for a in ("p", "drop_prob", "drop_rate") if hasattr(m, a)), None)
+        if rate is None and any("drop" in type(c).__name__.lower() for c in m.children()):
+            continue  # a block named for the dropout it holds (ConvDropoutLayerNorm): its child is checked
         if rate is None or (isinstance(rate, (int, float)) and rate > 0):
             found.append(f"{name} ({type(m).__name__}, rate {rate})")
     return found
