@@ -258,7 +258,7 @@ def kernel(
     In the asynchronous mode (``_async``) the kernel is queued unless ``sync`` (the host
     reads its result) or ``at_once`` (a copy CUDA completes before returning)."""
     cap = emu._check_valid(stream)
-    if cap is None and emu.generators_capturing and stream.device in emu.generators_capturing:
+    if cap is None and stream.device in emu.generators_capturing:
         if runs_at_issue(func) == "random":
             # CUDAGeneratorState::increase: the generator was left in capture mode by a
             # capture that failed after capture_begin; every random kernel now fails.

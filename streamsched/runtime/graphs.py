@@ -306,8 +306,7 @@ class GraphExecutor:
             try:
                 graph.capture_end()
             except BaseException:
-                self._release_pool(device)
-                _end_generator_capture(side)
+                self._failed_end(device, side)
                 raise
         return out
 
@@ -315,18 +314,19 @@ class GraphExecutor:
         try:
             graph.capture_end()
         except Exception:  # noqa: BLE001 - the capture's own error is the one to report
-            self._release_pool(device)
-            _end_generator_capture(side)
+            self._failed_end(device, side)
         else:
             graph.reset()
 
-    def _release_pool(self, device: Any) -> None:
-        """A capture whose end failed leaves its memory pool recording and referenced
-        (PyTorch releases it only for graphs that were captured): release it, or the next
-        capture into the pool fails and its memory is never returned."""
+    def _failed_end(self, device: Any, side: Any) -> None:
+        """What a capture whose end failed leaves behind, undone: its memory pool still
+        recording and referenced (PyTorch releases it only for graphs that were captured;
+        left so, the next capture into the pool fails and its memory is never returned),
+        and the CUDA generator in capture mode (:func:`_end_generator_capture`)."""
         index = device.index if device.index is not None else torch.cuda.current_device()
         torch._C._cuda_endAllocateToPool(index, self.pool)
         torch._C._cuda_releasePool(index, self.pool)
+        _end_generator_capture(side)
 
     def run(
         self,
