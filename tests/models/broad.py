@@ -344,6 +344,9 @@ _SEQ2SEQ = dict(
     pad_token_id=0,
     decoder_start_token_id=2,
 )
+_ENCODER = dict(_SMALL, max_position_embeddings=80)
+_GQA = dict(_SMALL, num_key_value_heads=2)
+_GPT = dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64)
 
 
 def _hf(name: str, config: str, model: str, inputs: Callable[[int], Inputs], note: str = "", **kwargs: Any):
@@ -375,7 +378,7 @@ _TOKENS = tokens(2, 16, VOCAB)
 _DECODER_TOKENS = tokens(2, 16, VOCAB, use_cache=False)
 
 TRANSFORMERS: list[ModelSpec] = [
-    _hf("roberta", "RobertaConfig", "RobertaModel", _TOKENS, **dict(_SMALL, max_position_embeddings=80)),
+    _hf("roberta", "RobertaConfig", "RobertaModel", _TOKENS, **_ENCODER),
     _hf(
         "distilbert",
         "DistilBertConfig",
@@ -612,7 +615,7 @@ TRANSFORMERS += [
         "YosoModel",
         _TOKENS,
         note="an autograd Function with its own (approximate) backward",
-        **dict(_SMALL, max_position_embeddings=80),
+        **_ENCODER,
     ),
     _hf(
         "ctrl",
@@ -620,12 +623,8 @@ TRANSFORMERS += [
         "CTRLLMHeadModel",
         _DECODER_TOKENS,
         note="its forward assigns a buffer to itself every call",
-        vocab_size=VOCAB,
-        n_embd=32,
-        n_layer=2,
-        n_head=4,
         dff=37,
-        n_positions=64,
+        **_GPT,
     ),
     _hf(
         "recurrent_gemma",
@@ -710,7 +709,7 @@ TRANSFORMERS += [
         "XmodModel",
         with_languages(_TOKENS),
         note="a language adapter per layer, chosen per row by lang_ids (data-dependent routing)",
-        **dict(_SMALL, max_position_embeddings=80, languages=["en_XX", "de_DE"], default_language="en_XX"),
+        **dict(_ENCODER, languages=["en_XX", "de_DE"], default_language="en_XX"),
     ),
     _hf(
         "ibert_quant",
@@ -719,7 +718,7 @@ TRANSFORMERS += [
         _TOKENS,
         note="integer-only quantisation: autograd Functions (straight-through rounding), "
         "activation ranges kept in buffers updated in training",
-        **dict(_SMALL, max_position_embeddings=80, quant_mode=True),
+        **dict(_ENCODER, quant_mode=True),
     ),
     _hf(
         "deepseek_v2",
@@ -920,24 +919,6 @@ TRANSFORMERS += [
 # More families, each built from a small config: encoders (convolutional, Fourier,
 # funnel-pooled, character-level, protein), decoders (multi-query attention, partial rotary,
 # parallel attention and MLP), encoder-decoders with sinusoidal or windowed attention.
-_ENCODER = dict(_SMALL, max_position_embeddings=80)
-_SEQ2SEQ = dict(
-    vocab_size=VOCAB,
-    d_model=32,
-    encoder_layers=2,
-    decoder_layers=2,
-    encoder_attention_heads=4,
-    decoder_attention_heads=4,
-    encoder_ffn_dim=37,
-    decoder_ffn_dim=37,
-    max_position_embeddings=64,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-    decoder_start_token_id=2,
-)
-_GQA = dict(_SMALL, num_key_value_heads=2)
-_GPT = dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64)
 TRANSFORMERS += [
     _hf(
         "squeezebert",
