@@ -32,7 +32,15 @@ from .planning.planner import device_of, make_schedule, signature_text
 from .planning.signatures import Structure, sizes_text
 from .runtime.program import ProgramCache, annotate_exception, compile_program
 from .settled_calls import SettledCalls, settles, tensors_of
-from .state import UNIFORM_SCHEDULE_MARGIN, AsWritten, Compiled, alias_pattern, count_unsettled, placement_probe
+from .state import (
+    UNIFORM_SCHEDULE_MARGIN,
+    AsWritten,
+    Compiled,
+    alias_pattern,
+    count_unsettled,
+    placement_probe,
+    state_storages,
+)
 from .written_state import WrittenState
 
 if TYPE_CHECKING:
@@ -246,10 +254,13 @@ def _value_met(runner: Runner, spec: Any, structure_key: tuple, args: tuple, kwa
 
 
 def _trace_key(st: Any, spec: Any, tensors: list) -> tuple:
-    """``(trace key, ranks, dtypes)`` of a call: its traces are cached under that key."""
+    """``(trace key, ranks, dtypes)`` of a call: its traces are cached under that key.
+    Grad mode and inference mode are part of it: traced code may ask for them
+    (``torch.is_grad_enabled()``), which bakes the answer into the trace."""
     ranks = tuple(t.dim() for t in tensors)
     dtypes = tuple(t.dtype for t in tensors)
-    return (spec.key, st.mode_id, autocast_state(), ranks, dtypes), ranks, dtypes
+    modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+    return (spec.key, st.mode_id, autocast_state(), modes, ranks, dtypes), ranks, dtypes
 
 
 def _count_new_sizes(
@@ -422,8 +433,13 @@ def compile_signature(runner: Runner, traced: Traced, key: Any, tensors: list[to
     compiled.nested_sites = runner.opaque_sites(planned.plan)
     compiled.checks = checks
     compiled.written = written
-    if effects.writes_inputs:
-        compiled.alias_pattern = alias_pattern(tensors)
+    if effects:
+        # Its order of in-place writes holds for the way the inputs alias each other and
+        # the model's parameters and buffers on this call, and for their layout, which
+        # decides whether a view or a copy is written (``state.alias_pattern``).
+        compiled.held_storages = state_storages(runner.module)
+        compiled.alias_pattern = alias_pattern(tensors, compiled.held_storages)
+        _keep_variant(st.plans.get_fresh(key), compiled)
     if runner.auto:
         eager = runner.may_run_as_written
         if eager or planned.plan.executor != "serial":
@@ -438,6 +454,22 @@ def compile_signature(runner: Runner, traced: Traced, key: Any, tensors: list[to
     st.last = compiled
     st.last_path = "recorded"
     return compiled, rebuild(result)
+
+
+# Plans kept per signature for the ways its inputs alias (Compiled.variants).
+MAX_ALIAS_VARIANTS = 4
+
+
+def _keep_variant(previous: Any, compiled: Compiled) -> None:
+    """Keep ``compiled`` beside the plans its signature has for other alias patterns
+    (``previous``: the signature's plan until now), so that inputs aliasing one way and
+    then another each find theirs instead of re-recording on every call."""
+    variants = previous.variants if isinstance(previous, Compiled) and previous.variants is not None else {}
+    variants.pop(compiled.alias_pattern, None)
+    variants[compiled.alias_pattern] = compiled
+    while len(variants) > MAX_ALIAS_VARIANTS:
+        del variants[next(iter(variants))]
+    compiled.variants = variants
 
 
 def _attributes_read(traced: Traced) -> list[Any]:

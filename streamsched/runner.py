@@ -242,8 +242,9 @@ class Runner:
         if entry is not None and entry.alias_pattern is not None:
             # The plan orders in-place effects for the way its inputs alias each
             # other on the call that made it; other aliasing needs another plan.
-            if alias_pattern(tensors) != entry.alias_pattern:
-                entry = None
+            pattern = alias_pattern(tensors, entry.held_storages)
+            if pattern != entry.alias_pattern:
+                entry = entry.variants.get(pattern) if entry.variants is not None else None
         st.calls += 1
         if entry is None:
             return new_signature(self, key, spec, tensors, args, kwargs)

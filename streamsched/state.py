@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _generation, _native
 from ._lru import LRU
@@ -116,6 +117,8 @@ class Compiled:
         "as_written",
         "rebuild",
         "alias_pattern",
+        "held_storages",
+        "variants",
         "structure",
         "sizes",
         "nested_sites",
@@ -149,6 +152,12 @@ class Compiled:
         # Where the graph writes in place: how the inputs shared storage on the planning
         # call (the effect edges hold for that aliasing only).
         self.alias_pattern: Optional[tuple] = None
+        # The model's parameter and buffer storages on the planning call, where it has an
+        # alias pattern (``state_storages``): an input sharing one is part of the pattern.
+        self.held_storages: Optional[dict] = None
+        # The plans of this signature by alias pattern, shared by them all: calls whose
+        # inputs alias otherwise from call to call each find theirs.
+        self.variants: Optional[dict[tuple, Compiled]] = None
         # The call structure this signature belongs to, and its sizes: the trial's
         # decision is kept there for the sizes' bucket.
         self.structure: Optional[Structure] = None
@@ -643,7 +652,34 @@ def all_plain_tensors(args: tuple) -> bool:
     return True
 
 
-def alias_pattern(tensors: list[torch.Tensor]) -> tuple:
-    """Which inputs share storage: for each input, the index of the first input with its storage."""
+def alias_pattern(tensors: list[torch.Tensor], state: Optional[dict[int, tuple[int, Any]]] = None) -> tuple:
+    """Which inputs share storage: for each input, the index of the first input with its
+    storage; with ``state`` (:func:`state_storages`), then for each input the index of
+    the model's parameter or buffer whose storage it shares (-1: none), and the inputs'
+    strides. A plan orders the in-place writes of the call that recorded it: an input
+    that becomes the storage of a buffer the forward writes (``sm(x, model.buf)``) needs
+    another plan, and so does one laid out otherwise (``x.reshape(-1).add_(1)`` writes
+    ``x`` where ``x`` is contiguous and a copy where it is not)."""
     first: dict[int, int] = {}
-    return tuple(first.setdefault(t.untyped_storage()._cdata, i) for i, t in enumerate(tensors))
+    storages = [t.untyped_storage()._cdata for t in tensors]
+    pattern = tuple([first.setdefault(s, i) for i, s in enumerate(storages)])
+    if state is None:
+        return pattern
+    shared = []
+    for s in storages:
+        held = state.get(s)
+        # (A storage freed since, whose address an input's storage now has, is none.)
+        shared.append(-1 if held is None or held[1].expired() else held[0])
+    return pattern + tuple(shared) + tuple([t.stride() for t in tensors])
+
+
+def state_storages(module: nn.Module) -> dict[int, tuple[int, Any]]:
+    """The storages of ``module``'s parameters and buffers now (by address), each to the
+    index of the first tensor holding it and a weak reference to it (:func:`alias_pattern`;
+    a plan holding it does not keep a storage alive that the module let go)."""
+    out: dict[int, tuple[int, Any]] = {}
+    for i, t in enumerate(itertools.chain(module.parameters(), module.buffers())):
+        storage = t.untyped_storage()
+        if storage._cdata not in out:
+            out[storage._cdata] = (i, StorageWeakRef(storage))
+    return out

@@ -67,6 +67,7 @@ from .opaque_outputs import (
 from .output_tree import OutputTree
 from .rank_checks import rely_on
 from .ranks import RankTracker
+from .state_queries import QueryRecorder
 from .trace_guard import (
     _MODULE_TABLES,
     ContainerWrittenDuringTrace,
@@ -1114,7 +1115,7 @@ def _trace_once(
             for code, namespace in _static_code(modules, held).items():
                 held_state.note_globals(namespace, _global_names(code))
             guard = TraceSideEffectGuard(model, root, modules, held)
-            with guard, GradModeGuard(tracer):
+            with guard, GradModeGuard(tracer), QueryRecorder() as queries:
                 graph = tracer.trace(root)
         finally:
             tracer.held_state = root.__dict__["_streamsched_held_state"] = None  # (even if a restore raises)
@@ -1167,6 +1168,7 @@ def _trace_once(
     _generation.watch(k for _, values in flags for k, _ in values)
     state_flags, state_guards = _python_state(modules)
     state_guards += _baked_guards(baked, modules)
+    state_guards += _query_guards(queries.queries)
     flags += state_flags
     traced = Traced(
         graph,
@@ -1194,6 +1196,37 @@ def _trace_once(
 
 
 _VERSION = ("_version", "_version")  # (a getter of one name returns no tuple)
+
+
+class _TorchSettings:
+    """The owner of the guards of the global torch settings a trace asked for
+    (``state_queries``): its getters ask torch, not the owner."""
+
+    __slots__ = ()
+
+
+_TORCH_SETTINGS = _TorchSettings()
+
+
+class _Ask:
+    """A guard's getter that asks torch for a setting again (``(value,)``)."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[], Any]):
+        self.fn = fn
+
+    def __call__(self, owner: Any) -> tuple:
+        return (self.fn(),)
+
+
+def _query_guards(queries: dict[str, tuple[Callable[[], Any], Any]]) -> tuple:
+    """A guard for each global torch setting the traced code asked for
+    (``state_queries``): the trace holds while torch still answers the same."""
+    return tuple(
+        (_TORCH_SETTINGS, name, GlobalValue(name, (value,), getter=_Ask(fn), types=(type(value),)))
+        for name, (fn, value) in queries.items()
+    )
 
 
 def _baked_guards(baked: Sequence[torch.Tensor], modules: Sequence[torch.nn.Module]) -> tuple:
