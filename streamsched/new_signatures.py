@@ -18,7 +18,7 @@ import torch
 
 from . import _generation
 from .errors import FusedMembersReshaped, ProfileMismatchError, TraceError
-from .frontend.effects import EffectRecorder, Effects, reads_only
+from .frontend.effects import EffectRecorder, Effects, parameter_writers, reads_only
 from .frontend.meta import fetch_attr, run_and_record
 from .frontend.nodes import node_label, resolving_submodules, submodule_resolver
 from .frontend.opaque_outputs import OutputCheck, check_recorded_structures
@@ -410,6 +410,10 @@ def compile_signature(runner: Runner, traced: Traced, key: Any, tensors: list[to
     else:
         input_keys = frozenset(recorder.key_of(t) for t in tensors)
         effects = Effects.from_accesses(recorder.accesses, input_keys, traced.graph)
+        if effects:
+            effects.parameter_writers = parameter_writers(
+                recorder.accesses, recorder.key_of, runner.module.parameters()
+            )
         if checks and effects.writes_state:
             # What a check stopping a call may find written: saved before each call
             # (written_state), put back by a stopped one, which then runs as written.

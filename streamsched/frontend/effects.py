@@ -367,6 +367,15 @@ def written_storages(accesses: dict[str, NodeAccess]) -> set[int]:
     return out
 
 
+def parameter_writers(accesses: dict[str, NodeAccess], key_of: Any, parameters: Any) -> frozenset:
+    """The nodes of a recording (``accesses``, its storage ids ``key_of``) that wrote
+    the storage of one of ``parameters`` (:attr:`Effects.parameter_writers`)."""
+    keys = {key_of(p) for p in parameters} - {None}
+    if not keys:
+        return frozenset()
+    return frozenset(name for name, acc in accesses.items() if acc.writes & keys)
+
+
 def unmarked_state(accesses: dict[str, NodeAccess]) -> set[int]:
     """The storages written by ops whose schema does not say so (a batch norm's running
     statistics in training) that no node of the call allocated."""
@@ -404,6 +413,11 @@ class Effects:
     rewrite must not make such a value share storage with another one (fusion's cat of
     a group's outputs as a view of the kernel's output, say), or the write would show
     there too."""
+    parameter_writers: frozenset = frozenset()
+    """Nodes that write a parameter of the model in place (a weight renormalised under
+    ``no_grad`` inside a forward): never fused, since a fused member's parameter is a
+    view of its group's stack, which autograd refuses to see written
+    (:func:`parameter_writers`)."""
     writes_state: bool = False
     """Whether some node writes a storage no node of the call allocated (a buffer, a
     parameter, an input, a tensor a module holds): a call stopped part way has changed

@@ -102,7 +102,7 @@ def _single_stream(tg: TaskGraph) -> Assignment:
 def _copy_graph(ctx: PlanningContext) -> None:
     """The graph the passes rewrite, with the nodes in-place effects involve marked."""
     ctx.graph, ctx.metas = copy_graph(ctx.traced.graph, ctx.metas)
-    involved = ctx.effects.involved
+    involved = ctx.effects.involved | ctx.effects.parameter_writers
     written = ctx.effects.outputs_written
     after = ctx.effects.after
     for node in ctx.graph.nodes:
