@@ -180,7 +180,13 @@ def new_signature(runner: Runner, key: Any, spec: Any, tensors: list[torch.Tenso
         )
         structure.decide(signatures.ANY_SIZE, signatures.Decision(True, "serial", why, shapes))
         return new_signature(runner, key, spec, tensors, args, kwargs)
-    compiled, out = compile_signature(runner, traced, key, tensors)
+    try:
+        compiled, out = compile_signature(runner, traced, key, tensors)
+    except _RecordingAbandoned as abandoned:
+        st.traces.put(trace_key, abandoned.error)  # later calls go to eager dispatch at once
+        if structure is not None and structure.plan is None:
+            st.structures.pop(structure_key, None)
+        return runner.eager_dispatch(key, spec, tensors, abandoned.error, trace_key, args, kwargs)
     _join_structure(runner, compiled, structure_key, structure, shapes, time.perf_counter() - start)
     return out
 
@@ -392,8 +398,20 @@ def compile_signature(runner: Runner, traced: Traced, key: Any, tensors: list[to
             raise RuntimeError("streamsched: the trace changed during a call of reading modules only")
     else:
         recorder = EffectRecorder()
-        with recorder:
-            result = run_and_record(graph, traced.root, tensors, on_error, metas, recorder, resolve)
+        rng = _rng_states(tensors)
+        try:
+            with recorder:
+                result = run_and_record(graph, traced.root, tensors, on_error, metas, recorder, resolve)
+        except TraceError as exc:
+            # A leaf call returned what no trace can follow (a ``None`` where the traced
+            # code reads a tensor, in a structure learning cannot stand in for): the call
+            # runs as written instead, where the nodes run so far wrote no state (the
+            # random numbers they drew are put back); otherwise it cannot be run again.
+            inputs = frozenset(recorder.key_of(t) for t in tensors)
+            if config.strict or Effects.from_accesses(recorder.accesses, inputs).writes_state:
+                raise
+            _put_back_rng(rng)
+            raise _RecordingAbandoned(exc) from exc
     _guard_dtypes(runner, traced)
     # A leaf call that returned a tensor here may return None on a later call (the
     # reverse of what the recording call's re-trace learns): read it through a check.
@@ -474,6 +492,28 @@ def _keep_variant(previous: Any, compiled: Compiled) -> None:
     while len(variants) > MAX_ALIAS_VARIANTS:
         del variants[next(iter(variants))]
     compiled.variants = variants
+
+
+class _RecordingAbandoned(Exception):
+    """A recording call stopped by a ``TraceError`` having written no state: the call
+    structure is taken for untraceable (``error``) and the call runs as written."""
+
+    def __init__(self, error: TraceError):
+        super().__init__(str(error))
+        self.error = error
+
+
+def _rng_states(tensors: list[torch.Tensor]) -> tuple:
+    """The CPU generator's state, and the CUDA one of the inputs' device where it is one."""
+    cuda = next((t.device for t in tensors if t.is_cuda), None)
+    return torch.get_rng_state(), cuda, torch.cuda.get_rng_state(cuda) if cuda is not None else None
+
+
+def _put_back_rng(states: tuple) -> None:
+    cpu, device, cuda = states
+    torch.set_rng_state(cpu)
+    if device is not None:
+        torch.cuda.set_rng_state(cuda, device)
 
 
 def _attributes_read(traced: Traced) -> list[Any]:
