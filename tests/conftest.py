@@ -113,6 +113,17 @@ def plan_first_calls(monkeypatch):
 
 
 @pytest.fixture
+def vmap_any_size(monkeypatch):
+    """vmap kernels for groups of any size and member outputs of any size
+    (``builders.VMAP_MIN_MEMBERS``, ``VMAP_MAX_CPU_ELEMENTS``): for tests of what a vmap
+    kernel computes, on groups small enough to check quickly, where it would not pay."""
+    from streamsched.passes.fusion import builders
+
+    monkeypatch.setattr(builders, "VMAP_MIN_MEMBERS", 2)
+    monkeypatch.setattr(builders, "VMAP_MAX_CPU_ELEMENTS", float("inf"))
+
+
+@pytest.fixture
 def emulated_cuda(_cuda_device):
     """The emulated device of a `cuda`-marked test (skips where a real GPU runs the test)."""
     if _cuda_device is None:

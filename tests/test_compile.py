@@ -30,6 +30,7 @@ from .helpers import Towers, assert_close
 EXECUTORS = ["serial", "threads", "streams"]
 
 pytestmark = [
+    pytest.mark.usefixtures("vmap_any_size"),  # fused identical branches, a few of them
     # dynamo warns about the library internals it cannot trace (thread ids, lru_cache);
     # the graph breaks are expected here and counted where they matter.
     pytest.mark.filterwarnings("ignore::UserWarning"),

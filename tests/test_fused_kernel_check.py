@@ -21,6 +21,9 @@ from streamsched.passes.fusion import kernels
 from .fused_kernels import assert_fused_kernels_match_members, fused_kernel_problems
 from .helpers import ConvTowers, assert_close, called_on
 
+# Fusion mechanics on small groups: vmap kernels where they would not pay too.
+pytestmark = pytest.mark.usefixtures("vmap_any_size")
+
 
 class NormsAndConvs(nn.Module):
     """LayerNorm + GELU per slice (stacked input), and Conv-BN-ReLU towers on one image."""

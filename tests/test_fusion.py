@@ -11,6 +11,9 @@ from streamsched.testing import assert_path
 
 from .helpers import assert_close, assert_sgd_steps_match_the_loop, called_on, check_against_eager
 
+# Fusion mechanics on small groups: vmap kernels where they would not pay too.
+pytestmark = pytest.mark.usefixtures("vmap_any_size")
+
 
 def kernels(sm):
     return [n.target for n in sm._ss.last.graph.nodes if isinstance(n.target, FusedKernel)]

@@ -7,6 +7,7 @@ in-place write of shared storage, a random draw; its gradient is retained); a mo
 own table, a tensor registered twice once.
 """
 
+import pytest
 import torch
 from torch import nn
 
@@ -15,6 +16,9 @@ from streamsched.passes.fusion.propose import _EFFECT, _RETAINED
 from streamsched.testing import assert_path
 
 from .helpers import check_against_eager
+
+# Fusion mechanics on small groups: vmap kernels where they would not pay too.
+pytestmark = pytest.mark.usefixtures("vmap_any_size")
 
 
 class TwoHeads(nn.Module):

@@ -1,4 +1,5 @@
 """Gradients, outputs and BatchNorm statistics of a model whose fused members were given
+
 other values after planning, in training, against eager.
 
 A member given new storage (``p.data = t``), a new ``nn.Parameter`` in its place, or new
@@ -24,6 +25,9 @@ import streamsched as ss
 from streamsched.passes.fusion import params as stacked_params
 
 from .helpers import called_on
+
+# Fusion mechanics on small groups: vmap kernels where they would not pay too.
+pytestmark = pytest.mark.usefixtures("vmap_any_size")
 
 DT = torch.float64
 RTOL = 1e-9

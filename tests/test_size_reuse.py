@@ -15,6 +15,9 @@ from torch import nn
 import streamsched as ss
 from streamsched.testing import assert_path
 
+# Fusion mechanics on small groups: vmap kernels where they would not pay too.
+pytestmark = pytest.mark.usefixtures("vmap_any_size")
+
 
 class SlicedMLPs(nn.Module):
     """``n`` MLPs, member ``i`` on columns ``[w*i, w*(i+1))`` (ParallelFCN in small)."""

@@ -57,6 +57,7 @@ __all__ = [
 RELIED_RANK = "streamsched_relied_rank"
 LEAF_CALLS = "streamsched_leaf_calls"
 EFFECT = "streamsched_effect"
+WRITES_PARAMETER = "streamsched_writes_parameter"
 EFFECT_AFTER = "streamsched_effect_after"
 OUTPUT_WRITTEN = "streamsched_output_written"
 LABEL = "streamsched_label"
@@ -92,6 +93,17 @@ def has_effect(node: fx.Node) -> bool:
 
 def set_effect(node: fx.Node) -> None:
     node.meta[EFFECT] = True
+
+
+# Planning, for fusion: the node writes a parameter of the model in place (``Effects.
+# parameter_writers``): a fused member's parameter is a view of its group's stack, which
+# autograd refuses to see written.
+def writes_parameter(node: fx.Node) -> bool:
+    return bool(node.meta.get(WRITES_PARAMETER))
+
+
+def set_writes_parameter(node: fx.Node) -> None:
+    node.meta[WRITES_PARAMETER] = True
 
 
 # Planning, for fusion: the names of the nodes this one must follow beyond its data

@@ -102,7 +102,8 @@ def _single_stream(tg: TaskGraph) -> Assignment:
 def _copy_graph(ctx: PlanningContext) -> None:
     """The graph the passes rewrite, with the nodes in-place effects involve marked."""
     ctx.graph, ctx.metas = copy_graph(ctx.traced.graph, ctx.metas)
-    involved = ctx.effects.involved | ctx.effects.parameter_writers
+    involved = ctx.effects.involved
+    parameter_writers = ctx.effects.parameter_writers
     written = ctx.effects.outputs_written
     after = ctx.effects.after
     for node in ctx.graph.nodes:
@@ -113,6 +114,8 @@ def _copy_graph(ctx: PlanningContext) -> None:
                 node_meta.set_effect_after(node, tuple(sorted(deps)))
         if node.name in written:
             node_meta.set_output_written(node)
+        if node.name in parameter_writers:
+            node_meta.set_writes_parameter(node)
 
 
 def _fuse(ctx: PlanningContext) -> None:

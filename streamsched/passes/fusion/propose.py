@@ -384,6 +384,10 @@ def _contains_node(a: Any) -> bool:
 
 
 _EFFECT = "writes shared state or draws random numbers, ordered with other nodes that do (kept in eager order)"
+_WRITES_PARAMETER = (
+    "writes its own parameter in place (a fused member's parameter is a view of its group's stack, which "
+    "autograd refuses to see written)"
+)
 _RETAINED = "its gradient is retained (retain_grad): the backward must pass through this tensor"
 
 
@@ -621,7 +625,9 @@ class FusionSupport:
         if st.tensor_args is False:
             return None
         excluded = None
-        if node_meta.has_effect(node):
+        if node_meta.writes_parameter(node):
+            excluded = _WRITES_PARAMETER
+        elif node_meta.has_effect(node):
             # It writes a storage another node reads or writes (or reads one written in
             # place): its place in eager order is kept, so it runs alone.
             excluded = _EFFECT
