@@ -358,9 +358,17 @@ def test_a_none_inside_an_object_the_trace_cannot_rebuild_is_refused():
                 y = y + self.lin(box.g)
             return y
 
-    sm = ss.StreamScheduledModule(Model(), executor="serial", leaf_modules=[Boxed])
+    # With strict=True the recording call raises; by default (test_recording_abandoned)
+    # the call runs as written with an UntraceableWarning naming the same problem.
+    model = Model()
+    sm = ss.StreamScheduledModule(model, executor="serial", leaf_modules=[Boxed], strict=True)
     with pytest.raises(TraceError, match="'boxed' \\(an opaque call\\) returned a Box"):
         sm(torch.randn(3, 8))
+    sm = ss.StreamScheduledModule(model, executor="serial", leaf_modules=[Boxed])
+    x = torch.randn(3, 8)
+    with pytest.warns(ss.UntraceableWarning, match="'boxed' \\(an opaque call\\) returned a Box"):
+        out = sm(x)
+    assert torch.equal(out, model(x))
 
 
 def test_what_was_learned_holds_per_mode():

@@ -413,16 +413,17 @@ class Effects:
     rewrite must not make such a value share storage with another one (fusion's cat of
     a group's outputs as a view of the kernel's output, say), or the write would show
     there too."""
-    parameter_writers: frozenset = frozenset()
-    """Nodes that write a parameter of the model in place (a weight renormalised under
-    ``no_grad`` inside a forward): never fused, since a fused member's parameter is a
-    view of its group's stack, which autograd refuses to see written
-    (:func:`parameter_writers`)."""
     writes_state: bool = False
     """Whether some node writes a storage no node of the call allocated (a buffer, a
     parameter, an input, a tensor a module holds): a call stopped part way has changed
     state; one that writes only what the call allocated (``index_add_`` into a
     ``zeros`` of its own) has not."""
+    # (Last: from_accesses passes the fields above by position.)
+    parameter_writers: frozenset = frozenset()
+    """Nodes that write a parameter of the model in place (a weight renormalised under
+    ``no_grad`` inside a forward): never fused, since a fused member's parameter is a
+    view of its group's stack, which autograd refuses to see written
+    (:func:`parameter_writers`)."""
 
     @property
     def involved(self) -> set[str]:
