@@ -185,18 +185,24 @@ def _batchnorm(g: Group) -> Optional[Built]:
     if g.copied(sources):
         return g.give_up(_CHEAP)
     src = sources[0]
-    kernel = BatchNormKernel(
-        g.modules,
-        g.names,
-        g.stack("weight"),
-        g.stack("bias"),
-        g.stack("running_mean"),
-        g.stack("running_var"),
-        g.stack("num_batches_tracked"),
-        src.layout,
-        src.shape,
-    )
+    statistics = [g.stack(n) for n in ("running_mean", "running_var", "num_batches_tracked")]
+    if _updates_copies(g, statistics):
+        return g.give_up(_COPIED_STATE)
+    kernel = BatchNormKernel(g.modules, g.names, g.stack("weight"), g.stack("bias"), *statistics, src.layout, src.shape)
     return Built(kernel, [src.node])
+
+
+_COPIED_STATE = (
+    "its running statistics would be stacked per call (fuse_params='copy', or a buffer no stack can "
+    "alias): the batched kernel's update in training would not reach the members"
+)
+
+
+def _updates_copies(g: Group, stacks: list) -> bool:
+    """Whether a kernel in training would update buffers through stacks that are per-call
+    copies of the members' (copy mode): the members would keep their old values."""
+    training = any(m.training for m in g.modules)
+    return training and any(s is not None and not s.alias for s in stacks)
 
 
 @_builder("layernorm")
@@ -304,6 +310,8 @@ def _vmap(g: Group) -> Optional[Built]:
     sources = g.sources()
     params = {n: g.stack_path(n) for n, _ in template.named_parameters()}
     buffers = {n: g.stack_path(n) for n, b in template.named_buffers() if b is not None}
+    if _updates_copies(g, list(buffers.values())):
+        return g.give_up(_COPIED_STATE)
     trial = _vmap_trial(template, sources, inputs, dict(g.anchor.kwargs), g.out_shape, g.out_dtype)
     if not trial:
         return g.give_up("vmap cannot batch it")
