@@ -65,13 +65,6 @@ def new_signature(runner: Runner, key: Any, spec: Any, tensors: list[torch.Tenso
     """A call with no plan for its signature: plan it, or run the model as written where
     a plan would not pay (``planning.signatures``). Returns the call's output."""
     st = runner.st
-    if torch._C._functorch.maybe_current_level() is not None:
-        # Inside a torch.func transform (grad, vjp, jacrev, vmap ...): its tensors are
-        # wrappers of the transform's level, which the recording call would keep in its
-        # records and fusion would stack into the parameters' storage (the process then
-        # crashed on the next read of a parameter). Run as written, planning nothing; a
-        # signature planned by a call outside any transform runs its plan in one.
-        return runner.as_written(args, kwargs)
     if spec.has_objects is not None:
         return _object_call(runner, key, spec, args, kwargs)
     sizes = key[1]

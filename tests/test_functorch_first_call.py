@@ -1,9 +1,9 @@
 """A wrapper whose first call is made inside a ``torch.func`` transform (``grad``,
-``vjp``, ``jacrev``, ``jacfwd``, ``vmap``): that call runs as written, planning nothing
-(the transform's wrapped tensors would be kept by the recording and stacked into the
-parameters' storage, and the process crashed on the next read of a parameter); the
-calls after it, in and out of transforms, equal eager. Run in a child process, so that
-a crash fails the test instead of the test run."""
+``vjp``, ``jacrev``, ``jacfwd``, ``vmap``): fusion stacks the members' parameters outside
+the transform (made at the transform's level, the stack was freed with it, and the
+process crashed on the next read of a parameter); that call and the calls after it, in
+and out of transforms, equal eager. Run in a child process, so that a crash fails the
+test instead of the test run."""
 
 from __future__ import annotations
 
@@ -48,7 +48,6 @@ SCRIPT = textwrap.dedent(
             sm = ss.StreamScheduledModule(model, executor=executor)
             x = torch.randn(2, 8)
             close(transform(sm, x), transform(reference, x))
-            assert last_path(sm) == "as-written", (name, last_path(sm))
             for call in range(3):
                 x = torch.randn(2, 8)
                 close(sm(x), reference(x))
@@ -62,7 +61,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_a_first_call_inside_a_torch_func_transform_runs_as_written():
+def test_a_first_call_inside_a_torch_func_transform_leaves_the_parameters_sound():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)

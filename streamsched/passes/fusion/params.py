@@ -396,7 +396,11 @@ class StackedTensors:
     def _stack_members(self) -> torch.Tensor:
         # The stack becomes the members' storage for good: made under inference_mode it
         # would turn the model's parameters into inference tensors, unusable for training.
-        with torch.inference_mode(False), torch.no_grad():
+        # And outside any torch.func transform the call runs in (a first call under
+        # torch.func.grad): made at the transform's level, the stack would be freed with
+        # it, and the parameters would hold dangling storage (the process crashed on
+        # their next read).
+        with torch.inference_mode(False), torch.no_grad(), torch._C._DisableFuncTorch():
             detached = [t.detach() for t in self.tensors]
             stack = torch.cat(detached, 0) if self.concat else torch.stack(detached, 0)
             if self.concat:

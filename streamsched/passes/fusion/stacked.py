@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from ...errors import StreamSchedError
+from .params import _hooked
 
 __all__ = ["StackedParameter", "StackedLayoutError", "stacked_owner", "layout_version", "grad_sink"]
 
@@ -187,6 +188,14 @@ class StackedParameter(nn.Parameter):
                 f"fused group {names[0]} ... ({len(members)} members): {trainable} is trainable but {frozen} is "
                 "frozen (requires_grad=False); one stacked tensor is trained or frozen as a whole. Freeze or unfreeze "
                 "the whole group, or keep per-member parameters (model.parameters())"
+            )
+        hooked = next((n for n, m in zip(names, members) if _hooked(m)), None)
+        if hooked is not None:
+            # Its gradient would accumulate into the stacked tensor's .grad, past the hook.
+            raise StackedLayoutError(
+                f"fused group {names[0]} ... ({len(members)} members): {hooked} has a gradient hook "
+                "(register_hook or register_post_accumulate_grad_hook), which a stacked tensor's gradient would "
+                "bypass. Register it on the stacked tensor, or keep per-member parameters (model.parameters())"
             )
         with torch.inference_mode(False):
             self = cls(stack, requires_grad=flags.pop())
