@@ -455,7 +455,7 @@ def compile_signature(runner: Runner, traced: Traced, key: Any, tensors: list[to
     compiled.nested_sites = runner.opaque_sites(planned.plan)
     compiled.checks = checks
     compiled.written = written
-    if effects:
+    if effects.writes_inputs or effects.writes_state or _layout_decides_writes(effects, traced.graph):
         # Its order of in-place writes holds for the way the inputs alias each other and
         # the model's parameters and buffers on this call, and for their layout, which
         # decides whether a view or a copy is written (``state.alias_pattern``).
@@ -476,6 +476,46 @@ def compile_signature(runner: Runner, traced: Traced, key: Any, tensors: list[to
     st.last = compiled
     st.last_path = "recorded"
     return compiled, rebuild(result)
+
+
+# Operations that return a view of their input or a copy, as its layout, dtype or device
+# decide (``x.reshape(-1)`` views a contiguous ``x`` and copies a strided one).
+_VIEW_OR_COPY_METHODS = frozenset(
+    {
+        "reshape",
+        "reshape_as",
+        "flatten",
+        "contiguous",
+        "to",
+        "type",
+        "type_as",
+        "float",
+        "double",
+        "half",
+        "bfloat16",
+        "int",
+        "long",
+        "cpu",
+        "cuda",
+    }
+)
+_VIEW_OR_COPY_FUNCTIONS = frozenset({torch.reshape, torch.flatten, torch.Tensor.contiguous, torch.Tensor.to})
+
+
+def _layout_decides_writes(effects: Effects, graph: Any) -> bool:
+    """Whether the recording wrote in place into the output of an operation that returns
+    a view or a copy as the input's layout decides: with another layout the same write
+    would reach the input (``Compiled.alias_pattern`` then holds the strides)."""
+    written = effects.outputs_written
+    if not written:
+        return False
+    for node in graph.nodes:
+        if node.name in written:
+            if node.op == "call_method" and node.target in _VIEW_OR_COPY_METHODS:
+                return True
+            if node.op == "call_function" and node.target in _VIEW_OR_COPY_FUNCTIONS:
+                return True
+    return False
 
 
 # Plans kept per signature for the ways its inputs alias (Compiled.variants).
