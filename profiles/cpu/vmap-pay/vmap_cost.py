@@ -56,4 +56,7 @@ for shape in ((1, 32, 2, 2), (2, 32, 16, 16)):
                 sm(x)
                 wrapped.append(time.thread_time() - t)
         e, w = statistics.median(eager), statistics.median(wrapped)
-        print(f"{str(shape):16} N={n:4d} fused={fused or '-'} eager {e * 1e6:8.0f} us wrapped {w * 1e6:8.0f} us  eager/wrapped {e / w:.2f}")
+        print(
+            f"{str(shape):16} N={n:4d} fused={fused or '-'} "
+            f"eager {e * 1e6:8.0f} us wrapped {w * 1e6:8.0f} us  eager/wrapped {e / w:.2f}"
+        )
