@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 
 from . import _generation
+from ._rng import restore_generators, save_generators
 from .errors import FusedMembersReshaped, ProfileMismatchError, TraceError
 from .frontend.effects import EffectRecorder, Effects, parameter_writers, reads_only
 from .frontend.meta import fetch_attr, run_and_record
@@ -398,7 +399,7 @@ def compile_signature(runner: Runner, traced: Traced, key: Any, tensors: list[to
             raise RuntimeError("streamsched: the trace changed during a call of reading modules only")
     else:
         recorder = EffectRecorder()
-        rng = _rng_states(tensors)
+        rng = save_generators(next((t.device for t in tensors if t.is_cuda), None))
         try:
             with recorder:
                 result = run_and_record(graph, traced.root, tensors, on_error, metas, recorder, resolve)
@@ -410,7 +411,7 @@ def compile_signature(runner: Runner, traced: Traced, key: Any, tensors: list[to
             inputs = frozenset(recorder.key_of(t) for t in tensors)
             if config.strict or Effects.from_accesses(recorder.accesses, inputs).writes_state:
                 raise
-            _put_back_rng(rng)
+            restore_generators(rng)
             raise _RecordingAbandoned(exc) from exc
     _guard_dtypes(runner, traced)
     # A leaf call that returned a tensor here may return None on a later call (the
@@ -541,19 +542,6 @@ class _RecordingAbandoned(Exception):
     def __init__(self, error: TraceError):
         super().__init__(str(error))
         self.error = error
-
-
-def _rng_states(tensors: list[torch.Tensor]) -> tuple:
-    """The CPU generator's state, and the CUDA one of the inputs' device where it is one."""
-    cuda = next((t.device for t in tensors if t.is_cuda), None)
-    return torch.get_rng_state(), cuda, torch.cuda.get_rng_state(cuda) if cuda is not None else None
-
-
-def _put_back_rng(states: tuple) -> None:
-    cpu, device, cuda = states
-    torch.set_rng_state(cpu)
-    if device is not None:
-        torch.cuda.set_rng_state(cuda, device)
 
 
 def _attributes_read(traced: Traced) -> list[Any]:

@@ -20,6 +20,7 @@ from torch import nn
 
 from . import _generation
 from ._clock import runqueue_wait_ns
+from ._rng import restore_generators, save_generators
 from .backward_timing import BackwardSample
 from .config import SchedulerConfig
 from .errors import FusedMembersReshaped, HooksWarning, TraceError, UntraceableWarning, raised_in, user_stacklevel
@@ -281,9 +282,7 @@ class Runner:
         written, and so do this signature's later calls (its structure changes between
         calls; a plan per structure would re-record at every change). A plan that
         writes state raises."""
-        cuda = compiled.device.startswith("cuda")
-        rng = torch.get_rng_state()
-        cuda_rng = torch.cuda.get_rng_state(compiled.device) if cuda else None
+        rng = save_generators(compiled.device if compiled.device.startswith("cuda") else None)
         written = compiled.written
         saved = written.save(tensors) if written is not None and written.finders else None
         try:
@@ -297,9 +296,7 @@ class Runner:
                 written.restore(saved)
             elif compiled.schedule.effects.writes_state:
                 raise
-            torch.set_rng_state(rng)
-            if cuda_rng is not None:
-                torch.cuda.set_rng_state(cuda_rng, compiled.device)
+            restore_generators(rng)
             why = (
                 f"an opaque call's output structure changed between calls of this signature ({exc.changed}): "
                 "calls with this signature run the model as written"
