@@ -11,13 +11,21 @@ set -uo pipefail
 OUT_DIR="${1:-${OUT:-out/gpu}}"
 mkdir -p "$OUT_DIR/all"
 ALL="$OUT_DIR/all"
-export PYTHONUNBUFFERED=1 STREAMSCHED_REQUIRE_EXT=1 MAX_JOBS="${MAX_JOBS:-16}"
+# STREAMSCHED_FAILURES_AT_ONCE: each failing test's traceback in the log when it fails
+# (tests/conftest.py), so a stage cut by its budget still says why.
+export PYTHONUNBUFFERED=1 STREAMSCHED_REQUIRE_EXT=1 MAX_JOBS="${MAX_JOBS:-16}" STREAMSCHED_FAILURES_AT_ONCE=1
 PY="${PYTHON:-python3}"
 status() { printf '%-28s %s\n' "$1" "$2" | tee -a "$ALL/status.txt"; }
 DEADLINE=${GPU_CHECK_DEADLINE:-540}  # seconds for the whole run: one device call is 10 minutes
+# GPU_CHECK_ONLY="bench prefetch": run only these stages after the build (which always
+# runs): everything does not fit in one call, so a second call can take the rest.
+ONLY=${GPU_CHECK_ONLY:-}
 stage() {  # stage NAME SECONDS COMMAND...  (skipped when the run's deadline is near)
   local name=$1 budget=$2; shift 2
   local start=$SECONDS
+  if [ -n "$ONLY" ] && [[ " build ext-check info $ONLY " != *" $name "* ]]; then
+    status "$name" "skipped (GPU_CHECK_ONLY)"; return 0
+  fi
   if (( SECONDS + 20 > DEADLINE )); then status "$name" "skipped (deadline)"; return 0; fi
   (( SECONDS + budget > DEADLINE )) && budget=$(( DEADLINE - SECONDS ))
   timeout "$budget" "$@" > "$ALL/$name.log" 2>&1
@@ -40,20 +48,25 @@ if [ -n "$CUDA_HOME" ] && stage build 240 env USE_CUDA=1 "$PY" setup.py build_ex
   stage info 30 "$PY" -m streamsched info --json
   cp "$ALL/info.log" "$ALL/env.json" 2>/dev/null
   # Most telling first, in case the deadline cuts the run: the cuda-marked tests on the
-  # device (verbose, so a cut log still names each result), the demo, the benchmarks.
-  # (2026-11-27 on an H200: the cuda-marked tests took about 180 s without the DDP test,
-  # which gets a stage of its own, after the benchmarks.)
-  stage cuda-tests 190 "$PY" -m pytest -v --tb=short -p no:cacheprovider -m cuda tests -o addopts="-ra" \
-    --timeout 60 --deselect tests/test_distributed.py::test_ddp_on_cuda_with_side_streams_equals_single_process_training
+  # device (verbose with each test's time, so a cut log still names each result), DDP on
+  # CUDA and the sanitizer (correctness), then the demo and the benchmarks.
+  # (2026-11-27 on an H200: the cuda-marked tests ran 190 s to 78% without the DDP test,
+  # which gets a stage of its own; test_cuda.py alone takes 7 s.)
+  stage cuda-tests 260 "$PY" -m pytest -v --tb=short -p no:cacheprovider -m cuda tests -o addopts="-ra" \
+    -o console_output_style=times --timeout 60 \
+    --deselect tests/test_distributed.py::test_ddp_on_cuda_with_side_streams_equals_single_process_training
+  stage ddp 45 "$PY" -m pytest -v --tb=short -p no:cacheprovider -o addopts="-ra" \
+    tests/test_distributed.py::test_ddp_on_cuda_with_side_streams_equals_single_process_training
+  # The sanitizer does not follow graph captures: tests that capture (and the benchmark
+  # suite's quick run, whose peers capture) are left out.
+  stage sanitizer 90 env TORCH_CUDA_SANITIZER=1 "$PY" -m pytest -v -p no:cacheprovider -m cuda tests \
+    -k "not graph and not capture and not peak_memory and not quick_suite" -o addopts="" --timeout 60 \
+    -o console_output_style=times
   stage demo 60 "$PY" examples/inception.py --rounds 5
   stage timeline 40 "$PY" -m streamsched timeline benchmarks.zoo:Inception3 --input-shape 1,3,299,299 \
     --device cuda --out "$ALL/inception_b1"
   stage overhead 30 "$PY" benchmarks/overhead_bench.py --device cuda --out "$ALL/overhead.json"
   stage bench 190 "$PY" -m streamsched bench --device cuda --rounds 10 --compile-budget 60 --out "$ALL/bench"
-  stage ddp 45 "$PY" -m pytest -v --tb=short -p no:cacheprovider -o addopts="-ra" \
-    tests/test_distributed.py::test_ddp_on_cuda_with_side_streams_equals_single_process_training
-  stage sanitizer 60 env TORCH_CUDA_SANITIZER=1 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests \
-    -k "not graph and not capture and not peak_memory" -o addopts="" --timeout 60
   stage prefetch 30 "$PY" benchmarks/prefetch_bench.py --out "$ALL/prefetch.json"
   # The rest of the suite (what CI runs without a GPU) with whatever time is left.
   stage tests 120 "$PY" -m pytest -q -p no:cacheprovider tests -m "not slow and not cuda" -o addopts="-ra" \
@@ -71,6 +84,8 @@ fi
     echo; echo "## Build"; echo '```'; tail -n 40 "$ALL/build.log" "$ALL/ext-check.log" 2>/dev/null; echo '```'
   fi
   echo; echo "## CUDA tests"; echo '```'; grep -E "FAILED|ERROR" "$ALL/cuda-tests.log" | head -n 30; tail -n 8 "$ALL/cuda-tests.log"; echo '```'
+  echo; echo "## Failures as they happened (first 120 lines)"; echo '```'
+  sed -n '/^--- .* failed (/,/^---$/p' "$ALL"/cuda-tests.log "$ALL"/ddp.log "$ALL"/sanitizer.log 2>/dev/null | head -n 120; echo '```'
   echo; echo "## Demo"; echo '```'; tail -n 25 "$ALL/demo.log"; echo '```'
   echo; echo "## DDP on CUDA"; echo '```'; tail -n 15 "$ALL/ddp.log"; echo '```'
   echo; echo "## Other tests"; echo '```'; tail -n 25 "$ALL/tests.log"; echo '```'

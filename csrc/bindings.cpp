@@ -50,6 +50,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("valid", &StackGuard::valid)
       .def("reset", &StackGuard::reset, py::arg("tensors"));
 
+  py::class_<AddressGuard>(m, "AddressGuard")
+      .def(py::init<std::vector<at::Tensor>>(), py::arg("tensors"))
+      .def("valid", &AddressGuard::valid, "Whether every tensor still starts at the address it had.");
+
   py::class_<GradHandOff>(m, "GradHandOff")
       .def(py::init<std::vector<at::Tensor>, std::vector<int64_t>>(), py::arg("members"),
            py::arg("sizes") = std::vector<int64_t>{})

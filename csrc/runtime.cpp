@@ -161,6 +161,33 @@ bool StackGuard::valid() const {
   return true;
 }
 
+namespace {
+// The first byte of a tensor's data: its storage's data plus its offset. Read straight
+// from the TensorImpl (no dispatch, no Python), as a graph replay reads it.
+const void* address_of(const c10::TensorImpl* impl) {
+  const auto* base = static_cast<const char*>(impl->storage().data());
+  return base == nullptr ? nullptr : base + impl->storage_offset() * static_cast<int64_t>(impl->itemsize());
+}
+}  // namespace
+
+AddressGuard::AddressGuard(std::vector<at::Tensor> tensors) : tensors_(std::move(tensors)) {
+  for (const auto& t : tensors_) {
+    TORCH_CHECK(t.defined() && t.unsafeGetTensorImpl()->has_storage(),
+                "AddressGuard needs tensors with storage (not sparse, nested or undefined)");
+    impls_.push_back(t.unsafeGetTensorImpl());
+    addresses_.push_back(address_of(impls_.back()));
+  }
+}
+
+bool AddressGuard::valid() const {
+  for (size_t i = 0; i < impls_.size(); ++i) {
+    if (address_of(impls_[i]) != addresses_[i]) {
+      return false;
+    }
+  }
+  return true;
+}
+
 #ifndef STREAMSCHED_WITH_CUDA
 std::unique_ptr<Backend> make_cuda_backend(int64_t, int64_t, int64_t) {
   throw std::runtime_error(

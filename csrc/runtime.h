@@ -118,4 +118,18 @@ class StackGuard {
   std::vector<int64_t> offsets_;
 };
 
+// Checks, in one loop, that N tensors still start at the addresses they had when it was
+// made: what a captured CUDA graph reads them at. Unlike StackGuard it also sees a
+// storage re-allocated under the same StorageImpl (`untyped_storage().resize_()`).
+class AddressGuard {
+ public:
+  explicit AddressGuard(std::vector<at::Tensor> tensors);
+  bool valid() const;
+
+ private:
+  std::vector<at::Tensor> tensors_;
+  std::vector<const c10::TensorImpl*> impls_;
+  std::vector<const void*> addresses_;
+};
+
 }  // namespace streamsched

@@ -41,6 +41,18 @@ def pytest_configure(config):
     )
 
 
+def pytest_runtest_logreport(report):
+    """With ``STREAMSCHED_FAILURES_AT_ONCE=1`` (the GPU check's stages), a failure's
+    traceback is printed when it happens, not at the end of the run: a stage cut by its
+    time budget still shows why each test failed (the first GPU runs lost them so)."""
+    if not report.failed or os.environ.get("STREAMSCHED_FAILURES_AT_ONCE") != "1":
+        return
+    import sys
+
+    sys.__stderr__.write(f"\n--- {report.nodeid} failed ({report.when}) ---\n{report.longreprtext}\n---\n")
+    sys.__stderr__.flush()
+
+
 def pytest_collection_modifyitems(config, items):
     if REAL_GPU:
         return

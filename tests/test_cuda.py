@@ -177,7 +177,58 @@ def test_weights_updated_after_capture_are_seen():
         assert_close(sm(x), ref(x), atol=1e-5)
 
 
-def test_static_outputs_are_overwritten_when_not_cloned():
+def _reallocate_by_data(w: torch.Tensor) -> None:
+    w.data = w.detach().clone() * 0.5
+
+
+def _reallocate_storage(w: torch.Tensor) -> None:
+    # What FSDP does to a parameter between uses: the storage freed (resized to nothing)
+    # and allocated again under the same StorageImpl, at another address.
+    keep, address = w.detach().clone(), w.data_ptr()
+    storage = w.untyped_storage()
+    nbytes = storage.nbytes()
+    holds = []  # blocks held so that the allocator does not hand the freed one back
+    while w.data_ptr() == address and len(holds) < 8:
+        storage.resize_(0)
+        holds.append(torch.empty(nbytes, dtype=torch.uint8, device=w.device))
+        storage.resize_(nbytes)
+    del holds
+    with torch.no_grad():
+        w.copy_(keep * 0.5)
+
+
+@pytest.mark.parametrize("reallocate", [_reallocate_by_data, _reallocate_storage], ids=["data", "storage-resized"])
+@pytest.mark.parametrize("check", ["native", "python"])
+def test_a_weight_at_a_new_address_is_captured_again(reallocate, check, monkeypatch):
+    """An unfused weight given new memory: the graph read the old address, so it is
+    captured again (found by the weights' address check; no module registration moves)."""
+    import streamsched.runtime.graphs as graphs
+
+    if check == "python":
+        monkeypatch.setattr(graphs, "_address_guard", lambda weights: None)
+    elif ss.runtime_info()["runtime"] != "native":
+        pytest.skip("the native runtime is not built")
+    model, sm = graph_towers()
+    model.eval()
+    x = torch.randn(8, 64, device=DEV)
+    with torch.no_grad():
+        sm(x)
+        assert_close(sm(x), model(x), atol=1e-5)
+        (captured,) = graphs_of(sm)._graphs.values()
+        assert (captured.address_guard is not None) == (check == "native")
+        old, address = captured.graph, model.towers[1][2].weight.data_ptr()
+        reallocate(model.towers[1][2].weight)
+        assert model.towers[1][2].weight.data_ptr() != address
+        x = torch.randn(8, 64, device=DEV)
+        assert_close(sm(x), model(x), atol=1e-5)
+        assert sm._ss.last_path == "graph"
+        (captured,) = graphs_of(sm)._graphs.values()
+        assert captured.graph is not old
+        assert_close(sm(x), model(x), atol=1e-5)
+    assert sm.plan.num_streams > 1
+
+
+def test_static_graph_outputs_are_overwritten_when_not_cloned():
     model = Towers(3, 128).to(DEV).eval()
     sm = ss.StreamScheduledModule(model, executor="streams", cuda_graph=True, clone_outputs=False, fuse=False)
     with torch.no_grad():

@@ -136,6 +136,14 @@ def train_rank(rank: int, name: str, config: dict, ddp_options: dict, device: st
 def _rank_main(rank: int, port: int, configs: list, out_dir: str, fail_rank: int, device: str) -> None:
     if device != "cpu":
         torch.cuda.set_device(torch.device(device))
+        # The cost model the test process's cuda-marked tests plan with (conftest.py), set
+        # here too: with a GPU's own throughputs these small branches weigh less than a
+        # launch and the unfused plan comes out on one stream (as it did on an H200).
+        import streamsched.ir.cost
+
+        from .conftest import TEST_SHAPES_GPU_MODEL
+
+        streamsched.ir.cost.GPU_MODEL = TEST_SHAPES_GPU_MODEL
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
