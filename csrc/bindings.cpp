@@ -52,7 +52,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   py::class_<AddressGuard>(m, "AddressGuard")
       .def(py::init<std::vector<at::Tensor>>(), py::arg("tensors"))
-      .def("valid", &AddressGuard::valid, "Whether every tensor still starts at the address it had.");
+      .def("valid", &AddressGuard::valid, "Whether every tensor still starts at the address it had.")
+      .def("any_requires_grad", &AddressGuard::any_requires_grad, "Whether any of the tensors requires grad now.");
 
   py::class_<GradHandOff>(m, "GradHandOff")
       .def(py::init<std::vector<at::Tensor>, std::vector<int64_t>>(), py::arg("members"),

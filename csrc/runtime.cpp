@@ -188,6 +188,15 @@ bool AddressGuard::valid() const {
   return true;
 }
 
+bool AddressGuard::any_requires_grad() const {
+  for (const c10::TensorImpl* impl : impls_) {
+    if (impl->requires_grad()) {
+      return true;
+    }
+  }
+  return false;
+}
+
 #ifndef STREAMSCHED_WITH_CUDA
 std::unique_ptr<Backend> make_cuda_backend(int64_t, int64_t, int64_t) {
   throw std::runtime_error(

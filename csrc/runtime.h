@@ -121,10 +121,13 @@ class StackGuard {
 // Checks, in one loop, that N tensors still start at the addresses they had when it was
 // made: what a captured CUDA graph reads them at. Unlike StackGuard it also sees a
 // storage re-allocated under the same StorageImpl (`untyped_storage().resize_()`).
+// Also answers, in one loop, whether any of them requires grad now (a frozen model's
+// thousands of parameters, asked before every replay).
 class AddressGuard {
  public:
   explicit AddressGuard(std::vector<at::Tensor> tensors);
   bool valid() const;
+  bool any_requires_grad() const;
 
  private:
   std::vector<at::Tensor> tensors_;

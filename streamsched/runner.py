@@ -671,7 +671,9 @@ class Runner:
             return self.st.executors.named(name, compiled.device)
         if compiled.graphs and GraphExecutor.captures(tensors):
             graphs = self.st.executors.graphs_for(compiled.device, self.module, self.config)
-            if not graphs.swapped():  # tensors swapped in (functional_call): streams, the graphs kept
+            # Tensors swapped in (functional_call): streams, the graphs kept; a parameter
+            # that requires grad in grad mode: a training call, never captured.
+            if not graphs.swapped() and not graphs.parameters_need_grad():
                 return graphs
         return self.st.executors.named(compiled.executor, compiled.device)
 
@@ -730,7 +732,10 @@ class Runner:
         executor = self.executor_for(compiled, tensors)
         if isinstance(executor, GraphExecutor):
             st.last_path = "graph"
-            return self._execute(compiled, executor, tensors, sync_log, chaos, st.observer, nested=False)
+            out = self._execute(compiled, executor, tensors, sync_log, chaos, st.observer, nested=False)
+            if not executor.replayed:
+                st.last_path = "plan:streams"  # run on the streams the graph would capture
+            return out
         st.last_path = "plan:" + compiled.executor
         observer = st.observer or self.nvtx()
         if direct is None or direct[0] is not compiled.verdict:

@@ -356,6 +356,39 @@ class SyncingTowers(nn.Module):
         return self.a(x) + self.clip(self.b(x))
 
 
+@pytest.mark.parametrize("check", ["native", "python"])
+def test_a_frozen_model_called_with_grad_mode_on_is_captured_until_a_parameter_trains(check, monkeypatch):
+    """A frozen model (no parameter requires grad) called without ``no_grad`` replays its
+    graph; a parameter made trainable again leaves the next call uncaptured, and its
+    gradient is autograd's."""
+    import streamsched.runtime.graphs as graphs
+
+    if check == "python":
+        monkeypatch.setattr(graphs, "_address_guard", lambda tensors: None)
+    elif ss.runtime_info()["runtime"] != "native":
+        pytest.skip("the native runtime is not built")
+    model, sm = graph_towers()
+    model.eval().requires_grad_(False)
+    ref = copy.deepcopy(model)
+    for _ in range(3):
+        x = torch.randn(8, 64, device=DEV)
+        assert_close(sm(x), ref(x), atol=1e-5)
+    assert sm._ss.last_path == "graph" and len(graphs_of(sm)) == 1
+    model.towers[2][0].weight.requires_grad_(True)
+    ref.towers[2][0].weight.requires_grad_(True)
+    x = torch.randn(8, 64, device=DEV)
+    out, expected = sm(x), ref(x)
+    assert sm._ss.last_path != "graph"
+    assert out.requires_grad
+    out.pow(2).sum().backward()
+    expected.pow(2).sum().backward()
+    assert_close(model.towers[2][0].weight.grad, ref.towers[2][0].weight.grad, atol=1e-4)
+    model.towers[2][0].weight.requires_grad_(False)
+    assert_close(sm(x), ref(x), atol=1e-5)
+    assert sm._ss.last_path == "graph"
+    assert sm.plan.num_streams > 1
+
+
 def test_a_failed_capture_keeps_its_error_the_callers_stream_and_its_pool_usable():
     model = SyncingTowers().to(DEV).eval()
     x, small = torch.randn(8, 64, device=DEV), torch.randn(4, 64, device=DEV)

@@ -196,21 +196,41 @@ class GraphExecutor:
         # calls run on streams, uncaptured, and the graphs of its own weights are kept.
         self._swapped = False
         self._state: PerProgram[_ProgramState] = PerProgram()
+        # The module's parameters as of a registration generation, with the native check
+        # of their requires_grad flags (parameters_need_grad).
+        self._own_parameters: tuple[Any, Any, list[torch.Tensor]] = (None, None, [])
+        # Whether the last run replayed a graph (not the plain streams: a first call under
+        # "auto", a failed capture, a call that logs or observes), for the call's path.
+        self.replayed = False
 
     # --- decisions ------------------------------------------------------------------
 
     @staticmethod
-    def captures(inputs: list[torch.Tensor], module: Optional[torch.nn.Module] = None) -> bool:
-        """Whether this call is one a graph can replay: inference (no gradient will flow
-        to any input or parameter of ``module``), outside autocast."""
+    def captures(inputs: list[torch.Tensor]) -> bool:
+        """Whether a call with these inputs is one a graph can replay: no gradient will
+        flow to an input, outside autocast (the module's parameters:
+        :meth:`parameters_need_grad`)."""
         if _autocast_on():
             return False
-        if torch.is_grad_enabled():
-            if any(t.requires_grad for t in inputs):
-                return False
-            if module is not None and any(p.requires_grad for p in module.parameters()):
-                return False
-        return True
+        return not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs))
+
+    def parameters_need_grad(self) -> bool:
+        """Whether grad mode is on and a parameter of the module requires grad (a call to
+        leave uncaptured). A frozen model called without ``no_grad`` asks this of every
+        parameter on every call: walking ``parameters()`` of ParallelFCN(1000) took
+        milliseconds per replay, so the list is kept per registration generation (a
+        parameter added or replaced moves it) and its flags are read in one C++ loop."""
+        if not torch.is_grad_enabled():
+            return False
+        generation = _generation.current()
+        known, guard, parameters = self._own_parameters
+        if known != generation:
+            parameters = list(self.module.parameters())
+            guard = _address_guard(parameters)
+            self._own_parameters = (generation, guard, parameters)
+        if guard is not None:
+            return bool(guard.any_requires_grad())
+        return any(p.requires_grad for p in parameters)
 
     def _weights(self) -> list[torch.Tensor]:
         return [t for t in list(self.module.parameters()) + list(self.module.buffers()) if t.is_cuda]
@@ -358,13 +378,17 @@ class GraphExecutor:
         chaos: Any = None,
         observer: Any = None,
     ) -> Any:
+        self.replayed = False
         key = id(program)
         stacks = program.stacks
         state = self._state.get(program, lambda _: _ProgramState())
         if log is not None or chaos is not None or observer is not None or state.failed is not None:
             # Logging, chaos and per-task observation need the host to see every task.
             return self.streams.run(program, inputs, log, chaos, observer)
-        if not self.captures(inputs, self.module) or self._check_weights():
+        # (Whether a parameter requires grad in grad mode, the check of a training call,
+        # is asked once per call by the runner, which then never gives the call here:
+        # Runner.executor_for.)
+        if not self.captures(inputs) or self._check_weights():
             return self.streams.run(program, inputs)
         if not self.strict:
             # "auto": capture a signature from its second scheduled call on, so shapes
@@ -401,6 +425,7 @@ class GraphExecutor:
         for static, x in zip(captured.static_inputs, inputs):
             static.copy_(x, non_blocking=True)
         captured.graph.replay()
+        self.replayed = True
         if not self.clone_outputs:
             return captured.static_output
         return _map_tensors(captured.static_output, lambda t: t.clone())
