@@ -41,6 +41,9 @@ _is_compiling = torch.compiler.is_compiling
 _tracing_state = torch._C._get_tracing_state
 
 
+_MISSING = object()
+
+
 class StreamScheduledModule(nn.Module):
     """Run ``model`` with its independent branches on separate streams and its identical
     branches batched, with outputs and gradients equal to ``model``'s own.
@@ -89,15 +92,52 @@ class StreamScheduledModule(nn.Module):
         self.__dict__["config"] = cfg
         st = self.__dict__["_ss"] = WrapperState(model, cfg)
         self.__dict__["_runner"] = Runner(model, cfg, st, StreamScheduledModule)
-        self.training = model.training
         st.fusion = FusionContext(model)
 
     # --- nn.Module plumbing ---------------------------------------------------------
 
+    # The wrapper's mode is the model's: ``model.train()`` called on the model itself shows
+    # in ``sm.training`` too. (nn.Module.__init__ sets it before the model is there.)
+    @property
+    def training(self) -> bool:  # type: ignore[override]
+        model = self.__dict__.get("module")
+        return model.training if model is not None else self.__dict__.get("_training_before_model", True)
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        model = self.__dict__.get("module")
+        if model is None:
+            self.__dict__["_training_before_model"] = mode
+        else:
+            model.training = mode
+
     def train(self, mode: bool = True) -> StreamScheduledModule:
         self.module.train(mode)
-        self.training = mode
         return self
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            model = self.__dict__.get("module")
+            if model is None or name.startswith("__"):
+                raise
+            value = getattr(model, name, _MISSING)
+            if value is _MISSING:
+                raise
+        # A plain value of the model (HF's main_input_name and config, timm's num_classes):
+        # read through, so the wrapper stands in for a submodule whose parent reads them
+        # (T5's generate reads encoder.main_input_name). A method (forward_features,
+        # generate) is not: called on the model it would run unscheduled, so say where it
+        # is and how its calls of the model are scheduled.
+        if not callable(value):
+            return value
+        raise AttributeError(
+            f"'StreamScheduledModule' object has no attribute {name!r}: it is a method of the "
+            f"wrapped {type(model).__name__}; call sm.module.{name}(...) (it runs as written), or, "
+            f"for a method that calls the model itself (as generate does), sm.attach().{name}(...) "
+            "to run those calls through the schedule"
+        )
 
     def _apply(self, fn: Any, recurse: bool = True) -> StreamScheduledModule:
         # Conversions (.to, .half, .cuda) replace parameter storage: plans and stacked

@@ -48,6 +48,52 @@ def test_train_eval_passes_through_and_selects_other_plans():
     assert len(sm.plans) == 2
 
 
+def test_the_wrappers_mode_is_the_models_also_when_the_model_is_switched_directly():
+    model = ConvTowers()
+    sm = ss.StreamScheduledModule(model)
+    assert sm.training and "training" not in sm.__dict__
+    model.eval()
+    assert not sm.training
+    model.train()
+    assert sm.training
+    sm.eval()
+    assert not model.training and not sm.training
+    assert not copy.deepcopy(sm).training and not pickle.loads(pickle.dumps(sm)).training
+    x = torch.randn(2, 8, 6, 6)
+    assert_close(sm(x), model(x))
+    assert sm._ss.last_path == "recorded"
+
+
+class WithMethods(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.num_classes = 3
+
+    def forward_features(self, x):
+        return x * 2
+
+    def forward(self, x):
+        return self.fc(self.forward_features(x))
+
+
+def test_model_values_read_through_the_wrapper_and_methods_name_sm_module():
+    model = WithMethods()
+    sm = ss.StreamScheduledModule(model)
+    assert isinstance(sm.fc, nn.Linear)  # submodules, parameters and buffers are shared
+    assert sm.num_classes == 3  # a plain value: read through (a parent may read it)
+    model.num_classes = 5
+    assert sm.num_classes == 5
+    with pytest.raises(AttributeError, match=r"method of the wrapped WithMethods; call sm\.module\.forward_features"):
+        sm.forward_features
+    with pytest.raises(AttributeError) as info:
+        sm.not_an_attribute
+    assert "method" not in str(info.value)
+    assert not hasattr(sm, "forward_featurez")
+    x = torch.randn(2, 4)
+    assert_close(sm(x), sm.module(x))
+
+
 @pytest.mark.parametrize("executor", ["serial", "threads"])
 def test_to_dtype_invalidates_plans(executor):
     model = Towers(3, 16)

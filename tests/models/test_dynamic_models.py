@@ -84,6 +84,38 @@ def test_generate_through_the_wrapper_gives_eagers_tokens(family, use_cache):
         assert torch.equal(model.generate(prompt, **kwargs), expected)
 
 
+def test_a_wrapper_in_place_of_t5s_encoder_under_generate():
+    """The wrapper standing in for a submodule: T5's generate reads
+    ``encoder.main_input_name`` (a plain value of the encoder, read through) and calls the
+    encoder once per generate, through the plan."""
+    torch.manual_seed(0)
+    cfg = transformers.T5Config(
+        vocab_size=VOCAB,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
+    model = transformers.T5ForConditionalGeneration(cfg).eval()
+    kwargs = dict(max_new_tokens=6, do_sample=False)
+    prompts = [torch.randint(2, VOCAB, (2, 7)) for _ in range(3)]
+    with torch.no_grad():
+        expected = [model.generate(p, **kwargs) for p in prompts]
+        encoder = model.encoder
+        sm = ss.StreamScheduledModule(encoder, executor="serial")
+        model.encoder = sm
+        paths = []
+        for p, e in zip(prompts, expected):
+            assert torch.equal(model.generate(p, **kwargs), e)
+            paths.append(last_path(sm))
+    assert paths == ["recorded", "plan:serial", "plan:serial"]
+
+
 def test_an_encoder_with_a_new_sequence_length_every_batch():
     torch.manual_seed(0)
     cfg = transformers.BertConfig(
