@@ -197,17 +197,23 @@ def _reallocate_storage(w: torch.Tensor) -> None:
         w.copy_(keep * 0.5)
 
 
-@pytest.mark.parametrize("reallocate", [_reallocate_by_data, _reallocate_storage], ids=["data", "storage-resized"])
-@pytest.mark.parametrize("check", ["native", "python"])
-def test_a_weight_at_a_new_address_is_captured_again(reallocate, check, monkeypatch):
-    """An unfused weight given new memory: the graph read the old address, so it is
-    captured again (found by the weights' address check; no module registration moves)."""
+@pytest.fixture(params=["native", "python"])
+def address_check(request, monkeypatch):
+    """The graph executor's checks of weight addresses and requires_grad flags: the native
+    runtime's ``AddressGuard`` loop, or the Python one beside it."""
     import streamsched.runtime.graphs as graphs
 
-    if check == "python":
-        monkeypatch.setattr(graphs, "_address_guard", lambda weights: None)
+    if request.param == "python":
+        monkeypatch.setattr(graphs, "_address_guard", lambda tensors: None)
     elif ss.runtime_info()["runtime"] != "native":
         pytest.skip("the native runtime is not built")
+    return request.param
+
+
+@pytest.mark.parametrize("reallocate", [_reallocate_by_data, _reallocate_storage], ids=["data", "storage-resized"])
+def test_a_weight_at_a_new_address_is_captured_again(reallocate, address_check):
+    """An unfused weight given new memory: the graph read the old address, so it is
+    captured again (found by the weights' address check; no module registration moves)."""
     model, sm = graph_towers()
     model.eval()
     x = torch.randn(8, 64, device=DEV)
@@ -215,7 +221,7 @@ def test_a_weight_at_a_new_address_is_captured_again(reallocate, check, monkeypa
         sm(x)
         assert_close(sm(x), model(x), atol=1e-5)
         (captured,) = graphs_of(sm)._graphs.values()
-        assert (captured.address_guard is not None) == (check == "native")
+        assert (captured.address_guard is not None) == (address_check == "native")
         old, address = captured.graph, model.towers[1][2].weight.data_ptr()
         reallocate(model.towers[1][2].weight)
         assert model.towers[1][2].weight.data_ptr() != address
@@ -356,17 +362,10 @@ class SyncingTowers(nn.Module):
         return self.a(x) + self.clip(self.b(x))
 
 
-@pytest.mark.parametrize("check", ["native", "python"])
-def test_a_frozen_model_called_with_grad_mode_on_is_captured_until_a_parameter_trains(check, monkeypatch):
+def test_a_frozen_model_called_with_grad_mode_on_is_captured_until_a_parameter_trains(address_check):
     """A frozen model (no parameter requires grad) called without ``no_grad`` replays its
-    graph; a parameter made trainable again leaves the next call uncaptured, and its
-    gradient is autograd's."""
-    import streamsched.runtime.graphs as graphs
-
-    if check == "python":
-        monkeypatch.setattr(graphs, "_address_guard", lambda tensors: None)
-    elif ss.runtime_info()["runtime"] != "native":
-        pytest.skip("the native runtime is not built")
+    graph; a parameter made trainable again leaves the next call uncaptured (run on the
+    streams the graph would capture), and its gradient is autograd's."""
     model, sm = graph_towers()
     model.eval().requires_grad_(False)
     ref = copy.deepcopy(model)
@@ -378,7 +377,7 @@ def test_a_frozen_model_called_with_grad_mode_on_is_captured_until_a_parameter_t
     ref.towers[2][0].weight.requires_grad_(True)
     x = torch.randn(8, 64, device=DEV)
     out, expected = sm(x), ref(x)
-    assert sm._ss.last_path != "graph"
+    assert sm._ss.last_path == "plan:streams"
     assert out.requires_grad
     out.pow(2).sum().backward()
     expected.pow(2).sum().backward()
