@@ -179,10 +179,14 @@ class StreamScheduledModule(nn.Module):
         if last is None:
             return None
         plan = last.plan
-        if plan.nested_leaf_calls and st.nested is not None and (plan.mode != "traced" or plan.executor != "eager"):
+        nested = st.nested
+        if plan.nested_leaf_calls and nested is not None and (plan.mode != "traced" or plan.executor != "eager"):
             # Nested children ran (their calls were counted as the parent's own, as
             # written): the share their plans schedule.
-            plan = plan.model_copy(update={"nested_in_tasks": st.nested.scheduled_calls(plan.nested_leaf_calls)})
+            plan = plan.model_copy(update={"nested_in_tasks": nested.scheduled_calls(plan.nested_leaf_calls)})
+        if nested is not None and nested.trial is not None and nested.trial.reason and getattr(last, "nests", False):
+            # What the measurement of nesting against the forward as written found.
+            plan = plan.model_copy(update={"notes": [*plan.notes, nested.trial.reason]})
         return plan
 
     @property

@@ -26,6 +26,11 @@ decoding step's new sizes, a trial that found the child faster as written; a chi
 as written for an object none of whose own children scheduled anything) stops being
 nested: the wrapper's own per-call cost is then all it adds. Every :data:`_RETRY_EVERY`
 calls of the parent the quiet children are tried again (the workload may have changed).
+
+What a child's own trial cannot see, the cost of the wrappers above it that are called
+through only because it is nested, the outermost wrapper measures on its whole calls
+(nesting_trial.py): where nesting is not faster than the forward as written, every child
+stops being nested until the retry.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from . import _generation
 from .branch import runs_as_branch
 from .frontend.hooks import has_hooks
 from .frontend.trace import is_compiled_module
+from .nesting_trial import NestingTrial
 
 __all__ = ["NestedPlans"]
 
@@ -203,6 +209,9 @@ class NestedPlans:
         self.scheduled = False
         # Whether the current call hands settled children back at once (installed()).
         self.hand_back = False
+        # The outermost wrapper's measurement of nesting against the forward as written
+        # (nesting_trial.py); None in a nested child's wrapper, and under fixed executors.
+        self.trial: Optional[NestingTrial] = None
 
     def sites(self) -> list[_Site]:
         """The children nested while the model's forward runs (found once per structure)."""
@@ -262,6 +271,8 @@ class NestedPlans:
         self._known = {k: s for k, s in self._known.items() if k in live}
         if self._sites is not None:
             self._sites = self._find_sites()
+        if self.trial is not None:
+            self.trial.restart()
 
     def invalidate(self) -> None:
         """Drop every nested child's plans (the parent's were dropped)."""
@@ -270,6 +281,13 @@ class NestedPlans:
                 site.wrapper.invalidate()
             site.quiet, site.active = 0, True
         self._sites = None
+        if self.trial is not None:
+            self.trial.restart()
+
+    def stop_nesting(self) -> None:
+        """Every child runs as written until the retry (the trial found nesting does not pay)."""
+        for site in self.sites():
+            site.active = False
 
     def current_path(self) -> Optional[str]:
         """The path of this model's nested child being called on this thread, if any."""
@@ -344,6 +362,8 @@ class NestedPlans:
         if self.calls % _RETRY_EVERY == 0:
             for site in sites:
                 site.quiet, site.active = 0, True
+            if self.trial is not None:
+                self.trial.restart()  # measured again once the children settle
         placed: list[_Site] = []
         try:
             registrations = self.hooks_at_entry

@@ -346,7 +346,7 @@ def _object_call(runner: Runner, key: Any, spec: Any, args: tuple, kwargs: dict)
     # Later calls with this key (objects key by type) run as written at once.
     st.written.put(key, st.last)
     st.hot = (key, st.last)
-    return runner.forward_nesting(spec, args, kwargs)
+    return runner.forward_nesting(key, spec, args, kwargs)
 
 
 def _trace(runner: Runner, trace_key: Any, spec: Any, ranks: tuple, dtypes: tuple) -> Any:

@@ -31,6 +31,7 @@ from .frontend.opaque_outputs import OpaqueOutputChanged
 from .frontend.trace import dtypes_same
 from .frontend.trace_guard import autocast_state
 from .nesting import NestedPlans
+from .nesting_trial import PLAIN, NestingTrial
 from .new_signatures import _as_written_plan, new_signature, revalidate
 from .observe.nvtx_ranges import NvtxRanges
 from .planning.choice import Trial
@@ -232,7 +233,7 @@ class Runner:
                 st.calls += 1  # settled to run as written: nothing else to decide
                 st.last = entry
                 if entry.nests:
-                    return self.forward_nesting(spec, args, kwargs)
+                    return self.forward_nesting(key, spec, args, kwargs)
                 self.settle_as_written(args, kwargs, entry)
                 st.last_path = "as-written"
                 return type(module).forward(module, *args, **kwargs)
@@ -256,7 +257,7 @@ class Runner:
         try:
             if st.observer is None:
                 if entry.as_written:
-                    return self.run_as_written(entry, spec, args, kwargs)
+                    return self.run_as_written(entry, key, spec, args, kwargs)
                 if entry.checks:
                     return self.checked(entry, tensors, args, kwargs)
                 if entry.trial is not None and self.trials:
@@ -469,11 +470,11 @@ class Runner:
         settled.sizes.add(args, kwargs)
         st.settle(settled)
 
-    def run_as_written(self, written: Any, spec: Any, args: tuple, kwargs: dict) -> Any:
-        """A signature settled to run the model as written (a trial's verdict, an object
-        argument): its own output types, no rebuild."""
+    def run_as_written(self, written: Any, key: Any, spec: Any, args: tuple, kwargs: dict) -> Any:
+        """A signature (``key``) settled to run the model as written (a trial's verdict,
+        an object argument): its own output types, no rebuild."""
         if written.nests:
-            return self.forward_nesting(spec, args, kwargs)
+            return self.forward_nesting(key, spec, args, kwargs)
         self.settle_as_written(args, kwargs, written)
         return self.as_written(args, kwargs)
 
@@ -503,6 +504,9 @@ class Runner:
         if st.nested is None:
             cls = self.wrapper_class
             st.nested = NestedPlans(self.module, self._nested_wrapper, lambda m: isinstance(m, cls), self.leaf_types())
+            if self.auto and self.trials and not self.nested_child:
+                # The outermost wrapper measures whether nesting pays (nesting_trial.py).
+                st.nested.trial = NestingTrial()
         return st.nested
 
     def leaf_types(self) -> tuple:
@@ -529,18 +533,25 @@ class Runner:
         paths = [o.path for o in plan.opaque if o.path not in fused]
         return self.nesting().sites_at(paths)
 
-    def forward_nesting(self, spec: Any, args: tuple, kwargs: dict) -> Any:
+    def forward_nesting(self, key: Any, spec: Any, args: tuple, kwargs: dict) -> Any:
         """The forward as written, its children nested (nesting.py), as an untraceable
-        forward's as-written calls run: a call passing an object. The first call of each
-        call structure counts the leaf calls (``Plan.coverage``), as eager dispatch does."""
+        forward's as-written calls run: a call passing an object (``key``: the call's
+        signature). The first call of each call structure counts the leaf calls
+        (``Plan.coverage``), as eager dispatch does."""
         st = self.st
         nested = self.nesting()
         counted = st.dispatch.leaf_calls
-        if counted.get(spec.key) is not None and nested.all_quiet():
-            if st.observer is None:
-                # Later calls of this layout skip binding and keys (settled_calls.py).
-                st.settle(SettledCalls(st.generation, args, kwargs, st.last, nested, nested.quiet_calls_ahead()))
-            return self.as_written(args, kwargs)
+        if counted.get(spec.key) is not None:
+            if nested.all_quiet():
+                if st.observer is None:
+                    # Later calls of this layout skip binding and keys (settled_calls.py).
+                    st.settle(SettledCalls(st.generation, args, kwargs, st.last, nested, nested.quiet_calls_ahead()))
+                return self.as_written(args, kwargs)
+            trial = nested.trial
+            if trial is not None and trial.verdict is None and st.observer is None:
+                way = trial.way(key)
+                if way is not None:
+                    return self._nesting_trial_call(nested, trial, way, key, args, kwargs)
         # A child that settles to run as written stops being nested at once: every call
         # passes the object (a decoding step), and a child nested for nothing costs each
         # of them its wrapper (and its parents' down to it).
@@ -554,6 +565,31 @@ class Runner:
             if type(hit) is str:
                 calls[hit] = calls.get(hit, 0) + 1
         counted.put(spec.key, (0, len(counter.hits), calls))
+        return out
+
+    def _nesting_trial_call(
+        self, nested: NestedPlans, trial: NestingTrial, way: str, key: Any, args: tuple, kwargs: dict
+    ) -> Any:
+        """One timed call of the nesting trial (nesting_trial.py): the forward as written
+        with its children nested, or with nothing nested (``way`` plain)."""
+        device = next((str(d) for _s, _d, d, _g in key[1] if d.type == "cuda"), "cpu")
+        if way == PLAIN:
+            out, seconds = self._clocked(lambda: self.as_written(args, kwargs), device)
+            trial.add(way, seconds)
+        else:
+            unsettled = unsettled_calls()
+
+            def run_nested() -> Any:
+                with nested.installed(hand_back=True):
+                    return self.as_written(args, kwargs)
+
+            out, seconds = self._clocked(run_nested, device)
+            if unsettled == unsettled_calls() or not trial.skip():
+                trial.add(way, seconds)
+        if trial.verdict == PLAIN:
+            nested.stop_nesting()
+        if trial.verdict is not None:
+            log.info("streamsched: %s: %s", type(self.module).__name__, trial.reason)
         return out
 
     # --- eager dispatch -----------------------------------------------------------------
@@ -594,7 +630,7 @@ class Runner:
             st.last = quiet
             st.written.put(key, quiet)
             st.hot = (key, quiet)
-            return self.forward_nesting(spec, args, kwargs)
+            return self.forward_nesting(key, spec, args, kwargs)
         with nested.installed():
             done = eager_dispatch.run_eager_dispatch(
                 st.dispatch.for_call(st.calls, st.observer or self.nvtx()), spec, tensors, reason, args, kwargs
@@ -805,9 +841,20 @@ class Runner:
     def _timed(self, compiled: Compiled, name: str, tensors: list[torch.Tensor], args: tuple, kwargs: dict) -> tuple:
         """(output, seconds) of one trial call run by ``name``: the schedule with its
         stacked-parameter checks and output rebuild, or the model's forward as it is."""
-        device = compiled.device
-        cuda = device.startswith("cuda")
         executor = self.executor_for(compiled, tensors, name) if name != "eager" else None
+        if executor is None:
+            return self._clocked(lambda: self.as_written(args, kwargs), compiled.device)
+
+        def scheduled() -> Any:
+            self.st.last_path = f"plan:{name}"
+            return compiled.rebuild(self._execute(compiled, executor, tensors))
+
+        return self._clocked(scheduled, compiled.device)
+
+    def _clocked(self, run: Any, device: str) -> tuple:
+        """(output, seconds) of ``run()``, timed as the trials time a call (``device``:
+        where its work runs; a CUDA device is synchronised around it)."""
+        cuda = device.startswith("cuda")
         if cuda:
             torch.cuda.synchronize(device)
         # A collection landing in a timed call would be timed as the way's (a full one
@@ -825,11 +872,7 @@ class Runner:
             start = time.perf_counter()
             waited = None if thread_time is None else runqueue_wait_ns()
             cpu_start = thread_time() if waited is not None else 0.0
-            if executor is None:
-                out = self.as_written(args, kwargs)
-            else:
-                self.st.last_path = f"plan:{name}"
-                out = compiled.rebuild(self._execute(compiled, executor, tensors))
+            out = run()
             if cuda:
                 torch.cuda.synchronize(device)
             if waited is None or thread_time is None:

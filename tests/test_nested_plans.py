@@ -466,3 +466,129 @@ def test_a_child_of_an_object_call_that_settles_as_written_is_handed_back_at_onc
     batch = Batch(torch.randn(8, 16), torch.rand(16))
     assert_close(sm(batch), model(batch))
     assert site.wrapper._ss.calls == calls
+
+
+class _Clock:
+    """The trials' clock (``runner.time``): it moves only where a test says a call costs.
+    (Its time is a list's item: an attribute assigned on an object a trace has read moves
+    the wrappers' generation, and every call would check the model again.)"""
+
+    def __init__(self) -> None:
+        self.now = [0.0]
+
+    def perf_counter(self) -> float:
+        return self.now[0]
+
+
+def _priced(monkeypatch, nested_call: float) -> None:
+    """Prices on the trials' clock, whatever the machine's load: a ``Linear``'s forward
+    costs 0.25 (a block as written 1; a block's schedule, its heads fused, nothing), and
+    each call through a nested child's wrapper ``nested_call`` (the wrapper's own work,
+    and its parents' down to it). (Leaf calls, which no trace reads.)"""
+    from streamsched import runner as runner_module
+
+    clock = _Clock()
+    monkeypatch.setattr(runner_module, "time", clock)
+    linear = nn.Linear.forward
+
+    def linear_forward(self, x):
+        clock.now[0] += 0.25
+        return linear(self, x)
+
+    monkeypatch.setattr(nn.Linear, "forward", linear_forward)
+    call = nesting._NestedForward.__call__
+
+    def nested_forward(self, *args, **kwargs):
+        clock.now[0] += nested_call
+        return call(self, *args, **kwargs)
+
+    monkeypatch.setattr(nesting._NestedForward, "__call__", nested_forward)
+
+
+def _calls_until_verdict(sm, model, limit: int = 120) -> int:
+    with torch.no_grad():
+        for call in range(limit):
+            batch = Batch(torch.randn(8, 16), torch.rand(16))
+            assert_close(sm(batch), model(batch))
+            if sm._ss.nested.trial.verdict is not None:
+                return call
+    raise AssertionError(f"no verdict in {limit} calls")
+
+
+def _nested_calls(sm) -> list:
+    return [_site(sm, path).wrapper._ss.calls for path in ("blocks.0", "blocks.1")]
+
+
+def test_nesting_that_costs_the_call_more_than_the_childrens_plans_save_is_turned_off(monkeypatch):
+    """Each child's own trial finds its plan faster than its forward (1 a call), but the
+    calls through the children's wrappers cost the parent's call more (3 each): the
+    outermost wrapper's trial of the whole call (nesting_trial.py) runs the children as
+    written, until the retry nests them again and measures anew."""
+    _priced(monkeypatch, nested_call=3.0)
+    monkeypatch.setattr(nesting, "_RETRY_EVERY", 64)
+    torch.manual_seed(0)
+    model = TakesObject().eval()
+    sm = ss.StreamScheduledModule(model)
+    decided_at = _calls_until_verdict(sm, model)
+    trial = sm._ss.nested.trial
+    assert trial.verdict == "plain", trial.reason
+    for path in ("blocks.0", "blocks.1"):
+        plan = _site(sm, path).wrapper.plan
+        assert plan.executor != "eager", plan.reason  # the child's own trial kept its schedule
+    assert not any(s.active for s in sm._ss.nested.sites())
+    assert "no faster than the forward as written" in sm.plan.notes[-1], sm.plan.notes
+    before = _nested_calls(sm)
+    with torch.no_grad():
+        for _ in range(5):
+            batch = Batch(torch.randn(8, 16), torch.rand(16))
+            assert_close(sm(batch), model(batch))
+            assert_path(sm, "as-written")
+    assert _nested_calls(sm) == before  # nothing goes through the children's wrappers
+    # The retry nests the children again (their plans kept) and the trial measures again.
+    with torch.no_grad():
+        for _ in range(64):
+            batch = Batch(torch.randn(8, 16), torch.rand(16))
+            assert_close(sm(batch), model(batch))
+            if _nested_calls(sm) != before:
+                break
+    assert _nested_calls(sm) != before, "the children were not nested again"
+    assert trial.verdict is None
+    assert decided_at + 64 > _calls_until_verdict(sm, model) >= 0
+    assert trial.verdict == "plain"
+
+
+def test_nesting_that_pays_on_the_whole_call_is_kept(monkeypatch):
+    _priced(monkeypatch, nested_call=0.0)
+    torch.manual_seed(0)
+    model = TakesObject().eval()
+    sm = ss.StreamScheduledModule(model)
+    _calls_until_verdict(sm, model)
+    trial = sm._ss.nested.trial
+    assert trial.verdict == "nested", trial.reason
+    assert "kept" in sm.plan.notes[-1], sm.plan.notes
+    before = _nested_calls(sm)
+    with torch.no_grad():
+        batch = Batch(torch.randn(8, 16), torch.rand(16))
+        assert_close(sm(batch), model(batch))
+    assert [n - b for n, b in zip(_nested_calls(sm), before)] == [1, 1]
+    for path in ("blocks.0", "blocks.1"):
+        assert_path(_site(sm, path).wrapper, "plan:serial")
+
+
+def test_a_nested_childs_wrapper_runs_no_trial_of_nesting_of_its_own():
+    """Only the outermost wrapper measures nesting: a nested child's calls are part of its
+    parent's, which the outermost trial times whole."""
+    torch.manual_seed(0)
+    model = Deep().eval()
+    sm = ss.StreamScheduledModule(model)
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(8, 16)
+            assert_close(sm(x), model(x))
+    assert sm._ss.nested.trial is not None
+    inner = _site(sm, "inner").wrapper
+    assert inner._ss.nested is not None and inner._ss.nested.trial is None
+    fixed = ss.StreamScheduledModule(Deep().eval(), executor="serial")
+    with torch.no_grad():
+        fixed(torch.randn(8, 16))
+    assert fixed._ss.nested.trial is None  # an executor asked for: no trial of any kind
