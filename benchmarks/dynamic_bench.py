@@ -543,6 +543,11 @@ def _hf_cases() -> list[Case]:
     def gpt2() -> nn.Module:
         return GPT2LMHeadModel(GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=4)).eval()
 
+    def gpt2_8_layers() -> nn.Module:
+        # Layers so small that the wrappers nesting their MLPs cost a step more than the
+        # MLPs' plans save: what the outermost wrapper's trial of nesting is for.
+        return GPT2LMHeadModel(GPT2Config(vocab_size=100, n_embd=32, n_layer=8, n_head=4)).eval()
+
     def llama() -> nn.Module:
         cfg = LlamaConfig(
             vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4
@@ -568,6 +573,7 @@ def _hf_cases() -> list[Case]:
 
     return [
         cache_loop_case("hf_gpt2_dynamic_cache_loop", gpt2),
+        cache_loop_case("hf_gpt2_8_layers_dynamic_cache_loop", gpt2_8_layers),
         cache_loop_case("hf_llama_dynamic_cache_loop", llama),
         Case(
             "hf_bert_10_lengths",
