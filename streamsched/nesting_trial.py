@@ -13,8 +13,8 @@ So the outermost wrapper whose forward runs as written with its children nested
 (``Runner.forward_nesting``: a call passing an object, an untraceable forward) times its
 own calls both ways once its children went quiet or settled: *nested*, as it runs them,
 and *plain*, the forward as written with nothing nested (what eager runs). The two
-alternate on calls of one signature (a decoding loop's steps after the prompt have one:
-the cache object grows, the token tensor does not; grad mode is part of the signature);
+alternate on calls of one signature less its sizes (a decoding loop's steps: the cache
+object grows, and the attention mask by a token a call; grad mode is part of it);
 a nested call in which a child planned or ran a trial call is left out (it paid for
 something else). The forwards are timed, not a training call's backward: where nested
 plans would win only there, the children run as written, as eager does. Nesting is

@@ -505,11 +505,21 @@ def _priced(monkeypatch, nested_call: float) -> None:
     monkeypatch.setattr(nesting._NestedForward, "__call__", nested_forward)
 
 
+class TakesObjectAndMask(TakesObject):
+    """Passed a mask that grows by one on every call, as a decoding step's attention mask
+    does; its children's arguments keep their sizes."""
+
+    def forward(self, batch: Batch, mask: torch.Tensor) -> torch.Tensor:
+        return super().forward(batch) * mask.mean()
+
+
 def _calls_until_verdict(sm, model, limit: int = 120) -> int:
+    masked = isinstance(model, TakesObjectAndMask)
     with torch.no_grad():
         for call in range(limit):
             batch = Batch(torch.randn(8, 16), torch.rand(16))
-            assert_close(sm(batch), model(batch))
+            args = (batch, torch.ones(1, 6 + call)) if masked else (batch,)
+            assert_close(sm(*args), model(*args))
             if sm._ss.nested.trial.verdict is not None:
                 return call
     raise AssertionError(f"no verdict in {limit} calls")
@@ -592,3 +602,12 @@ def test_a_nested_childs_wrapper_runs_no_trial_of_nesting_of_its_own():
     with torch.no_grad():
         fixed(torch.randn(8, 16))
     assert fixed._ss.nested.trial is None  # an executor asked for: no trial of any kind
+
+
+def test_the_trial_of_nesting_decides_when_the_mask_grows_on_every_call(monkeypatch):
+    _priced(monkeypatch, nested_call=3.0)
+    torch.manual_seed(0)
+    model = TakesObjectAndMask().eval()
+    sm = ss.StreamScheduledModule(model)
+    _calls_until_verdict(sm, model)
+    assert sm._ss.nested.trial.verdict == "plain", sm._ss.nested.trial.reason
