@@ -54,6 +54,9 @@ __all__ = ["NestedPlans"]
 _QUIET_CALLS = 16
 # Parent calls after which the children that stopped are nested again.
 _RETRY_EVERY = 512
+# After each verdict in a row of the trial of nesting that nesting does not pay, the
+# retry comes twice as late (each costs calls nested for nothing), up to this many times.
+_MAX_SPACING = 16
 # More children than this to nest (an ensemble of a thousand small models behind an
 # untraceable forward) and none is: each would pay its own trace, plan and trial, and
 # siblings nested apart are never batched together (only the parent's trace could).
@@ -212,6 +215,8 @@ class NestedPlans:
         # The outermost wrapper's measurement of nesting against the forward as written
         # (nesting_trial.py); None in a nested child's wrapper, and under fixed executors.
         self.trial: Optional[NestingTrial] = None
+        # The retry's period, in _RETRY_EVERY calls (stop_nesting doubles it).
+        self.spacing = 1
 
     def sites(self) -> list[_Site]:
         """The children nested while the model's forward runs (found once per structure)."""
@@ -271,6 +276,7 @@ class NestedPlans:
         self._known = {k: s for k, s in self._known.items() if k in live}
         if self._sites is not None:
             self._sites = self._find_sites()
+        self.spacing = 1
         if self.trial is not None:
             self.trial.restart()
 
@@ -281,13 +287,23 @@ class NestedPlans:
                 site.wrapper.invalidate()
             site.quiet, site.active = 0, True
         self._sites = None
+        self.spacing = 1
         if self.trial is not None:
             self.trial.restart()
 
     def stop_nesting(self) -> None:
-        """Every child runs as written until the retry (the trial found nesting does not pay)."""
+        """Every child runs as written until the retry (the trial found nesting does not
+        pay); the retry after this one comes twice as late, up to :data:`_MAX_SPACING`."""
         for site in self.sites():
             site.active = False
+        self.spacing = min(self.spacing * 2, _MAX_SPACING)
+
+    def nesting_pays(self) -> None:
+        """The trial found nesting faster: retries come every :data:`_RETRY_EVERY` calls."""
+        self.spacing = 1
+
+    def _period(self) -> int:
+        return _RETRY_EVERY * self.spacing
 
     def current_path(self) -> Optional[str]:
         """The path of this model's nested child being called on this thread, if any."""
@@ -333,7 +349,7 @@ class NestedPlans:
         :meth:`installed` (a call that passes an object: its per-call cost is all the
         wrapper adds once the children went quiet)."""
         sites = self.sites()
-        if (self.calls + 1) % _RETRY_EVERY == 0:
+        if (self.calls + 1) % self._period() == 0:
             return False
         for site in sites:
             if site.active:
@@ -345,7 +361,8 @@ class NestedPlans:
     def quiet_calls_ahead(self) -> int:
         """After :meth:`all_quiet` said true: how many calls in a row may run without
         asking it again (each adding one to ``calls``, as it does), before a retry is due."""
-        return _RETRY_EVERY - 1 - self.calls % _RETRY_EVERY
+        period = self._period()
+        return period - 1 - self.calls % period
 
     @contextlib.contextmanager
     def installed(self, sites: Optional[list[_Site]] = None, hand_back: bool = False) -> Iterator[None]:
@@ -359,7 +376,7 @@ class NestedPlans:
         self.hooks_at_entry = _generation.hook_registrations()
         if sites is None:
             sites = self.sites()
-        if self.calls % _RETRY_EVERY == 0:
+        if self.calls % self._period() == 0:
             for site in sites:
                 site.quiet, site.active = 0, True
             if self.trial is not None:

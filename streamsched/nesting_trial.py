@@ -19,7 +19,8 @@ a nested call in which a child planned or ran a trial call is left out (it paid 
 something else). The forwards are timed, not a training call's backward: where nested
 plans would win only there, the children run as written, as eager does. Nesting is
 kept where its fastest call beats the plain one's by :data:`MARGIN`; otherwise every
-child stops being nested until the retry (``nesting._RETRY_EVERY`` calls of the parent),
+child stops being nested until the retry (``nesting._RETRY_EVERY`` calls of the parent,
+twice as many after each such verdict in a row, up to ``nesting._MAX_SPACING`` times),
 which nests them again, their plans kept, and this trial measures anew.
 """
 

@@ -590,6 +590,8 @@ class Runner:
                 trial.add(way, seconds)
         if trial.verdict == PLAIN:
             nested.stop_nesting()
+        elif trial.verdict is not None:
+            nested.nesting_pays()
         if trial.verdict is not None:
             log.info("streamsched: %s: %s", type(self.module).__name__, trial.reason)
         return out

@@ -533,15 +533,18 @@ def test_nesting_that_costs_the_call_more_than_the_childrens_plans_save_is_turne
     """Each child's own trial finds its plan faster than its forward (1 a call), but the
     calls through the children's wrappers cost the parent's call more (3 each): the
     outermost wrapper's trial of the whole call (nesting_trial.py) runs the children as
-    written, until the retry nests them again and measures anew."""
+    written, until the retry nests them again and measures anew; each such verdict in a
+    row puts the next retry twice as far."""
     _priced(monkeypatch, nested_call=3.0)
     monkeypatch.setattr(nesting, "_RETRY_EVERY", 64)
     torch.manual_seed(0)
     model = TakesObject().eval()
     sm = ss.StreamScheduledModule(model)
-    decided_at = _calls_until_verdict(sm, model)
-    trial = sm._ss.nested.trial
+    _calls_until_verdict(sm, model)
+    nested = sm._ss.nested
+    trial = nested.trial
     assert trial.verdict == "plain", trial.reason
+    assert nested.spacing == 2
     for path in ("blocks.0", "blocks.1"):
         plan = _site(sm, path).wrapper.plan
         assert plan.executor != "eager", plan.reason  # the child's own trial kept its schedule
@@ -554,17 +557,20 @@ def test_nesting_that_costs_the_call_more_than_the_childrens_plans_save_is_turne
             assert_close(sm(batch), model(batch))
             assert_path(sm, "as-written")
     assert _nested_calls(sm) == before  # nothing goes through the children's wrappers
-    # The retry nests the children again (their plans kept) and the trial measures again.
+    # The retry nests the children again (their plans kept) at the parent's 128th call,
+    # not its 64th, and the trial measures again.
     with torch.no_grad():
-        for _ in range(64):
+        for _ in range(128):
             batch = Batch(torch.randn(8, 16), torch.rand(16))
             assert_close(sm(batch), model(batch))
             if _nested_calls(sm) != before:
                 break
     assert _nested_calls(sm) != before, "the children were not nested again"
+    assert nested.calls == 128
     assert trial.verdict is None
-    assert decided_at + 64 > _calls_until_verdict(sm, model) >= 0
+    _calls_until_verdict(sm, model)
     assert trial.verdict == "plain"
+    assert nested.spacing == 4
 
 
 def test_nesting_that_pays_on_the_whole_call_is_kept(monkeypatch):
@@ -575,6 +581,7 @@ def test_nesting_that_pays_on_the_whole_call_is_kept(monkeypatch):
     _calls_until_verdict(sm, model)
     trial = sm._ss.nested.trial
     assert trial.verdict == "nested", trial.reason
+    assert sm._ss.nested.spacing == 1
     assert "kept" in sm.plan.notes[-1], sm.plan.notes
     before = _nested_calls(sm)
     with torch.no_grad():
