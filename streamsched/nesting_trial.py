@@ -21,7 +21,13 @@ plans would win only there, the children run as written, as eager does. Nesting 
 kept where its fastest call beats the plain one's by :data:`MARGIN`; otherwise every
 child stops being nested until the retry (``nesting._RETRY_EVERY`` calls of the parent,
 twice as many after each such verdict in a row, up to ``nesting._MAX_SPACING`` times),
-which nests them again, their plans kept, and this trial measures anew.
+which nests them again, their plans kept, and this trial measures anew. The verdict,
+measured on one signature, holds for every call of the model until then, as a child's
+quiet flag does.
+
+Only a wrapper that may settle to run as written has the trial (``executor="auto"``,
+no ``sync_log``, ``chaos``, CUDA graph or direct gradient hand-off: those ask for the
+schedule itself, or gain in a backward that forward timings do not see).
 """
 
 from __future__ import annotations

@@ -504,7 +504,7 @@ class Runner:
         if st.nested is None:
             cls = self.wrapper_class
             st.nested = NestedPlans(self.module, self._nested_wrapper, lambda m: isinstance(m, cls), self.leaf_types())
-            if self.auto and self.trials and not self.nested_child:
+            if self.may_settle and not self.nested_child:
                 # The outermost wrapper measures whether nesting pays (nesting_trial.py).
                 st.nested.trial = NestingTrial()
         return st.nested
@@ -574,8 +574,9 @@ class Runner:
     ) -> Any:
         """One timed call of the nesting trial (nesting_trial.py): the forward as written
         with its children nested, or with nothing nested (``way`` plain)."""
-        device = next((str(d) for _s, _d, d, _g in key[1] if d.type == "cuda"), "cpu")
+        device = self._call_device(key)
         if way == PLAIN:
+            nested.calls += 1  # a call of the parent's, toward the children's retry
             out, seconds = self._clocked(lambda: self.as_written(args, kwargs), device)
             trial.add(way, seconds)
         else:
@@ -595,6 +596,18 @@ class Runner:
         if trial.verdict is not None:
             log.info("streamsched: %s: %s", type(self.module).__name__, trial.reason)
         return out
+
+    def _call_device(self, key: Any) -> str:
+        """Where a call's work runs, for timing it: its first CUDA tensor argument's
+        device, else (a call passing only objects, a cache holding the tensors) the
+        model's own, else the CPU."""
+        for _shape, _dtype, device, _grad in key[1]:
+            if device.type == "cuda":
+                return str(device)
+        probed = self.st.probed
+        if probed is not None and probed[1] is not None and probed[1].type == "cuda":
+            return str(probed[1])
+        return "cpu"
 
     # --- eager dispatch -----------------------------------------------------------------
 

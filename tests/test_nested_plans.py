@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import streamsched as ss
-from streamsched import nesting
+from streamsched import nesting, nesting_trial
 from streamsched.testing import assert_path, last_path
 
 from .helpers import assert_close
@@ -605,10 +605,13 @@ def test_a_nested_childs_wrapper_runs_no_trial_of_nesting_of_its_own():
     assert sm._ss.nested.trial is not None
     inner = _site(sm, "inner").wrapper
     assert inner._ss.nested is not None and inner._ss.nested.trial is None
-    fixed = ss.StreamScheduledModule(Deep().eval(), executor="serial")
-    with torch.no_grad():
-        fixed(torch.randn(8, 16))
-    assert fixed._ss.nested.trial is None  # an executor asked for: no trial of any kind
+    for options in ({"executor": "serial"}, {"grad_handoff": "direct"}):
+        # An executor asked for: no trial of any kind. Direct gradient hand-off: the
+        # schedule's gain is in a backward that forward timings do not see.
+        fixed = ss.StreamScheduledModule(Deep().eval(), **options)
+        with torch.no_grad():
+            fixed(torch.randn(8, 16))
+        assert fixed._ss.nested.trial is None, options
 
 
 def test_the_trial_of_nesting_decides_when_the_mask_grows_on_every_call(monkeypatch):
@@ -618,3 +621,101 @@ def test_the_trial_of_nesting_decides_when_the_mask_grows_on_every_call(monkeypa
     sm = ss.StreamScheduledModule(model)
     _calls_until_verdict(sm, model)
     assert sm._ss.nested.trial.verdict == "plain", sm._ss.nested.trial.reason
+
+
+def test_the_trial_of_nesting_leaves_out_calls_in_which_a_child_planned(monkeypatch):
+    """Timing starts at once here; the children's first calls (recording, their own trial
+    calls, each priced 5) are not the nesting's cost and are left out: nesting, which
+    pays once they settle, is kept."""
+    from streamsched import runner as runner_module
+
+    monkeypatch.setattr(nesting_trial, "SETTLE_CALLS", 0)
+    _priced(monkeypatch, nested_call=0.0)
+    clock = runner_module.time
+    timed = runner_module.Runner._timed
+
+    def child_trial_call(self, *args, **kwargs):
+        clock.now[0] += 5.0  # outside the child's own timing: only its parent's sees it
+        return timed(self, *args, **kwargs)
+
+    monkeypatch.setattr(runner_module.Runner, "_timed", child_trial_call)
+    record = runner_module.new_signature
+
+    def child_planning(runner, *args, **kwargs):
+        clock.now[0] += 5.0
+        return record(runner, *args, **kwargs)
+
+    monkeypatch.setattr(runner_module, "new_signature", child_planning)
+    torch.manual_seed(0)
+    model = TakesObject().eval()
+    sm = ss.StreamScheduledModule(model)
+    _calls_until_verdict(sm, model)
+    trial = sm._ss.nested.trial
+    assert trial.verdict == "nested", trial.reason
+    assert trial.skipped > 0
+
+
+def test_a_call_that_raises_during_the_trial_of_nesting_leaves_nothing_behind(monkeypatch):
+    import gc
+
+    _priced(monkeypatch, nested_call=3.0)
+    linear = nn.Linear.forward
+    failing = {"on": False}
+
+    def maybe_failing(self, x):
+        if failing["on"]:
+            raise RuntimeError("planted failure")
+        return linear(self, x)
+
+    monkeypatch.setattr(nn.Linear, "forward", maybe_failing)
+    torch.manual_seed(0)
+    model = TakesObject().eval()
+    sm = ss.StreamScheduledModule(model)
+    trial = sm._ss.nested.trial if sm._ss.nested is not None else None
+    raised = 0
+    with torch.no_grad():
+        for call in range(120):
+            batch = Batch(torch.randn(8, 16), torch.rand(16))
+            trial = sm._ss.nested.trial if sm._ss.nested is not None else None
+            timing = trial is not None and trial.verdict is None and trial.calls >= nesting_trial.SETTLE_CALLS
+            failing["on"] = timing and call % 3 == 0
+            if failing["on"]:
+                with pytest.raises(RuntimeError, match="planted failure"):
+                    sm(batch)
+                raised += 1
+                failing["on"] = False
+                assert gc.isenabled()
+                assert all("forward" not in b.__dict__ for b in model.blocks)
+                continue
+            assert_close(sm(batch), model(batch))
+            if trial is not None and trial.verdict is not None:
+                break
+    assert raised >= 2
+    assert trial.verdict == "plain", trial.reason
+
+
+@pytest.mark.cuda
+def test_the_trial_of_nesting_times_a_call_passing_only_objects_on_the_models_device(emulated_cuda, monkeypatch):
+    """A call whose tensors all sit in an object (a KV cache) has no tensor argument to
+    say where its work runs: timed on the CPU clock alone, a CUDA model's queued work
+    would land in the next call's span. The model's device is synchronised."""
+    from streamsched import runner as runner_module
+
+    devices = []
+    clocked = runner_module.Runner._clocked
+
+    def recording(self, run, device):
+        if not self.nested_child:  # the outermost wrapper's: the trial of nesting
+            devices.append(device)
+        return clocked(self, run, device)
+
+    monkeypatch.setattr(runner_module.Runner, "_clocked", recording)
+    torch.manual_seed(0)
+    model = TakesObject().eval().to("cuda")
+    sm = ss.StreamScheduledModule(model)
+    with torch.no_grad():
+        for _ in range(nesting_trial.SETTLE_CALLS + 8):
+            batch = Batch(torch.randn(8, 16, device="cuda"), torch.rand(16, device="cuda"))
+            assert_close(sm(batch).cpu(), model(batch).cpu())
+    assert devices, "no call of the trial of nesting was timed"
+    assert all(d.startswith("cuda") for d in devices), devices
