@@ -62,6 +62,12 @@ def _identity(value: Any) -> Any:
     return value
 
 
+def sizeless_key(key: tuple) -> tuple:
+    """A call's signature (``Runner.call``'s key) less its tensors' sizes: each tensor's
+    dtype, device, grad flag and rank, the call structure, mode, grad mode and autocast."""
+    return (key[0], tuple([m[1:] + (len(m[0]),) for m in key[1]]), *key[2:])
+
+
 def new_signature(runner: Runner, key: Any, spec: Any, tensors: list[torch.Tensor], args: tuple, kwargs: dict) -> Any:
     """A call with no plan for its signature: plan it, or run the model as written where
     a plan would not pay (``planning.signatures``). Returns the call's output."""
@@ -69,7 +75,7 @@ def new_signature(runner: Runner, key: Any, spec: Any, tensors: list[torch.Tenso
     if spec.has_objects is not None:
         return _object_call(runner, key, spec, args, kwargs)
     sizes = key[1]
-    structure_key = (spec.key, tuple([m[1:] + (len(m[0]),) for m in sizes]), *key[2:])
+    structure_key = sizeless_key(key)
     structure = st.structures.get_fresh(structure_key)
     shapes = tuple([tuple(m[0]) for m in sizes])
     valued = None

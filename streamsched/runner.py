@@ -32,7 +32,7 @@ from .frontend.trace import dtypes_same
 from .frontend.trace_guard import autocast_state
 from .nesting import NestedPlans
 from .nesting_trial import PLAIN, NestingTrial
-from .new_signatures import _as_written_plan, new_signature, revalidate
+from .new_signatures import _as_written_plan, new_signature, revalidate, sizeless_key
 from .observe.nvtx_ranges import NvtxRanges
 from .planning.choice import Trial
 from .planning.signatures import RARE_CALLS
@@ -551,7 +551,7 @@ class Runner:
             if trial is not None and trial.verdict is None and st.observer is None:
                 # Sizes left out: a decoding step's attention mask grows by a token a call
                 # (alternating calls see alike sizes; the drift favours as written).
-                way = trial.way((key[0], tuple([(len(t[0]), *t[1:]) for t in key[1]]), *key[2:]))
+                way = trial.way(sizeless_key(key))
                 if way is not None:
                     return self._nesting_trial_call(nested, trial, way, key, args, kwargs)
         # A child that settles to run as written stops being nested at once: every call
@@ -589,11 +589,11 @@ class Runner:
             out, seconds = self._clocked(run_nested, device)
             if unsettled == unsettled_calls() or not trial.skip():
                 trial.add(way, seconds)
-        if trial.verdict == PLAIN:
-            nested.stop_nesting()
-        elif trial.verdict is not None:
-            nested.nesting_pays()
         if trial.verdict is not None:
+            if trial.verdict == PLAIN:
+                nested.stop_nesting()
+            else:
+                nested.nesting_pays()
             log.info("streamsched: %s: %s", type(self.module).__name__, trial.reason)
         return out
 

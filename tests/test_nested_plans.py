@@ -525,6 +525,16 @@ def _calls_until_verdict(sm, model, limit: int = 120) -> int:
     raise AssertionError(f"no verdict in {limit} calls")
 
 
+def _wrapped_until_verdict(model_class: type = TakesObject) -> tuple:
+    """A wrapper of a fresh ``model_class``, called until the trial of nesting decided;
+    returns it and the model."""
+    torch.manual_seed(0)
+    model = model_class().eval()
+    sm = ss.StreamScheduledModule(model)
+    _calls_until_verdict(sm, model)
+    return sm, model
+
+
 def _nested_calls(sm) -> list:
     return [_site(sm, path).wrapper._ss.calls for path in ("blocks.0", "blocks.1")]
 
@@ -537,10 +547,7 @@ def test_nesting_that_costs_the_call_more_than_the_childrens_plans_save_is_turne
     row puts the next retry twice as far."""
     _priced(monkeypatch, nested_call=3.0)
     monkeypatch.setattr(nesting, "_RETRY_EVERY", 64)
-    torch.manual_seed(0)
-    model = TakesObject().eval()
-    sm = ss.StreamScheduledModule(model)
-    _calls_until_verdict(sm, model)
+    sm, model = _wrapped_until_verdict()
     nested = sm._ss.nested
     trial = nested.trial
     assert trial.verdict == "plain", trial.reason
@@ -575,10 +582,7 @@ def test_nesting_that_costs_the_call_more_than_the_childrens_plans_save_is_turne
 
 def test_nesting_that_pays_on_the_whole_call_is_kept(monkeypatch):
     _priced(monkeypatch, nested_call=0.0)
-    torch.manual_seed(0)
-    model = TakesObject().eval()
-    sm = ss.StreamScheduledModule(model)
-    _calls_until_verdict(sm, model)
+    sm, model = _wrapped_until_verdict()
     trial = sm._ss.nested.trial
     assert trial.verdict == "nested", trial.reason
     assert sm._ss.nested.spacing == 1
@@ -616,10 +620,7 @@ def test_a_nested_childs_wrapper_runs_no_trial_of_nesting_of_its_own():
 
 def test_the_trial_of_nesting_decides_when_the_mask_grows_on_every_call(monkeypatch):
     _priced(monkeypatch, nested_call=3.0)
-    torch.manual_seed(0)
-    model = TakesObjectAndMask().eval()
-    sm = ss.StreamScheduledModule(model)
-    _calls_until_verdict(sm, model)
+    sm, model = _wrapped_until_verdict(TakesObjectAndMask)
     assert sm._ss.nested.trial.verdict == "plain", sm._ss.nested.trial.reason
 
 
@@ -646,10 +647,7 @@ def test_the_trial_of_nesting_leaves_out_calls_in_which_a_child_planned(monkeypa
         return record(runner, *args, **kwargs)
 
     monkeypatch.setattr(runner_module, "new_signature", child_planning)
-    torch.manual_seed(0)
-    model = TakesObject().eval()
-    sm = ss.StreamScheduledModule(model)
-    _calls_until_verdict(sm, model)
+    sm, model = _wrapped_until_verdict()
     trial = sm._ss.nested.trial
     assert trial.verdict == "nested", trial.reason
     assert trial.skipped > 0
