@@ -21,7 +21,7 @@ from torch import nn
 from . import _generation
 from ._clock import runqueue_wait_ns
 from ._rng import restore_generators, save_generators
-from .backward_timing import BackwardSample
+from .backward_timing import BackwardSample, ParameterEnds, grad_outputs
 from .config import SchedulerConfig
 from .errors import FusedMembersReshaped, HooksWarning, TraceError, UntraceableWarning, raised_in, user_stacklevel
 from .frontend.checkpointing import in_checkpoint_region
@@ -810,8 +810,10 @@ class Runner:
         if trial.backward is not False:
             # In training the step is forward and backward: time the backward too, once
             # the caller runs it (backward_timing).
-            reads = [*tensors, *(p for p in self.module.parameters() if p.requires_grad)]
-            sample = BackwardSample.attach(out, reads, torch.device(compiled.device))
+            sample = None
+            if grad_outputs(out):  # (the parameters are hooked only for a backward to come)
+                ends = self._parameter_ends(trial)
+                sample = BackwardSample.attach(out, tensors, torch.device(compiled.device), ends=ends)
             if trial.backward is None:
                 trial.backward = sample is not None
             if sample is not None:
@@ -824,6 +826,20 @@ class Runner:
         if trial.done():
             compiled.finish(trial)
         return out
+
+    def _parameter_ends(self, trial: Trial) -> Optional[ParameterEnds]:
+        """The end hooks on the model's parameters that want a gradient, shared by the
+        trial's calls (``None``: none wants one); hooked anew when they changed."""
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        ends = trial.ends
+        if ends is not None and ends.holds(params):
+            return ends
+        if not params:
+            trial.release_ends()
+            return None
+        ends = ParameterEnds(params)
+        trial.keep_ends(ends)
+        return ends
 
     def _trial_decided(self, compiled: Compiled, trial: Trial) -> bool:
         """Whether the trial is over before this call: its bucket was decided meanwhile,

@@ -18,7 +18,8 @@ choice live here, so that they read as one policy.
 from __future__ import annotations
 
 import collections
-from typing import Any, Protocol, Sequence
+import weakref
+from typing import Any, Optional, Protocol, Sequence
 
 import torch
 
@@ -169,6 +170,11 @@ class Trial:
         self.backward: bool | None = None
         # [candidate, forward seconds, backward sample, trial calls since]
         self.pending: list[list[Any]] = []
+        # The end hooks on the model's parameters its samples share (backward_timing.
+        # ParameterEnds), kept from the first training call until the trial stops timing
+        # backwards; taken off too when a trial is dropped before then (the finalizer).
+        self.ends: Any = None
+        self._ends_off: Optional[weakref.finalize] = None
         self.given_up = 0
         self.backpropagated = 0
         self.warmed: set[str] = set()
@@ -231,11 +237,24 @@ class Trial:
             self.live = list(self.candidates)
             self.samples = {c: [] for c in self.candidates}
 
+    def keep_ends(self, ends: Any) -> None:
+        """``ends`` (with a ``remove()``) are the parameter hooks of the trial's samples
+        from now on; those kept before are taken off."""
+        self.release_ends()
+        self.ends = ends
+        self._ends_off = weakref.finalize(self, ends.remove)
+
+    def release_ends(self) -> None:
+        off, self._ends_off, self.ends = self._ends_off, None, None
+        if off is not None:
+            off()
+
     def _drop_pending(self) -> None:
         """Take the backward timers still out off their tensors: no longer wanted."""
         for item in self.pending:
             item[2].remove()
         self.pending = []
+        self.release_ends()
 
     def next(self) -> str:
         name = self.live[self.turn % len(self.live)]
