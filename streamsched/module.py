@@ -281,6 +281,7 @@ class StreamScheduledModule(nn.Module):
         st = self._ss
         with st.lock:
             st.clear(self.module)
+            st.state_written = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # nn.Module.__call__ with no hook of the wrapper's own, none global, no jit trace

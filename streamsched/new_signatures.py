@@ -187,6 +187,7 @@ def new_signature(runner: Runner, key: Any, spec: Any, tensors: list[torch.Tenso
         )
         structure.decide(signatures.ANY_SIZE, signatures.Decision(True, "serial", why, shapes))
         return new_signature(runner, key, spec, tensors, args, kwargs)
+    assigned = _generation.assignments()
     try:
         compiled, out = compile_signature(runner, traced, key, tensors)
     except _RecordingAbandoned as abandoned:
@@ -195,7 +196,19 @@ def new_signature(runner: Runner, key: Any, spec: Any, tensors: list[torch.Tenso
             st.structures.pop(structure_key, None)
         return runner.eager_dispatch(key, spec, tensors, abandoned.error, trace_key, args, kwargs)
     _join_structure(runner, compiled, structure_key, structure, shapes, time.perf_counter() - start)
+    if _generation.assignments() != assigned:
+        runner.check_written_state(traced)
     return out
+
+
+def baked_value_assigned(runner: Runner, traced: Traced) -> list[str]:
+    """The attributes (``Class.name``) that ``traced`` baked in and that hold other values
+    now (a re-trace makes another program): assigned by code run inside a call. Empty
+    where there are none."""
+    if traced.flags_unchanged():
+        return []
+    changed = traced.changed_flags()
+    return [] if _retraces_same(runner, traced) else changed
 
 
 # Nodes that only take a value apart or read its metadata: no work to place.
@@ -461,6 +474,7 @@ def compile_signature(runner: Runner, traced: Traced, key: Any, tensors: list[to
     compiled = Compiled(planned, program, rebuild, runner.cuda_graph and planned.plan.device.startswith("cuda"))
     compiled.nested_sites = runner.opaque_sites(planned.plan)
     compiled.checks = checks
+    compiled.runs_models_code = traced.runs_models_code
     compiled.written = written
     if effects.writes_inputs or effects.writes_state or _layout_decides_writes(effects, traced.graph):
         # Its order of in-place writes holds for the way the inputs alias each other and

@@ -28,11 +28,11 @@ from .frontend.checkpointing import in_checkpoint_region
 from .frontend.hooks import global_hooks, has_hooks
 from .frontend.leafcalls import counting_dispatch
 from .frontend.opaque_outputs import OpaqueOutputChanged
-from .frontend.trace import dtypes_same
+from .frontend.trace import Traced, dtypes_same
 from .frontend.trace_guard import autocast_state
 from .nesting import NestedPlans
 from .nesting_trial import PLAIN, NestingTrial
-from .new_signatures import _as_written_plan, new_signature, revalidate, sizeless_key
+from .new_signatures import _as_written_plan, baked_value_assigned, new_signature, revalidate, sizeless_key
 from .observe.nvtx_ranges import NvtxRanges
 from .planning.choice import Trial
 from .planning.signatures import RARE_CALLS
@@ -177,6 +177,8 @@ class Runner:
         own = self.module.__dict__.get("forward")
         if own is not None and not getattr(own, "enters_wrapper", False):
             return self.own_forward(args, kwargs)
+        if st.state_written is not None:
+            return self.state_written(args, kwargs, inside_model_call)
         if st.churned_until > st.calls and self.varies():
             return self.churned(args, kwargs, inside_model_call)
         if st.generation != _generation.current():
@@ -254,6 +256,22 @@ class Runner:
         st.hot = (key, entry)
         if st.counting and not entry.as_written:
             st.stop_counting()
+        if entry.runs_models_code and not entry.as_written:
+            # Code of the model's ran inside the call: an attribute the trace baked in
+            # assigned by it is read stale from then on (refuse_written_state).
+            assigned = _generation.assignments()
+            out = self.run_entry(entry, key, spec, tensors, args, kwargs, inside_model_call)
+            if _generation.assignments() != assigned:
+                self.check_written_state()
+            return out
+        return self.run_entry(entry, key, spec, tensors, args, kwargs, inside_model_call)
+
+    def run_entry(
+        self, entry: Any, key: Any, spec: Any, tensors: list[torch.Tensor], args: tuple, kwargs: dict, inside: bool
+    ) -> Any:
+        """A call of a signature met before: its plan (or trial, or the model as written)."""
+        st = self.st
+        inside_model_call = inside
         try:
             if st.observer is None:
                 if entry.as_written:
@@ -354,6 +372,48 @@ class Runner:
             self.say_varying()
         name = type(self.module).__name__
         log.info("streamsched: %s re-traced call after call; running it as written for %d calls", name, window)
+
+    def check_written_state(self, traced: Any = None) -> None:
+        """Watched attributes were assigned during a call: where one of them is baked into
+        ``traced`` (or any trace held), code run inside the call assigned it (a hook
+        counting calls, an opaque module caching a length), and a traced call reads the
+        value the attribute held when traced, where eager reads the value assigned.
+        The model runs as written from then on, and says so once."""
+        st = self.st
+        traces = [traced] if traced is not None else [t for t in st.traces.values() if isinstance(t, Traced)]
+        assigned: list[str] = []
+        for t in traces:
+            assigned = baked_value_assigned(self, t)
+            if assigned:
+                break
+        else:
+            return
+        name = type(self.module).__name__
+        why = (
+            f"code run inside a call of {name} (a hook, an opaque module or a @streamsched.branch) assigned "
+            f"{', '.join(sorted(set(assigned)))}, which the traced forward reads: a traced call would read the "
+            "value from before the call, so the model runs as written from now on (sm.invalidate() traces again). "
+            "Return such values from the forward, or keep them in tensors, to keep the schedule"
+        )
+        st.clear(self.module)
+        st.state_written = why
+        warnings.warn(f"streamsched: {why}", UntraceableWarning, stacklevel=user_stacklevel())
+
+    def state_written(self, args: tuple, kwargs: dict, inside_model_call: bool) -> Any:
+        """A call once code inside calls was seen assigning what traces bake in
+        (:meth:`check_written_state`): the model as written, hooks firing as on any call."""
+        st = self.st
+        st.calls += 1
+        module = self.module
+        if not inside_model_call and (
+            (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks)
+            and has_hooks(module)
+            or global_hooks()
+        ):
+            return self.with_hooks(args, kwargs)
+        why = st.state_written
+        st.last = AsWritten(make=lambda: _as_written_plan(self, why))
+        return self.as_written(args, kwargs)
 
     def churned(self, args: tuple, kwargs: dict, inside_model_call: bool) -> Any:
         """A call while the state the traces read changes call after call

@@ -82,6 +82,7 @@ class AsWritten:
     as_written = True
     alias_pattern = None
     trial = None
+    runs_models_code = False
 
     def __init__(self, plan: Optional[Plan] = None, make: Any = None, nests: bool = False):
         self._plan = plan
@@ -126,6 +127,7 @@ class Compiled:
         "direct",
         "checks",
         "written",
+        "runs_models_code",
     )
 
     # Its calls run as written (``as_written``) without nesting the forward's children; the
@@ -173,6 +175,9 @@ class Compiled:
         # Whether the program reads opaque calls' values through structure checks
         # (frontend.opaque_outputs.OutputCheck): its calls run through Runner.checked.
         self.checks = False
+        # Whether its calls run code of the model's (``Traced.runs_models_code``): the
+        # runner checks after each whether that code assigned what the trace baked in.
+        self.runs_models_code = False
         # Where it has checks and writes state: the state a check stopping it may find
         # written (written_state.WrittenState), saved before each call and put back by a
         # stopped one; ``None`` where there is none to save or it cannot be found.
@@ -346,6 +351,10 @@ class WrapperState:
         self.churned_until = 0
         self.churn_window = 0
         self.churned: Any = None  # what sm.plan reports for those calls
+        # Why the model runs as written from now on (``Runner.refuse_written_state``): code
+        # run inside a call (a hook, an opaque module, a branch) assigned an attribute a
+        # trace bakes in, which a traced call would read stale. Cleared by invalidate().
+        self.state_written: Optional[str] = None
 
     def settle(self, record: SettledCalls) -> None:
         """Make ``record`` the settled layout checked first. The one it replaces is kept

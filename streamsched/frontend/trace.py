@@ -631,6 +631,22 @@ class Traced:
     generation they were resolved at, for the call that traced it to go on with (taken
     by its recording call, see ``new_signatures.compile_signature``)."""
 
+    @functools.cached_property
+    def runs_models_code(self) -> bool:
+        """Whether a call of the graph runs Python of the model's beyond torch's own: a
+        module of a class defined outside torch (an opaque or hooked module), a module
+        holding hooks, or a function from outside torch (a ``@streamsched.branch``). Such
+        code may assign an attribute the trace baked in, during the call (a hook counting
+        calls), where a traced call would read the value as it was before the call."""
+        for node in self.graph.nodes:
+            if node.op == "call_module":
+                module = _resolve_target(self.root, node.target)
+                if module is None or _models_code(type(module)) or has_hooks(module):
+                    return True
+            elif node.op == "call_function" and _models_code(node.target):
+                return True
+        return False
+
     def hold_traced_program(self) -> None:
         """Hold the program text of the graph as it is now (before checks are added)."""
         if self.traced_program is None or self.traced_program[0] is not self.graph:
@@ -695,6 +711,7 @@ class Traced:
         self.inlined_leaf_calls = fresh.inlined_leaf_calls
         self.dtype_guards = fresh.dtype_guards
         self.baked = fresh.baked
+        self.__dict__.pop("runs_models_code", None)  # (a property of the graph replaced)
         self.root.__dict__["_streamsched_traced"] = weakref.ref(self)
 
     def modules_unchanged(self) -> bool:
@@ -723,6 +740,16 @@ class Traced:
         object those modules hold (a ``config``) the plain attributes it had. A changed one
         *may* have been baked into the trace: :meth:`same_program` tells."""
         return all(_flag_values(module) == values for module, values in self.flags)
+
+    def changed_flags(self) -> list[str]:
+        """``Class.name`` of each plain attribute :meth:`flags_unchanged` finds changed."""
+        changed = []
+        for owner, values in self.flags:
+            now = dict(_flag_values(owner))
+            for name, value in values:
+                if name not in now or now[name] != value:
+                    changed.append(f"{type(owner).__name__}.{name}")
+        return changed
 
     def same_program(self, other: Traced) -> bool:
         """Whether ``other`` (a re-trace) records exactly this trace's program, and
@@ -822,6 +849,27 @@ class _Attributes:
 
 
 _CALLABLES = (functools.partial, types.MethodType)
+
+
+# Where code that cannot assign a model's attributes comes from: torch, and the
+# operators and builtins traced code calls.
+_LIBRARY_PREFIXES = ("torch", "_operator", "operator", "builtins", "math")
+
+
+def _models_code(target: Any) -> bool:
+    """Whether ``target`` (a class or a function) is defined outside torch and the
+    standard operators (``frontend.trace.Traced.runs_models_code``)."""
+    origin = getattr(target, "__module__", None)
+    if not isinstance(origin, str):
+        return False  # a builtin method or operator
+    return not any(origin == p or origin.startswith(p + ".") for p in _LIBRARY_PREFIXES)
+
+
+def _resolve_target(root: torch.nn.Module, target: str) -> Optional[torch.nn.Module]:
+    try:
+        return root.get_submodule(target)
+    except AttributeError:
+        return None
 
 
 def _in_place_flags(graph: fx.Graph, resolve: Callable[[str], Any]) -> tuple:
