@@ -125,7 +125,8 @@ class StreamScheduledModule(nn.Module):
             value = getattr(model, name, _MISSING)
             if value is _MISSING:
                 raise
-        # A plain value of the model (HF's main_input_name and config, timm's num_classes):
+        # A plain value of the model (HF's main_input_name, timm's num_classes; not
+        # ``config``, which is the wrapper's own SchedulerConfig):
         # read through, so the wrapper stands in for a submodule whose parent reads them
         # (T5's generate reads encoder.main_input_name). A method (forward_features,
         # generate) is not: called on the model it would run unscheduled, so say where it

@@ -170,3 +170,32 @@ def test_invalidate_traces_again():
             assert_close(sm(x), eager(x))
             paths.append(last_path(sm))
     assert paths[-1] == "plan:serial", paths
+
+
+class AssignsWhileTraced(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1  # ASSIGNS-HERE
+        return self.a(x)
+
+
+def test_a_forward_assigning_an_attribute_is_named_at_its_own_line():
+    """The refusal of a forward that assigns ``self.calls`` while traced names the user's
+    forward and line, not the library's ``__setattr__`` it was refused from."""
+    import inspect
+
+    model = AssignsWhileTraced()
+    eager = copy.deepcopy(model)
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    with pytest.warns(UntraceableWarning) as caught:
+        x = torch.randn(3, 4)
+        assert_close(sm(x), eager(x))
+    text = "\n".join(str(w.message) for w in caught if issubclass(w.category, UntraceableWarning))
+    source, first = inspect.getsourcelines(AssignsWhileTraced.forward)
+    line = first + next(i for i, s in enumerate(source) if "ASSIGNS-HERE" in s)
+    assert f"{__file__}:{line}" in text, text
+    assert "AssignsWhileTraced.forward" in text and "_generation" not in text, text

@@ -94,7 +94,9 @@ class CaptureInsideLeaf(SideEffectDuringTrace):
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
-_OWN_DIR = os.path.dirname(__file__)
+# The whole package (a side effect is refused from _generation's __setattr__, outside
+# frontend/): no frame of it is the user's.
+_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 class _TraceRoot(torch.nn.Module):
