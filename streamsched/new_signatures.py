@@ -629,7 +629,9 @@ def _as_written_plan(
     written. ``leaf_calls``: its forward's, counted with the nested children's share
     (``Runner.forward_nesting``)."""
     if like is None:
-        plan = Plan.as_written(type(runner.module).__name__, why, signature)
+        probed = runner.st.probed  # (where the model's first parameter is: its device)
+        device = str(probed[1]) if probed is not None and probed[1] is not None else ""
+        plan = Plan.as_written(type(runner.module).__name__, why, signature, device)
         if leaf_calls is not None:
             plan = plan.model_copy(update={"leaf_calls": leaf_calls[1], "nested_leaf_calls": dict(leaf_calls[2])})
         return plan

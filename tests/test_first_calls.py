@@ -264,3 +264,16 @@ def test_an_untraceable_structure_keeps_no_sizes_after_its_first_call():
             paths.append(last_path(sm))
     assert paths[:2] == ["as-written", "eager-dispatch"], paths
     assert "churn" not in sm.plan.reason and len(sm._ss.structures) == 0, sm.plan.reason
+
+
+def test_a_call_run_as_written_names_the_models_device():
+    """``sm.plan`` of a structure's first call in inference (run as written) says where
+    the model is, as a planned call's does."""
+    model = Towers().eval()
+    sm = ss.StreamScheduledModule(model)
+    with torch.no_grad():
+        x = torch.randn(3, 16)
+        assert_close(sm(x), model(x))
+    assert_path(sm, "as-written")
+    assert sm.plan.device == "cpu"
+    assert "on cpu)" in str(sm.plan).splitlines()[0]
