@@ -311,7 +311,11 @@ def misleads(node: fx.Node, value: Any, in_sequence: Callable[[fx.Node], bool] =
     skeleton = skeleton_of(value)
     if skeleton is not None and skeleton.has_none():
         return True
-    if skeleton is not None and skeleton.shape[0] == "output" and _reads_a_none_field(node, value, in_sequence):
+    if (
+        skeleton.shape[0] == "output" if skeleton is not None else _model_output_class(value) is not None
+    ) and _reads_a_none_field(node, value, in_sequence):
+        # (A ModelOutput holding an object, a cache, has no skeleton: the trace cannot
+        # be made for it, and the call goes to eager dispatch.)
         return True
     return not consistent(node, value)
 

@@ -253,6 +253,31 @@ def test_transformers_config_return_dict_set_after_planning():
                 torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+@pytest.mark.parametrize("family", sorted(DECODERS))
+def test_return_dict_false_with_a_cache_returns_eagers_tuple(family, grad):
+    """``return_dict=False`` and ``use_cache=True``: eager returns ``to_tuple()`` of an
+    output whose ``None`` fields it leaves out, ``(logits, cache)``. The inner model's
+    output holds the cache (an object: no structure a trace can be made for), and the
+    trace's tuple held proxies for its ``None`` fields, ``(logits, cache, None, None)``;
+    such a call runs in eager dispatch."""
+    torch.manual_seed(0)
+    model = DECODERS[family]().eval()
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    paths = []
+    with torch.set_grad_enabled(grad):
+        for _ in range(3):
+            ids = torch.randint(1, VOCAB, (2, 6))
+            actual = sm(ids, return_dict=False, use_cache=True)
+            expected = model(ids, return_dict=False, use_cache=True)
+            paths.append(last_path(sm))
+            assert type(actual) is type(expected) and len(actual) == len(expected), (paths, len(actual))
+            assert [type(v) for v in actual] == [type(v) for v in expected], paths
+            torch.testing.assert_close(actual[0], expected[0], rtol=1e-5, atol=1e-5)
+    # Traced calls (GPT-2's output holds no None field it reads) or eager dispatch.
+    assert all(p in ("recorded", "plan:serial", "eager-dispatch") for p in paths), paths
+
+
 @pytest.mark.parametrize("executor", ["auto", "serial"])
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_a_decoding_loop_passing_its_dynamic_cache_on_every_call(family, executor):
