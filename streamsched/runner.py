@@ -258,7 +258,7 @@ class Runner:
             st.stop_counting()
         if entry.runs_models_code and not entry.as_written:
             # Code of the model's ran inside the call: an attribute the trace baked in
-            # assigned by it is read stale from then on (refuse_written_state).
+            # assigned by it is read stale from then on (check_written_state).
             assigned = _generation.assignments()
             out = self.run_entry(entry, key, spec, tensors, args, kwargs, inside_model_call)
             if _generation.assignments() != assigned:
@@ -267,11 +267,17 @@ class Runner:
         return self.run_entry(entry, key, spec, tensors, args, kwargs, inside_model_call)
 
     def run_entry(
-        self, entry: Any, key: Any, spec: Any, tensors: list[torch.Tensor], args: tuple, kwargs: dict, inside: bool
+        self,
+        entry: Any,
+        key: Any,
+        spec: Any,
+        tensors: list[torch.Tensor],
+        args: tuple,
+        kwargs: dict,
+        inside_model_call: bool,
     ) -> Any:
         """A call of a signature met before: its plan (or trial, or the model as written)."""
         st = self.st
-        inside_model_call = inside
         try:
             if st.observer is None:
                 if entry.as_written:
@@ -396,30 +402,24 @@ class Runner:
             "Return such values from the forward, or keep them in tensors, to keep the schedule"
         )
         st.clear(self.module)
-        st.state_written = why
+        st.state_written = AsWritten(make=lambda: _as_written_plan(self, why))
         warnings.warn(f"streamsched: {why}", UntraceableWarning, stacklevel=user_stacklevel())
 
     def state_written(self, args: tuple, kwargs: dict, inside_model_call: bool) -> Any:
         """A call once code inside calls was seen assigning what traces bake in
         (:meth:`check_written_state`): the model as written, hooks firing as on any call."""
-        st = self.st
-        st.calls += 1
-        module = self.module
-        if not inside_model_call and (
-            (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks)
-            and has_hooks(module)
-            or global_hooks()
-        ):
-            return self.with_hooks(args, kwargs)
-        why = st.state_written
-        st.last = AsWritten(make=lambda: _as_written_plan(self, why))
-        return self.as_written(args, kwargs)
+        return self._untraced(args, kwargs, inside_model_call, self.st.state_written)
 
     def churned(self, args: tuple, kwargs: dict, inside_model_call: bool) -> Any:
         """A call while the state the traces read changes call after call
         (:meth:`retrace`): the model as written, with nothing traced, keyed or compared
         (the generation, moved by every flag assigned, is looked at once the window ends;
         no trace is left to check). Hooks fire as on any call."""
+        return self._untraced(args, kwargs, inside_model_call, self.st.churned)
+
+    def _untraced(self, args: tuple, kwargs: dict, inside_model_call: bool, record: AsWritten) -> Any:
+        """The model as written with nothing traced, keyed or compared, ``record`` saying
+        why (hooks of the model's own fire through its ``__call__``)."""
         st = self.st
         st.calls += 1
         module = self.module
@@ -429,7 +429,7 @@ class Runner:
             or global_hooks()
         ):
             return self.with_hooks(args, kwargs)
-        st.last = st.churned
+        st.last = record
         return self.as_written(args, kwargs)
 
     def own_forward(self, args: tuple, kwargs: dict) -> Any:

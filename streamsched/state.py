@@ -351,10 +351,11 @@ class WrapperState:
         self.churned_until = 0
         self.churn_window = 0
         self.churned: Any = None  # what sm.plan reports for those calls
-        # Why the model runs as written from now on (``Runner.refuse_written_state``): code
-        # run inside a call (a hook, an opaque module, a branch) assigned an attribute a
-        # trace bakes in, which a traced call would read stale. Cleared by invalidate().
-        self.state_written: Optional[str] = None
+        # Set once the model runs as written from now on (``Runner.check_written_state``):
+        # code run inside a call (a hook, an opaque module, a branch) assigned an attribute
+        # a trace bakes in, which a traced call would read stale. What sm.plan reports for
+        # those calls. Cleared by invalidate().
+        self.state_written: Optional[AsWritten] = None
 
     def settle(self, record: SettledCalls) -> None:
         """Make ``record`` the settled layout checked first. The one it replaces is kept
