@@ -20,7 +20,8 @@ from benchmarks.suite.correctness import compare, tolerance
 from benchmarks.suite.peers import compile_skip_reason
 from benchmarks.suite.timing import Clock, Stats, measure_interleaved, percentile
 from benchmarks.suite.training import grad_error, hand_written_model
-from benchmarks.suite.variant import BuiltCase, SuiteContext, Variant
+from benchmarks.suite.variant import BuiltCase, SuiteContext, Variant, in_trial, settle
+from streamsched import StreamScheduledModule
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -403,3 +404,35 @@ def test_quick_suite_on_cuda_includes_the_cuda_peers(tmp_path):
     for row in report["cases"][0]["rows"]:
         if row["status"] == "ok":
             assert row["max_abs_err"] <= row["tolerance"]
+
+
+def test_streamsched_variants_are_timed_after_their_executor_trial(tmp_path):
+    """An ``auto`` wrapper's trial runs each way in turn for its first calls after planning
+    (more of them than the suite's warm-up): the suite calls it until the trial decided,
+    and reports those calls as part of its one-off cost, so no timed call is a trial's."""
+    model = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.ReLU()) for _ in range(3))
+
+    class Heads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.heads = model
+
+        def forward(self, x):
+            return torch.stack([h(x) for h in self.heads]).sum(0)
+
+    x = torch.randn(4, 16)
+    ctx = SuiteContext(device=torch.device("cpu"))
+    sm = StreamScheduledModule(Heads(), executor="auto", fuse=False, min_task_cost=0.0)
+    with torch.no_grad():
+        for _ in range(3):  # the suite's warm-up alone would still be in the trial
+            sm(x)
+        assert in_trial(sm)
+        calls, seconds = settle(sm, lambda: sm(x), ctx)
+        assert calls > 0 and seconds > 0 and not in_trial(sm)
+        sm(x)
+        assert not in_trial(sm) and sm._ss.last_path.startswith("plan")
+    assert settle(sm, lambda: sm(x), ctx) == (0, 0.0)
+    code, report, table = _run(tmp_path, "--models", "multitask_heads")
+    rows = {r["name"]: r for case in report["cases"] for r in case["rows"] if case["kind"].startswith("inference")}
+    assert "calls of the executor trial" in rows["streamsched"]["setup_what"]
+    assert "executor trial" not in rows["streamsched serial"]["setup_what"]

@@ -14,7 +14,7 @@ from torch import nn
 from .cases import CaseSpec
 from .timing import Clock
 
-__all__ = ["Variant", "BuiltCase", "SuiteContext", "VariantStatus", "first_line"]
+__all__ = ["Variant", "BuiltCase", "SuiteContext", "VariantStatus", "first_line", "in_trial", "settle"]
 
 VariantStatus = Literal["ok", "n/a", "skipped", "error"]
 
@@ -25,6 +25,32 @@ def first_line(exc: BaseException, limit: int = 160) -> str:
     msg = text[0] if text else ""
     out = f"{type(exc).__name__}: {msg}" if msg else type(exc).__name__
     return out if len(out) <= limit else out[: limit - 3] + "..."
+
+
+# Calls at most that :func:`settle` makes for an ``auto`` trial to decide (a trial takes
+# 5 to 15 calls of each way it times).
+TRIAL_CALLS = 64
+
+
+def in_trial(sm: Any) -> bool:
+    """Whether the last call of ``sm`` (a StreamScheduledModule) ran under its executor
+    trial: the calls that time the ways to run a plan before one is kept."""
+    compiled = sm._ss.last
+    return compiled is not None and getattr(compiled, "trial", None) is not None
+
+
+def settle(sm: Any, call: Callable[[], Any], ctx: SuiteContext) -> tuple[int, float]:
+    """Call ``call`` (a call or training step of ``sm``) until the executor trial of ``sm``
+    has decided; the number of calls made and their wall seconds.
+
+    A trial's calls run each way in turn (and, with ``cuda_graph``, none is replayed), so
+    timed calls that fall in it measure the trial, not what the wrapper settles on: their
+    cost is a one-off, reported with the first call's."""
+    calls, seconds = 0, 0.0
+    while calls < TRIAL_CALLS and in_trial(sm):
+        _, took = ctx.timed(call)
+        calls, seconds = calls + 1, seconds + took
+    return calls, seconds
 
 
 @dataclass
