@@ -8,6 +8,7 @@ counts the full path's calls (``Runner.call``) to tell which way a call went."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -277,3 +278,27 @@ def test_a_call_run_as_written_names_the_models_device():
     assert_path(sm, "as-written")
     assert sm.plan.device == "cpu"
     assert "on cpu)" in str(sm.plan).splitlines()[0]
+
+
+NONE_RAN = "the model ran as written: none of the tasks below ran"
+
+
+def test_a_new_size_run_as_written_says_its_plans_tasks_did_not_run():
+    """A new size in training runs as written and ``sm.plan`` reports the call structure's
+    plan at the other size: it says that none of those tasks ran; a planned call does not."""
+    model = Towers()
+    ref = copy.deepcopy(model)
+    sm = ss.StreamScheduledModule(model)
+    for n in (8, 8, 12):
+        x = torch.randn(n, 16)
+        with torch.enable_grad():
+            out, expected = sm(x), ref(x)
+            out.sum().backward()
+            expected.sum().backward()
+        assert_close(out, expected)
+        if n == 8:
+            assert_path(sm, "recorded", "plan")  # (the auto trial's first two calls)
+            assert NONE_RAN not in str(sm.plan)
+    assert_path(sm, "as-written")
+    assert sm.plan.executor == "eager" and sm.plan.tasks and sm.plan.coverage == 0.0
+    assert "12x16" in sm.plan.reason and NONE_RAN in str(sm.plan)

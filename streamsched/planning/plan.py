@@ -288,6 +288,11 @@ class Plan(BaseModel):
             f"critical path {_us(self.critical_path_us)} ({_count(len(self.critical_path), 'task')})",
             f"  {self.coverage_text()}",
         ]
+        if self.executor == "eager" and self.tasks:
+            # The plan of a call run as written: the schedule the trial found slower than
+            # the model, or its call structure's plan at other sizes
+            # (new_signatures._as_written_plan). Say that none of it ran.
+            lines.append("  the model ran as written: none of the tasks below ran (the schedule it would run)")
         if self.fused_groups:
             total = sum(g.size for g in self.fused_groups)
             lines.append(f"  fused: {_count(len(self.fused_groups), 'group')} of {_count(total, 'branch')}")
