@@ -113,6 +113,16 @@ def _describe(exc: ValidationError) -> str:
             found.append(message)
     parts = []
     for field, messages in clauses.items():
+        if "should be a valid number" in messages and "should be a valid integer" in messages:
+            messages.remove("should be a valid integer")  # (a number includes the integers)
+        value = values.get(field)
+        if isinstance(value, str) and any(m.startswith("should be a valid") for m in messages):
+            try:
+                number = float(value) if "." in value or "e" in value.lower() else int(value)
+            except ValueError:
+                pass
+            else:  # a number written as a string (from a command line or a config file)
+                messages = [*messages[:-1], f"{messages[-1]}, not a string (pass {number!r}, not {value!r})"]
         if field:
             parts.append(f"{field}={values[field]!r}: {' or '.join(messages)}")
         else:

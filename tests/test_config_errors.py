@@ -42,6 +42,12 @@ def test_misspelt_option_is_one_clear_config_error():
         ({"num_streams": 100}, "num_streams=100: should be 'auto' or should be less than or equal to 32"),
         ({"executor": "gpu"}, "executor='gpu': should be 'auto', 'serial', 'streams' or 'threads'"),
         ({"fuse": 3}, "fuse=3: should be a valid boolean"),
+        ({"min_task_cost": "10"}, "min_task_cost='10': should be a valid number, not a string (pass 10, not '10')"),
+        ({"min_task_cost": "x"}, "min_task_cost='x': should be a valid number"),
+        (
+            {"num_streams": "4"},
+            "num_streams='4': should be 'auto' or should be a valid integer, not a string (pass 4, not '4')",
+        ),
         ({"chaos": 1, "cuda_graph": True}, "chaos and cuda_graph=True cannot be combined"),
     ],
 )
