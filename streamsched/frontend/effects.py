@@ -104,7 +104,8 @@ _OP_FACTS: dict[Any, _OpFacts] = {}
 # training updates its running statistics (``native_batch_norm``, the op ``F.batch_norm``
 # dispatches, and the cuDNN and MIOpen kernels, when ``training``; SyncBatchNorm's
 # statistics ops always). Recorded apart (``NodeAccess.unmarked``): they order nothing
-# (no other node touches a batch norm's statistics), but they are state the call wrote
+# while no other node touches a batch norm's statistics (``_order_shared_unmarked``
+# makes them writes where one does), but they are state the call wrote
 # (``Effects.writes_state``, ``written_state``).
 _UNMARKED_WRITES: dict[str, tuple[tuple[int, ...], Optional[int]]] = {
     "aten::native_batch_norm": ((3, 4), 5),
@@ -376,6 +377,29 @@ def parameter_writers(accesses: dict[str, NodeAccess], key_of: Any, parameters: 
     return frozenset(name for name, acc in accesses.items() if acc.writes & keys)
 
 
+def _order_shared_unmarked(accesses: dict[str, NodeAccess]) -> None:
+    """Make an unmarked write (a batch norm's running statistics) a write like any other
+    where another node touches the same storage: a tensor the model holds that aliases
+    the statistics (a buffer registered as ``bn.running_mean[:3]``, the same buffer under
+    a second name) read after the batch norm, or one pair of statistics that
+    ``F.batch_norm`` updates on two branches. Eager orders these by program order; a
+    schedule must too."""
+    unmarked: dict[int, list[str]] = {}
+    for name, acc in accesses.items():
+        for key in acc.unmarked - acc.fresh:
+            unmarked.setdefault(key, []).append(name)
+    if not unmarked:
+        return
+    touching: dict[int, set[str]] = {}
+    for name, acc in accesses.items():
+        for key in (acc.reads | acc.writes | acc.unmarked) & unmarked.keys():
+            touching.setdefault(key, set()).add(name)
+    for key, names in touching.items():
+        if len(names) > 1:
+            for name in unmarked[key]:
+                accesses[name].writes.add(key)
+
+
 def unmarked_state(accesses: dict[str, NodeAccess]) -> set[int]:
     """The storages written by ops whose schema does not say so (a batch norm's running
     statistics in training) that no node of the call allocated."""
@@ -446,6 +470,7 @@ class Effects:
         """Summarise a recording; with ``graph`` (the fx graph that ran), edges its data
         edges already imply are dropped (``relu_`` on a fresh conv output orders nothing
         new, and such nodes stay fusable)."""
+        _order_shared_unmarked(accesses)
         written = written_storages(accesses)
         if not written:
             return cls(writes_state=bool(unmarked_state(accesses)))

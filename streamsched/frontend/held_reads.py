@@ -46,6 +46,9 @@ def stale_held_read(
     """Why ``graph`` may answer a call with a stale held tensor (module docstring), or
     None. ``fresh``: the storages of tensors made while tracing; ``baked``: held tensors
     the trace computed with as real tensors."""
+    updated = _buffer_updated_in_the_call(graph, resolve, baked)
+    if updated is not None:
+        return updated
     read = _held_read(graph, root, resolve, fresh, baked)
     if read is None:
         return None
@@ -81,6 +84,32 @@ def _held_read(
         if storage_key(value) in fresh:
             continue
         return f"a held {_describe(value)} ('{node.target}' in the graph)"
+    return None
+
+
+def _buffer_updated_in_the_call(graph: fx.Graph, resolve: Callable[[str], Any], baked: tuple) -> Optional[str]:
+    """Why a held tensor the trace computed with (``baked``) would be stale, where it
+    shares its storage with a buffer that a module the graph calls updates during the
+    call (a view of a batch norm's running variance, kept as a plain attribute, read
+    after the batch norm in training), or None. The trace computed with the value from
+    before the call; eager reads the one the module just wrote."""
+    keys = {storage_key(t) for t in baked} - {None}
+    if not keys:
+        return None
+    for node in graph.nodes:
+        if node.op != "call_module":
+            continue
+        for path, sub in resolve(node.target).named_modules(prefix=str(node.target)):
+            if not sub.training:
+                continue  # (in eval a module of torch.nn updates no buffer)
+            for name, buffer in sub._buffers.items():
+                if buffer is not None and storage_key(buffer) in keys:
+                    held = next(t for t in baked if storage_key(t) == storage_key(buffer))
+                    return (
+                        f"the forward computes with a held {_describe(held)} that shares its storage with "
+                        f"the buffer '{name}' of {type(sub).__name__} ('{path}'), which that module updates "
+                        "during the call in training: the trace would compute with the value from before it"
+                    )
     return None
 
 

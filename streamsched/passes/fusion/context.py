@@ -41,6 +41,17 @@ def _owns_storage(t: torch.Tensor) -> bool:
     return t.storage_offset() == 0 and t.is_contiguous() and storage.nbytes() == t.numel() * t.element_size()
 
 
+def _storage_address(t: Any) -> Optional[int]:
+    """The address of a tensor's storage, or None (a meta or sparse tensor, an empty
+    storage: no address to tell storages apart by)."""
+    if not isinstance(t, torch.Tensor) or t.device.type == "meta" or t.is_sparse:
+        return None
+    try:
+        return t.untyped_storage().data_ptr() or None
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 class FusionContext:
     """The stacked tensors of one model, shared by all of its plans."""
 
@@ -88,25 +99,35 @@ class FusionContext:
         storage moved into a stack, such a view would go on showing (and writing) the old
         copy. Eager's view of a weight written by the caller writes the weight; a view a
         module keeps (``self.rows = self.linear.weight.detach()[:2]``) follows every
-        optimizer step."""
+        optimizer step. The same holds for two parameters or buffers of the model that
+        share a storage (a buffer registered as ``weight.detach()``, or as a slice of a
+        batch norm's running mean): both are noted, where that storage is not a stack's."""
         tensors_held = own_tensors(self.model)  # (one walk of the modules for both uses)
         own = {id(t) for t in tensors_held}
         storages = set()
         for t in tensors:
             # (A parameter read or returned itself follows its storage.)
-            if isinstance(t, torch.Tensor) and id(t) not in own and t.device.type != "meta" and not t.is_sparse:
-                try:
-                    storages.add(t.untyped_storage().data_ptr())
-                except (RuntimeError, NotImplementedError):
-                    continue
-        if not storages:
-            return
+            if isinstance(t, torch.Tensor) and id(t) not in own:
+                address = _storage_address(t)
+                if address is not None:
+                    storages.add(address)
+        first_at: dict[int, torch.Tensor] = {}
+        shared: set[int] = set()
         for t in tensors_held:
-            try:
-                if t.untyped_storage().data_ptr() in storages:
-                    self._returned.add(id(t))
-            except (RuntimeError, NotImplementedError):
+            address = _storage_address(t)
+            if address is None:
                 continue
+            if address in storages:
+                self._returned.add(id(t))
+            first = first_at.setdefault(address, t)
+            if first is not t:
+                shared.add(address)
+        # Members of a stack share its storage by design: only other sharing is held.
+        held = {a for a in shared if stacks_holding(first_at[a]) is None}
+        if held:
+            for t in tensors_held:
+                if _storage_address(t) in held:
+                    self._returned.add(id(t))
 
     def stack_for(self, owners: Sequence[tuple[nn.Module, str]], concat: bool = False) -> StackedTensors:
         key = (tuple((id(m), n) for m, n in owners), concat)
