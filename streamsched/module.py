@@ -330,10 +330,13 @@ class StreamScheduledModule(nn.Module):
                 st.last_path = "as-written"
                 module = self.module
                 try:
-                    return type(module).forward(module, *args, **kwargs)
+                    out = type(module).forward(module, *args, **kwargs)
                 except Exception as exc:
                     self._runner.annotate(exc)
                     raise
+                if _generation._generation != generation:
+                    st.follow_own_writes(generation)  # the forward assigned what it reads
+                return out
             if (
                 st.churned_until > st.calls
                 and st.observer is None

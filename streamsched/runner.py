@@ -481,11 +481,15 @@ class Runner:
         st.last = settled.reported if found is True else found  # what admits(...) returned
         st.last_path = "as-written"
         module = self.module
+        generation = _generation._generation
         try:
-            return type(module).forward(module, *args, **kwargs)
+            out = type(module).forward(module, *args, **kwargs)
         except Exception as exc:
             self.annotate(exc)
             raise
+        if _generation._generation != generation:
+            st.follow_own_writes(generation)
+        return out
 
     def settle_as_written(
         self, args: tuple, kwargs: dict, written: Any, bucket: Any = None, planned: list = ()
@@ -536,7 +540,11 @@ class Runner:
         if written.nests:
             return self.forward_nesting(key, spec, args, kwargs)
         self.settle_as_written(args, kwargs, written)
-        return self.as_written(args, kwargs)
+        generation = _generation._generation
+        out = self.as_written(args, kwargs)
+        if _generation._generation != generation:
+            self.st.follow_own_writes(generation)
+        return out
 
     def with_hooks(self, args: tuple, kwargs: dict) -> Any:
         """Hooks on the wrapped model itself, or global module hooks, fire around (or on)

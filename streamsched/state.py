@@ -371,6 +371,20 @@ class WrapperState:
             self.settled_more = tuple(kept[: MAX_SETTLED_LAYOUTS - 1])
         self.settled = record
 
+    def follow_own_writes(self, before: int) -> None:
+        """The model's forward, run as written, moved the generation from ``before``: it
+        assigns an attribute on its calls (NLLB-MoE's router sets ``expert_capacity`` from
+        the token count on every call). The settled layouts at ``before`` move with it, so
+        that the next call of theirs takes the shortcut again: a call run as written is
+        the model's own, whatever it assigned, and a change made between calls still
+        moves the generation past them. (The wrapper's own generation stays: a plan's
+        trace may bake in what was assigned, and its next call re-validates.) Layouts
+        with nested children stay: those children's plans are traces too."""
+        moved = _generation._generation
+        for record in (self.settled, *self.settled_more):
+            if record is not None and record.generation == before and record.nested is None:
+                record.generation = moved
+
     def find_settled(self, args: tuple, kwargs: dict) -> tuple:
         """``(record, found)``: the settled layout that admits this call (at its sizes), at
         the current generation, first or other, and what its check returned

@@ -302,3 +302,59 @@ def test_a_new_size_run_as_written_says_its_plans_tasks_did_not_run():
     assert_path(sm, "as-written")
     assert sm.plan.executor == "eager" and sm.plan.tasks and sm.plan.coverage == 0.0
     assert "12x16" in sm.plan.reason and NONE_RAN in str(sm.plan)
+
+
+class CapacityRouter(nn.Module):
+    """Assigns an attribute it reads from the number of tokens on every call, as
+    NLLB-MoE's router assigns ``expert_capacity`` in eval."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(16, 4)
+        self.capacity = 1
+
+    def forward(self, x):
+        self.capacity = max(1, x.shape[0] // 2)
+        return self.gate(x)[:, :1] * self.capacity
+
+
+class Routed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.router = CapacityRouter()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.a(x) + self.b(x) * self.router(x)
+
+
+def test_a_forward_assigning_what_it_reads_on_every_call_keeps_the_shortcut(full_calls, monkeypatch):
+    """The attribute moves the generation on every call whose size changed it; once the
+    calls settled to run as written, that move (the model's own) does not send each call
+    back to the full path, while a change made between calls still does."""
+    original = Runner._timed
+
+    def written_faster(self, compiled, name, *args, **kwargs):  # the trial's verdict: as written
+        out, _ = original(self, compiled, name, *args, **kwargs)
+        return out, 1e-4 if name == "eager" else 1e-3
+
+    monkeypatch.setattr(Runner, "_timed", written_faster)
+    model = Routed().eval()
+    ref = copy.deepcopy(model)
+    sm = ss.StreamScheduledModule(model)
+    sizes = [3, 8, 5]
+    for i in range(45):
+        x = torch.randn(sizes[i % 3], 16)
+        assert_close(sm(x), ref(x))
+    assert_path(sm, "as-written")
+    before = len(full_calls)
+    for i in range(30):
+        x = torch.randn(sizes[i % 3], 16)
+        assert_close(sm(x), ref(x))
+        assert_path(sm, "as-written")
+    assert len(full_calls) == before, f"{len(full_calls) - before} of 30 settled calls took the full path"
+    # A change between calls: the next call is checked on the full path (and still right).
+    model.router.gate = ref.router.gate = nn.Linear(16, 4)
+    x = torch.randn(3, 16)
+    assert_close(sm(x), ref(x))
+    assert len(full_calls) == before + 1
