@@ -89,6 +89,15 @@ class RunningMeanTwice(RunningMeanSlice):
         self.register_buffer("stats", self.heads[1][1].running_mean)
 
 
+def _compare_outputs_and_stats(sm, eager) -> None:
+    """One call of each on a fresh input: the towers' output and the statistics read."""
+    x = torch.randn(5, D, 3, 3)
+    with torch.no_grad():
+        (out, stats), (expected, expected_stats) = sm(x), eager(x)
+    assert_close(out, expected, atol=1e-5)
+    assert_close(stats, expected_stats, atol=1e-6)
+
+
 @pytest.mark.parametrize("make", [RunningMeanSlice, RunningMeanTwice])
 @pytest.mark.parametrize("executor", ["serial", "threads"])
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
@@ -96,11 +105,7 @@ def test_a_buffer_aliasing_running_statistics_is_read_after_their_update(make, e
     model, eager = _pair(make)
     sm = ss.StreamScheduledModule(model, executor=executor, fuse=fuse, min_task_cost=0.0, num_streams=4)
     for i in range(4):
-        x = torch.randn(5, D, 3, 3)
-        with torch.no_grad():
-            (out, stats), (expected, expected_stats) = sm(x), eager(x)
-        assert_close(out, expected, atol=1e-5)
-        assert_close(stats, expected_stats, atol=1e-6)
+        _compare_outputs_and_stats(sm, eager)
         if i:
             assert_path(sm, "plan")
     # The read is ordered after the batch norm's update (an edge, not luck).
@@ -127,11 +132,7 @@ def test_a_held_view_of_running_statistics_is_refused_not_baked():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(4):
-            x = torch.randn(5, D, 3, 3)
-            with torch.no_grad():
-                (out, stats), (expected, expected_stats) = sm(x), eager(x)
-            assert_close(out, expected, atol=1e-5)
-            assert_close(stats, expected_stats, atol=1e-6)
+            _compare_outputs_and_stats(sm, eager)
     assert_path(sm, "eager-dispatch")
     messages = [str(w.message) for w in caught if issubclass(w.category, ss.UntraceableWarning)]
     assert any("'running_var' of BatchNorm2d ('heads.2.1')" in m for m in messages), messages
