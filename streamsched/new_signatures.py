@@ -417,12 +417,14 @@ def compile_signature(runner: Runner, traced: Traced, key: Any, tensors: list[to
         if traced.graph is not graph:  # pragma: no cover - a call of such nodes misleads no trace
             raise RuntimeError("streamsched: the trace changed during a call of reading modules only")
     else:
-        recorder = EffectRecorder()
+        regions = st.fusion.stack_regions() if st.fusion is not None else None
+        recorder = EffectRecorder(regions)
         rng = save_generators(next((t.device for t in tensors if t.is_cuda), None))
         try:
             with recorder:
                 result = run_and_record(graph, traced.root, tensors, on_error, metas, recorder, resolve)
         except TraceError as exc:
+            recorder.merge_spanning()
             # A leaf call returned what no trace can follow (a ``None`` where the traced
             # code reads a tensor, in a structure learning cannot stand in for): the call
             # runs as written instead, where the nodes run so far wrote no state (the
@@ -446,6 +448,7 @@ def compile_signature(runner: Runner, traced: Traced, key: Any, tensors: list[to
     if recorder is None:
         effects = Effects()
     else:
+        recorder.merge_spanning()
         input_keys = frozenset(recorder.key_of(t) for t in tensors)
         effects = Effects.from_accesses(recorder.accesses, input_keys, traced.graph)
         if effects:

@@ -364,3 +364,80 @@ def test_an_activation_made_in_place_after_planning_re_records_its_effects(execu
             assert_close(p.grad, q.grad, what=f"call {call} ({path}): gradients")
             p.grad = q.grad = None
         assert sm.plan.fused_groups, "the heads should be fused"
+
+
+def _regions_of(stack: torch.Tensor, members: list) -> dict:
+    address = stack.untyped_storage()._cdata
+    starts = [m.storage_offset() for m in members]
+    return {address: sorted((s, s + m.numel()) for s, m in zip(starts, members))}
+
+
+def test_members_of_a_stack_written_one_by_one_order_nothing():
+    """A storage holding several tensors side by side (a fused group's stack): each
+    member's slice is named apart, so one member written (a batch norm's statistics)
+    orders nothing with another member's reader; a write to the same member does."""
+    stack = torch.zeros(3, 4)
+    members = list(stack.unbind(0))
+    with effects_mod.EffectRecorder(_regions_of(stack, members)) as rec:
+        rec.begin("write_0")
+        members[0].add_(1)
+        rec.end()
+        rec.begin("read_1")
+        _ = members[1].sum()
+        rec.end()
+        rec.begin("read_0")
+        _ = members[0][1:].sum()  # a view inside member 0's slice
+        rec.end()
+    rec.merge_spanning()
+    after = effects_mod.effect_edges(rec.accesses)
+    assert "read_1" not in after and after["read_0"] == {"write_0"}
+
+
+def test_an_access_spanning_members_names_their_storage_whole():
+    """Where some access reaches over two members' slices, every slice of that storage
+    is named as the whole storage again (as without regions): the writes keep their
+    order, and the reader of the whole stack follows the last of them."""
+    stack = torch.zeros(3, 4)
+    members = list(stack.unbind(0))
+    with effects_mod.EffectRecorder(_regions_of(stack, members)) as rec:
+        rec.begin("write_0")
+        members[0].add_(1)
+        rec.end()
+        rec.begin("write_2")
+        members[2].mul_(2)
+        rec.end()
+        rec.begin("read_all")
+        _ = stack.sum()
+        rec.end()
+    rec.merge_spanning()
+    after = effects_mod.effect_edges(rec.accesses)
+    assert after["read_all"] == {"write_2"}
+    assert after["write_2"] == {"write_0"}  # one storage again: without the merge, no edge
+
+
+class NormedTowers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.heads = nn.ModuleList(nn.Sequential(nn.Conv2d(6, 6, 1), nn.BatchNorm2d(6), nn.ReLU()) for _ in range(4))
+
+    def forward(self, x):
+        return torch.cat([h(x) for h in self.heads], 1)
+
+
+def test_a_fused_batch_norm_in_training_stays_fused_at_a_new_size():
+    """After the first plan, the fused batch norms' statistics are slices of one stack;
+    the recording of a new size sees each member update its own slice, which orders
+    nothing: the group is fused again, and the statistics follow eager's."""
+    torch.manual_seed(0)
+    model = NormedTowers()
+    eager = copy.deepcopy(model)
+    sm = ss.StreamScheduledModule(model, executor="serial", min_task_cost=0.0)
+    for n in (5, 5, 7, 7):
+        x = torch.randn(n, 6, 3, 3)
+        with torch.no_grad():
+            assert_close(sm(x), eager(x), atol=1e-5)
+        kinds = {g.kind for g in sm.plan.fused_groups}
+        assert "BatchNorm2d" in kinds and sm.plan.effect_edges == 0, (n, kinds, sm.plan.effect_edges)
+    assert sm._ss.last_path == "plan:serial" and sm.plan.signature.startswith("float32[7")
+    for a, b in zip(model.buffers(), eager.buffers()):
+        assert_close(a, b, atol=1e-6)

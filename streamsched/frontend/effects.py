@@ -26,6 +26,7 @@ Example::
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import operator
 from dataclasses import dataclass, field
@@ -213,7 +214,14 @@ class EffectRecorder(TorchDispatchMode):
     Nothing is kept alive, so the first call's peak memory stays eager's.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, regions: Optional[dict[int, list[tuple[int, int]]]] = None) -> None:
+        """``regions``: storages (by ``_cdata``) holding several tensors side by side, each
+        with the element ranges ``[start, end)`` of its tensors, sorted (a fused group's
+        stack, whose members are views of their slices: ``FusionContext.stack_regions``).
+        An access within one range is named by that range, so that members of a stack
+        written one by one (a batch norm's statistics in training) order nothing; where
+        some access spans ranges, the storage is named as a whole after all
+        (:meth:`merge_spanning`)."""
         super().__init__()
         self.accesses: dict[str, NodeAccess] = {}
         self._current: Optional[NodeAccess] = None
@@ -222,6 +230,10 @@ class EffectRecorder(TorchDispatchMode):
         self._ids: dict[int, tuple[int, Any]] = {}
         self._next_id = itertools.count()
         self._raw = _RAW_WEAK_REFS
+        self._regions = regions or None
+        self._region_ids: dict[tuple[int, int], int] = {}  # (storage id, range) -> id
+        self._whole_of: dict[int, int] = {}  # a range's id -> its storage's id
+        self._spanning: set[int] = set()  # storage ids some access named as a whole
 
     def __del__(self) -> None:
         self.release()
@@ -257,7 +269,43 @@ class EffectRecorder(TorchDispatchMode):
                 entry = self._ids[address] = (next(self._next_id), t.untyped_storage()._weak_ref())
         elif entry is None or _expired(entry[1]):
             entry = self._ids[address] = (next(self._next_id), StorageWeakRef(t.untyped_storage()))
+        if self._regions is not None:
+            ranges = self._regions.get(address)
+            if ranges is not None:
+                return self._region_key(t, entry[0], ranges)
         return entry[0]
+
+    def _region_key(self, t: torch.Tensor, whole: int, ranges: list[tuple[int, int]]) -> int:
+        """The id of the range of ``ranges`` that holds all of ``t`` (``whole``: its
+        storage's id), or ``whole`` where none does (noted: :meth:`merge_spanning`)."""
+        if whole in self._spanning or t.numel() == 0:
+            return whole
+        start = t.storage_offset()
+        end = start + 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+        i = bisect.bisect_right(ranges, (start, float("inf"))) - 1
+        if i < 0 or ranges[i][1] < end:
+            self._spanning.add(whole)
+            return whole
+        key = self._region_ids.get((whole, i))
+        if key is None:
+            key = self._region_ids[(whole, i)] = next(self._next_id)
+            self._whole_of[key] = whole
+        return key
+
+    def merge_spanning(self) -> None:
+        """Name by its storage every range of a storage some access spanned (call once
+        the recording ran, before reading ``accesses``): ranges then order as one."""
+        if not self._spanning:
+            return
+        rename = {key: whole for key, whole in self._whole_of.items() if whole in self._spanning}
+        if not rename:
+            return
+        for acc in self.accesses.values():
+            for keys in (acc.reads, acc.writes, acc.fresh, acc.unmarked):
+                hits = [k for k in keys if k in rename]
+                for k in hits:
+                    keys.discard(k)
+                    keys.add(rename[k])
 
     def begin(self, name: str) -> None:
         current = self.accesses.get(name)

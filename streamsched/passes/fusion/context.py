@@ -52,6 +52,14 @@ def _storage_address(t: Any) -> Optional[int]:
         return None
 
 
+def _element_range(t: torch.Tensor) -> tuple[int, int]:
+    """The elements of its storage ``t`` reaches: ``[start, end)``."""
+    start = t.storage_offset()
+    if t.numel() == 0:
+        return start, start
+    return start, start + 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+
+
 class FusionContext:
     """The stacked tensors of one model, shared by all of its plans."""
 
@@ -128,6 +136,27 @@ class FusionContext:
             for t in tensors_held:
                 if _storage_address(t) in held:
                     self._returned.add(id(t))
+
+    def stack_regions(self) -> dict[int, list[tuple[int, int]]]:
+        """Each live stack's storage (by ``_cdata``) with its members' element ranges,
+        sorted, for the effect recorder (``EffectRecorder(regions=...)``): a member's
+        writes (a fused batch norm's statistics in training) touch its slice only, and
+        must not order it after the other members' as one storage would."""
+        out: dict[int, list[tuple[int, int]]] = {}
+        for stack in self._stacks.values():
+            if not stack.alias or stack.stack is None or not stack.live:
+                continue
+            try:
+                address = stack.stack.untyped_storage()._cdata
+                ranges = sorted(_element_range(t) for t in stack.tensors if t.untyped_storage()._cdata == address)
+            except (RuntimeError, NotImplementedError, AttributeError):
+                continue
+            if len(ranges) != len(stack.tensors) or address in out:
+                continue  # (a member elsewhere, or two groups in one storage: named whole)
+            if any(a[1] > b[0] for a, b in zip(ranges, ranges[1:])):
+                continue  # overlapping members: named whole
+            out[address] = ranges
+        return out
 
     def stack_for(self, owners: Sequence[tuple[nn.Module, str]], concat: bool = False) -> StackedTensors:
         key = (tuple((id(m), n) for m, n in owners), concat)
