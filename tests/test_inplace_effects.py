@@ -366,30 +366,34 @@ def test_an_activation_made_in_place_after_planning_re_records_its_effects(execu
         assert sm.plan.fused_groups, "the heads should be fused"
 
 
-def _regions_of(stack: torch.Tensor, members: list) -> dict:
-    address = stack.untyped_storage()._cdata
+def _edges_over_a_stack(steps: dict) -> dict:
+    """The effect edges of ``steps`` (node name -> what it does to the members of a
+    stack of 3 rows, given the stack and its members), recorded with the members'
+    slices as regions."""
+    stack = torch.zeros(3, 4)
+    members = list(stack.unbind(0))
     starts = [m.storage_offset() for m in members]
-    return {address: sorted((s, s + m.numel()) for s, m in zip(starts, members))}
+    regions = {stack.untyped_storage()._cdata: sorted((s, s + m.numel()) for s, m in zip(starts, members))}
+    with effects_mod.EffectRecorder(regions) as rec:
+        for name, step in steps.items():
+            rec.begin(name)
+            step(stack, members)
+            rec.end()
+    rec.merge_spanning()
+    return effects_mod.effect_edges(rec.accesses)
 
 
 def test_members_of_a_stack_written_one_by_one_order_nothing():
     """A storage holding several tensors side by side (a fused group's stack): each
     member's slice is named apart, so one member written (a batch norm's statistics)
     orders nothing with another member's reader; a write to the same member does."""
-    stack = torch.zeros(3, 4)
-    members = list(stack.unbind(0))
-    with effects_mod.EffectRecorder(_regions_of(stack, members)) as rec:
-        rec.begin("write_0")
-        members[0].add_(1)
-        rec.end()
-        rec.begin("read_1")
-        _ = members[1].sum()
-        rec.end()
-        rec.begin("read_0")
-        _ = members[0][1:].sum()  # a view inside member 0's slice
-        rec.end()
-    rec.merge_spanning()
-    after = effects_mod.effect_edges(rec.accesses)
+    after = _edges_over_a_stack(
+        {
+            "write_0": lambda stack, members: members[0].add_(1),
+            "read_1": lambda stack, members: members[1].sum(),
+            "read_0": lambda stack, members: members[0][1:].sum(),  # a view inside member 0's slice
+        }
+    )
     assert "read_1" not in after and after["read_0"] == {"write_0"}
 
 
@@ -397,20 +401,13 @@ def test_an_access_spanning_members_names_their_storage_whole():
     """Where some access reaches over two members' slices, every slice of that storage
     is named as the whole storage again (as without regions): the writes keep their
     order, and the reader of the whole stack follows the last of them."""
-    stack = torch.zeros(3, 4)
-    members = list(stack.unbind(0))
-    with effects_mod.EffectRecorder(_regions_of(stack, members)) as rec:
-        rec.begin("write_0")
-        members[0].add_(1)
-        rec.end()
-        rec.begin("write_2")
-        members[2].mul_(2)
-        rec.end()
-        rec.begin("read_all")
-        _ = stack.sum()
-        rec.end()
-    rec.merge_spanning()
-    after = effects_mod.effect_edges(rec.accesses)
+    after = _edges_over_a_stack(
+        {
+            "write_0": lambda stack, members: members[0].add_(1),
+            "write_2": lambda stack, members: members[2].mul_(2),
+            "read_all": lambda stack, members: stack.sum(),
+        }
+    )
     assert after["read_all"] == {"write_2"}
     assert after["write_2"] == {"write_0"}  # one storage again: without the merge, no edge
 
