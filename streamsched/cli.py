@@ -40,6 +40,7 @@ from .errors import ConfigError, ProfileMismatchError
 from .module import StreamScheduledModule
 from .observe.schedule_profiles import measure_profile
 from .observe.timeline import timeline
+from .testing import in_trial
 
 __all__ = ["main", "build_parser", "parse_shape", "parse_options", "load_factory"]
 
@@ -342,12 +343,6 @@ class _Prepared:
 _TRIAL_CALLS = 64
 
 
-def _in_trial(sm: StreamScheduledModule) -> bool:
-    """Whether the signature of the last call is still under the executor trial."""
-    compiled = sm._ss.last
-    return compiled is not None and getattr(compiled, "trial", None) is not None
-
-
 def _cmd_plan(ns: argparse.Namespace) -> int:
     prepared = _Prepared(ns)
     sm = prepared.sm
@@ -357,7 +352,7 @@ def _cmd_plan(ns: argparse.Namespace) -> int:
         # Under executor="auto" the calls after planning are a trial of the ways to run
         # the plan (docs/design.md): the plan printed is the one the trial decided on.
         for _ in range(_TRIAL_CALLS):
-            if not _in_trial(sm):
+            if not in_trial(sm):
                 break
             sm(*prepared.inputs())
     plan = sm.plan

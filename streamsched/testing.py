@@ -31,6 +31,7 @@ __all__ = [
     "check_happens_before",
     "assert_schedule_clean",
     "last_path",
+    "in_trial",
     "assert_path",
     "PATHS",
     "SyncLog",
@@ -55,6 +56,20 @@ def last_path(module: Any) -> str:
         'plan:serial'
     """
     return module._ss.last_path
+
+
+def in_trial(module: Any) -> bool:
+    """Whether the most recent call of ``module`` (a StreamScheduledModule) ran under the
+    ``auto`` executor trial of its signature: the calls after planning that time the ways
+    to run the plan (each way in turn) before one is kept.
+
+    Example::
+
+        >>> while in_trial(sm):   # doctest: +SKIP
+        ...     sm(x)             # the calls after this one run what the trial kept
+    """
+    compiled = module._ss.last
+    return compiled is not None and getattr(compiled, "trial", None) is not None
 
 
 def assert_path(module: Any, *expected: str) -> str:

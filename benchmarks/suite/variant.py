@@ -11,10 +11,12 @@ from typing import Any, Callable, Literal, Optional
 import torch
 from torch import nn
 
+from streamsched.testing import in_trial
+
 from .cases import CaseSpec
 from .timing import Clock
 
-__all__ = ["Variant", "BuiltCase", "SuiteContext", "VariantStatus", "first_line", "in_trial", "settle"]
+__all__ = ["Variant", "BuiltCase", "SuiteContext", "VariantStatus", "first_line", "settle"]
 
 VariantStatus = Literal["ok", "n/a", "skipped", "error"]
 
@@ -30,13 +32,6 @@ def first_line(exc: BaseException, limit: int = 160) -> str:
 # Calls at most that :func:`settle` makes for an ``auto`` trial to decide (a trial takes
 # 5 to 15 calls of each way it times).
 TRIAL_CALLS = 64
-
-
-def in_trial(sm: Any) -> bool:
-    """Whether the last call of ``sm`` (a StreamScheduledModule) ran under its executor
-    trial: the calls that time the ways to run a plan before one is kept."""
-    compiled = sm._ss.last
-    return compiled is not None and getattr(compiled, "trial", None) is not None
 
 
 def settle(sm: Any, call: Callable[[], Any], ctx: SuiteContext) -> tuple[int, float]:

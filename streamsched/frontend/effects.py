@@ -39,7 +39,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .hooks import global_hooks
 
-__all__ = ["Effects", "NodeAccess", "EffectRecorder", "RNG_KEY", "effect_edges", "op_accesses", "storage_key"]
+__all__ = [
+    "Effects",
+    "NodeAccess",
+    "EffectRecorder",
+    "RNG_KEY",
+    "effect_edges",
+    "element_range",
+    "op_accesses",
+    "storage_key",
+]
 
 # The random-number generators, as one storage every op that draws from them writes
 # (``dropout`` in training, ``bernoulli_``, ``randn_like``...: the ops torch tags
@@ -64,6 +73,14 @@ def storage_key(t: torch.Tensor) -> Optional[int]:
         return t.untyped_storage()._cdata
     except (RuntimeError, NotImplementedError, AttributeError):
         return None
+
+
+def element_range(t: torch.Tensor) -> tuple[int, int]:
+    """The elements of its storage ``t`` reaches: ``[start, end)`` (empty for no element)."""
+    start = t.storage_offset()
+    if t.numel() == 0:
+        return start, start
+    return start, start + 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
 
 
 _SCALARS = (bool, int, float, str, torch.dtype, torch.device)
@@ -280,8 +297,7 @@ class EffectRecorder(TorchDispatchMode):
         storage's id), or ``whole`` where none does (noted: :meth:`merge_spanning`)."""
         if whole in self._spanning or t.numel() == 0:
             return whole
-        start = t.storage_offset()
-        end = start + 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+        start, end = element_range(t)
         i = bisect.bisect_right(ranges, (start, float("inf"))) - 1
         if i < 0 or ranges[i][1] < end:
             self._spanning.add(whole)

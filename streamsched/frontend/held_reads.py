@@ -93,8 +93,9 @@ def _buffer_updated_in_the_call(graph: fx.Graph, resolve: Callable[[str], Any], 
     call (a view of a batch norm's running variance, kept as a plain attribute, read
     after the batch norm in training), or None. The trace computed with the value from
     before the call; eager reads the one the module just wrote."""
-    keys = {storage_key(t) for t in baked} - {None}
-    if not keys:
+    held_at = {storage_key(t): t for t in baked}
+    held_at.pop(None, None)
+    if not held_at:
         return None
     for node in graph.nodes:
         if node.op != "call_module":
@@ -103,8 +104,8 @@ def _buffer_updated_in_the_call(graph: fx.Graph, resolve: Callable[[str], Any], 
             if not sub.training:
                 continue  # (in eval a module of torch.nn updates no buffer)
             for name, buffer in sub._buffers.items():
-                if buffer is not None and storage_key(buffer) in keys:
-                    held = next(t for t in baked if storage_key(t) == storage_key(buffer))
+                held = held_at.get(storage_key(buffer)) if buffer is not None else None
+                if held is not None:
                     return (
                         f"the forward computes with a held {_describe(held)} that shares its storage with "
                         f"the buffer '{name}' of {type(sub).__name__} ('{path}'), which that module updates "

@@ -17,6 +17,7 @@ from torch import fx, nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ... import _generation
+from ...frontend.effects import element_range
 from ...frontend.nodes import own_tensors
 from .fuse import FuseResult, fuse_graph
 from .params import StackedTensors, stacks_holding
@@ -50,14 +51,6 @@ def _storage_address(t: Any) -> Optional[int]:
         return t.untyped_storage().data_ptr() or None
     except (RuntimeError, NotImplementedError):
         return None
-
-
-def _element_range(t: torch.Tensor) -> tuple[int, int]:
-    """The elements of its storage ``t`` reaches: ``[start, end)``."""
-    start = t.storage_offset()
-    if t.numel() == 0:
-        return start, start
-    return start, start + 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
 
 
 class FusionContext:
@@ -119,10 +112,10 @@ class FusionContext:
                 address = _storage_address(t)
                 if address is not None:
                     storages.add(address)
+        addresses = [_storage_address(t) for t in tensors_held]
         first_at: dict[int, torch.Tensor] = {}
         shared: set[int] = set()
-        for t in tensors_held:
-            address = _storage_address(t)
+        for t, address in zip(tensors_held, addresses):
             if address is None:
                 continue
             if address in storages:
@@ -133,8 +126,8 @@ class FusionContext:
         # Members of a stack share its storage by design: only other sharing is held.
         held = {a for a in shared if stacks_holding(first_at[a]) is None}
         if held:
-            for t in tensors_held:
-                if _storage_address(t) in held:
+            for t, address in zip(tensors_held, addresses):
+                if address in held:
                     self._returned.add(id(t))
 
     def stack_regions(self) -> dict[int, list[tuple[int, int]]]:
@@ -148,7 +141,7 @@ class FusionContext:
                 continue
             try:
                 address = stack.stack.untyped_storage()._cdata
-                ranges = sorted(_element_range(t) for t in stack.tensors if t.untyped_storage()._cdata == address)
+                ranges = sorted(element_range(t) for t in stack.tensors if t.untyped_storage()._cdata == address)
             except (RuntimeError, NotImplementedError, AttributeError):
                 continue
             if len(ranges) != len(stack.tensors) or address in out:
