@@ -123,6 +123,12 @@ def new_signature(runner: Runner, key: Any, spec: Any, tensors: list[torch.Tenso
             written.make = lambda: _as_written_plan(
                 runner, why(), like, signature_text_of(sizes, any_size=written.every_size)
             )
+            if structure.nests and verdict.settled:
+                # A chain around untraceable modules: as written, their children nested
+                # (``_nest_chain``); it settles once the children are quiet.
+                written.nests = written.every_size = True
+                st.written.put(key, written)
+                return runner.forward_nesting(key, spec, args, kwargs)
             if verdict.settled:
                 # Later calls with this signature run as written without asking again.
                 st.written.put(key, written)
@@ -187,6 +193,14 @@ def new_signature(runner: Runner, key: Any, spec: Any, tensors: list[torch.Tenso
         )
         structure.decide(signatures.ANY_SIZE, signatures.Decision(True, "serial", why, shapes))
         return new_signature(runner, key, spec, tensors, args, kwargs)
+    if (
+        (structure is None or structure.plan is None)
+        and traced.opaque
+        and signatures.CHAIN_AS_WRITTEN
+        and runner.automatic()
+        and a_chain(traced, opaque_modules=True)
+    ):
+        return _nest_chain(runner, structure, structure_key, traced, key, spec, tensors, shapes, args, kwargs)
     assigned = _generation.assignments()
     try:
         compiled, out = compile_signature(runner, traced, key, tensors)
@@ -199,6 +213,41 @@ def new_signature(runner: Runner, key: Any, spec: Any, tensors: list[torch.Tenso
     if _generation.assignments() != assigned:
         runner.check_written_state(traced)
     return out
+
+
+def _nest_chain(
+    runner: Runner,
+    structure: Optional[Structure],
+    structure_key: tuple,
+    traced: Traced,
+    key: Any,
+    spec: Any,
+    tensors: list[torch.Tensor],
+    shapes: tuple,
+    args: tuple,
+    kwargs: dict,
+) -> Any:
+    """A traced forward that is a chain around modules that could not be traced (a
+    language model's head around its untraceable decoder): its plan would run the same
+    chain, those modules as written with their children nested, and could win only the
+    forward's Python; each of its sizes and modes would still pay a recording call and a
+    trial, and the trial's calls of the plan, which are the only ones to reach the
+    children, would wait on the children's own first calls and trials. So it runs as an
+    untraceable forward does, for every size and grad mode: as written, its children
+    nested (``Runner.forward_nesting``, whose trial of nesting decides whether they pay),
+    with nothing recorded or planned at this level."""
+    st = runner.st
+    if structure is None:
+        structure = Structure(runner.config.plan_cache_size)
+        st.structures.put(structure_key, structure)
+    structure.uniform = structure.nests = True
+    opaque = ", ".join(sorted(traced.opaque))
+    why = (
+        f"the traced forward is a chain around modules that cannot be traced ({opaque}): nothing to run side by "
+        "side or batch at this level, so it runs as written, the children of those modules nested"
+    )
+    structure.decide(signatures.ANY_SIZE, signatures.Decision(True, "serial", why, shapes))
+    return new_signature(runner, key, spec, tensors, args, kwargs)
 
 
 def baked_value_assigned(runner: Runner, traced: Traced) -> list[str]:
@@ -216,13 +265,14 @@ _GLUE_FUNCTIONS = frozenset({operator.getitem, getattr, len})
 _GLUE_METHODS = frozenset({"size", "dim", "numel", "stride", "type_as"})
 
 
-def a_chain(traced: Traced) -> bool:
+def a_chain(traced: Traced, opaque_modules: bool = False) -> bool:
     """Whether ``traced``'s forward is a chain: every operation (but the glue that takes
     a value apart or reads its shape) reads, directly or not, the one before it, so no
     two could run side by side and none could be batched with another (fusion batches
     independent calls). Not where a module was made opaque because it could not be
-    traced: its children may get plans of their own (nesting.py) inside the plan."""
-    if traced.opaque:
+    traced (its children may get plans of their own, nesting.py), unless
+    ``opaque_modules``: then the chain is of the traced forward alone."""
+    if traced.opaque and not opaque_modules:
         return False
     ancestors: dict[Any, int] = {}
     bit: dict[Any, int] = {}

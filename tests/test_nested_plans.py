@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import streamsched as ss
-from streamsched import nesting, nesting_trial
+from streamsched import nesting, nesting_trial, new_signatures
 from streamsched.testing import assert_path, last_path
 
 from .helpers import assert_close
@@ -207,6 +207,18 @@ class OpaqueInside(nn.Module):
         return self.post(self.mid(self.pre(x)))
 
 
+class OpaqueBeside(OpaqueInside):
+    """OpaqueInside with a branch beside its chain: a plan with something to schedule
+    (a chain around an opaque call alone runs as written, its children nested)."""
+
+    def __init__(self):
+        super().__init__()
+        self.side = nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.post(self.mid(self.pre(x))) + self.side(x)
+
+
 def test_an_opaque_call_of_a_traced_plan_is_nested():
     torch.manual_seed(0)
     model = OpaqueInside().eval()
@@ -254,7 +266,7 @@ def test_a_trial_leaves_out_calls_in_which_a_nested_child_planned(monkeypatch):
 
     monkeypatch.setattr(new_signatures, "compile_signature", slow_planning)
     torch.manual_seed(0)
-    model = OpaqueInside().eval()
+    model = OpaqueBeside().eval()
     sm = ss.StreamScheduledModule(model)  # auto: the root's trial, the children's trials
     for _ in range(60):
         x = torch.randn(8, 16)
@@ -717,3 +729,37 @@ def test_the_trial_of_nesting_times_a_call_passing_only_objects_on_the_models_de
             assert_close(sm(batch).cpu(), model(batch).cpu())
     assert devices, "no call of the trial of nesting was timed"
     assert all(d.startswith("cuda") for d in devices), devices
+
+
+def test_a_chain_around_an_opaque_call_runs_as_written_with_its_children_nested(monkeypatch):
+    """Under ``auto``, a traced forward that is a chain around an untraceable module (a
+    language model's head around its decoder) records and tries nothing at its own level,
+    at any size or grad mode: it runs as written, and the opaque module's children are
+    nested with plans of their own, as an untraceable forward's are."""
+    recorded = []
+    compile_signature = new_signatures.compile_signature
+
+    def counted(runner, *args, **kwargs):
+        recorded.append(type(runner.module).__name__)
+        return compile_signature(runner, *args, **kwargs)
+
+    monkeypatch.setattr(new_signatures, "compile_signature", counted)
+    torch.manual_seed(0)
+    model = OpaqueInside().eval()
+    sm = ss.StreamScheduledModule(model)
+    for i in range(24):
+        x = torch.randn((8, 12, 8, 20)[i % 4], 16)
+        grad = i % 3 == 0
+        with torch.set_grad_enabled(grad):
+            out, expected = sm(x), model(x)
+        assert_close(out, expected)
+        assert last_path(sm) == "as-written"
+        if grad:
+            got = torch.autograd.grad(out.sum(), list(model.parameters()))
+            want = torch.autograd.grad(expected.sum(), list(model.parameters()))
+            for g, w in zip(got, want):
+                assert_close(g, w)
+    assert "OpaqueInside" not in recorded, recorded  # the root: no recording call
+    assert "Block" in recorded  # the nested blocks were planned
+    assert "chain around modules that cannot be traced" in sm.plan.reason, sm.plan.reason
+    assert {"mid", "mid.blocks.0", "mid.blocks.1"} <= set(sm.nested_plans), sorted(sm.nested_plans)

@@ -29,9 +29,14 @@ from torch.fx import traceback as fx_traceback
 from torch.fx.proxy import Scope
 
 try:
-    from torch._library.opaque_object import is_opaque_type as _is_opaque_type
-except ImportError:  # pragma: no cover - a torch without opaque objects
-    _is_opaque_type = None
+    # Newer torch names it ``is_custom_class`` and logs a deprecation warning on every
+    # call of the old name (hundreds a trace).
+    from torch._library.opaque_object import is_custom_class as _is_opaque_type
+except ImportError:  # pragma: no cover - depends on the torch version
+    try:
+        from torch._library.opaque_object import is_opaque_type as _is_opaque_type
+    except ImportError:
+        _is_opaque_type = None
 
 ENABLED = True
 

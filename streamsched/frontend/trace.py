@@ -1065,38 +1065,86 @@ def trace_model(
     """
     module_types = tuple(t for t in leaf_types if isinstance(t, type)) + _registered_leaf_types()
     functions = tuple(f for f in leaf_types if not isinstance(f, type)) + _registered_leaf_functions()
-    opaque: dict[type, str] = {}
     ranks = tuple(ranks) if ranks is not None else None
     dtypes = tuple(dtypes) if dtypes is not None else None
-    # Functions run as one opaque call: id -> (namespace, name, function, reason); and
-    # the ids of functions refused (a call of one passed an object a node cannot hold).
-    sites: dict[int, tuple[dict, str, Any, str]] = {}
-    refused: set[int] = set()
+    # Classes made opaque: class -> reason; functions run as one opaque call: id ->
+    # (namespace, name, function, reason); and functions refused (a call of one passed
+    # an object a node cannot hold): id -> function. Started from what the retries of
+    # this model's earlier traces found (``_RetriesFound``).
+    hint_key = (module_types, functions, _generation.current())
+    opaque, sites, refused = _RETRIES_FOUND.start(model, hint_key)
     known = learned(model, _learned_key(model, spec, ranks, dtypes))
-    while True:
-        try:
-            traced = _trace_once(
-                model, binder, spec, module_types, functions, opaque, known, sites, refused, ranks, dtypes
-            )
-            traced.leaf_types = tuple(leaf_types)
-            return traced
-        except _OpaqueRetry as retry:
-            if len(opaque) + len(sites) + len(refused) >= _MAX_OPAQUE_RETRIES:
-                raise retry.error from retry.error.__cause__
-            if retry.refuse is not None:
-                if id(retry.refuse) in refused:
-                    raise retry.error from retry.error.__cause__
-                refused.add(id(retry.refuse))
-                sites.pop(id(retry.refuse), None)
-            elif retry.site is not None:
-                namespace, name, fn = retry.site
-                if id(fn) in sites:  # taken already, and the trace failed there again
-                    raise retry.error from retry.error.__cause__
-                sites[id(fn)] = (namespace, name, fn, retry.reason)
-            else:
-                if retry.cls in opaque:
-                    raise retry.error from retry.error.__cause__
-                opaque[retry.cls] = retry.reason
+    try:
+        while True:
+            try:
+                traced = _trace_once(
+                    model, binder, spec, module_types, functions, opaque, known, sites, set(refused), ranks, dtypes
+                )
+                traced.leaf_types = tuple(leaf_types)
+                return traced
+            except _OpaqueRetry as retry:
+                _retry_once_more(retry, opaque, sites, refused)
+    finally:
+        _RETRIES_FOUND.keep(model, hint_key, opaque, sites, refused)
+
+
+def _retry_once_more(retry: _OpaqueRetry, opaque: dict, sites: dict, refused: dict) -> None:
+    """Note what ``retry`` asks for (a class made opaque, a function site taken or
+    refused) for the next attempt, or raise its error where that was tried already."""
+    if len(opaque) + len(sites) + len(refused) >= _MAX_OPAQUE_RETRIES:
+        raise retry.error from retry.error.__cause__
+    if retry.refuse is not None:
+        if id(retry.refuse) in refused:
+            raise retry.error from retry.error.__cause__
+        refused[id(retry.refuse)] = retry.refuse
+        sites.pop(id(retry.refuse), None)
+    elif retry.site is not None:
+        namespace, name, fn = retry.site
+        if id(fn) in sites:  # taken already, and the trace failed there again
+            raise retry.error from retry.error.__cause__
+        sites[id(fn)] = (namespace, name, fn, retry.reason)
+    else:
+        if retry.cls in opaque:
+            raise retry.error from retry.error.__cause__
+        opaque[retry.cls] = retry.reason
+
+
+class _RetriesFound:
+    """What the retries of a model's traces found, for its next trace to start from.
+
+    Each call structure (a mask passed or not, grad or not, other ranks) is traced on its
+    own, and each trace met the same untraceable spots one attempt at a time: a language
+    model's trace failed in its mask builder, then found the builder unsafe as an opaque
+    call, then made its decoder opaque, four traces of the whole model for every call
+    structure. A later trace of the model starts with those classes opaque and those
+    functions taken or refused, and retries only what is new to it. Each answer only
+    keeps more of the model as written (an opaque class runs its module as written, a
+    refused function fails the trace into its caller), which is exact; an opaque function
+    site is still checked on every call it makes (``opaque_functions``). Kept per model
+    (weakly), for one set of leaf types and one generation of the model's modules: a
+    submodule swapped or an attribute set starts afresh."""
+
+    def __init__(self) -> None:
+        self._found: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    def start(self, model: torch.nn.Module, key: Hashable) -> tuple[dict, dict, dict]:
+        """Copies of what earlier traces of ``model`` found under ``key``: (opaque
+        classes, function sites, refused functions); empty ones where none did."""
+        with self._lock:
+            found = self._found.get(model)
+        if found is None or found[0] != key:
+            return {}, {}, {}
+        return dict(found[1]), dict(found[2]), dict(found[3])
+
+    def keep(self, model: torch.nn.Module, key: Hashable, opaque: dict, sites: dict, refused: dict) -> None:
+        if not (opaque or sites or refused):
+            return
+        with self._lock:
+            self._found[model] = (key, dict(opaque), dict(sites), dict(refused))
+
+
+_RETRIES_FOUND = _RetriesFound()
 
 
 def _learned_key(
