@@ -571,7 +571,50 @@ def _hf_cases() -> list[Case]:
 
         return Case(name, f"{make.__name__}: a greedy loop passing its DynamicCache every call, 3 x 12", make, calls)
 
+    def qwen2() -> nn.Module:
+        cfg = transformers.Qwen2Config(
+            vocab_size=100,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+        )
+        return transformers.Qwen2ForCausalLM(cfg).eval()
+
+    def mixed_calls(f: Callable[..., Any]) -> list:
+        # Three batch shapes in turn, a padding mask on every other triple, gradients with a
+        # backward on every other pair, and a new length every fifth call: the call
+        # structures (mask or not, grad or not) and sizes a fine-tuning and evaluation
+        # loop mixes.
+        draw = random.Random(0)
+        outs = []
+        for p in f.parameters():
+            p.grad = None
+        for i in range(60):
+            b, t = ((2, 16), (4, 24), (1, 40))[i % 3]
+            if i % 5 == 4:
+                t = draw.randint(8, 60)
+            ids = torch.randint(0, 100, (b, t), generator=torch.Generator().manual_seed(i))
+            kwargs = {}
+            if (i // 3) % 2:
+                mask = torch.ones(b, t, dtype=torch.long)
+                mask[:, : t // 4] = 0
+                kwargs["attention_mask"] = mask
+            with torch.set_grad_enabled((i // 2) % 2 == 1):
+                logits = f(ids, **kwargs).logits
+                if logits.requires_grad:
+                    logits.sum().backward()
+            outs.append(logits.detach())
+        return outs
+
+    mixed_what = "Qwen2 (2 layers): 3 shapes, masks, grad with backward, a new length every 5th call; 60 calls"
     return [
+        Case("hf_qwen2_mixed", mixed_what, qwen2, mixed_calls),
+        Case(
+            "hf_qwen2_mixed_first_pass", f"{mixed_what}, on a fresh wrapper every pass", qwen2, mixed_calls, fresh=True
+        ),
         cache_loop_case("hf_gpt2_dynamic_cache_loop", gpt2),
         cache_loop_case("hf_gpt2_8_layers_dynamic_cache_loop", gpt2_8_layers),
         cache_loop_case("hf_llama_dynamic_cache_loop", llama),

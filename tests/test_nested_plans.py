@@ -763,3 +763,10 @@ def test_a_chain_around_an_opaque_call_runs_as_written_with_its_children_nested(
     assert "Block" in recorded  # the nested blocks were planned
     assert "chain around modules that cannot be traced" in sm.plan.reason, sm.plan.reason
     assert {"mid", "mid.blocks.0", "mid.blocks.1"} <= set(sm.nested_plans), sorted(sm.nested_plans)
+    # The untraceable module replaced by a traceable one: traced afresh, a plain chain.
+    model.mid = nn.Linear(16, 3)
+    for _ in range(3):
+        x = torch.randn(8, 16)
+        with torch.no_grad():
+            assert_close(sm(x), model(x))
+    assert "the traced forward is a chain (each operation" in sm.plan.reason, sm.plan.reason
