@@ -200,20 +200,28 @@ class BackwardSample:
         if self._started is not None:
             return
         self._started = self._now()
-        if self._cuda:
-            return
-        self._waited = (threading.get_ident(), _clock.runqueue_wait_ns())
+        if not self._cuda:
+            self._waited = (threading.get_ident(), _clock.runqueue_wait_ns())
         try:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         except RuntimeError:  # not inside a backward the engine runs: the wall time stands
             pass
 
     def _finish(self) -> None:
-        """Run by the autograd engine when the backward is done (CPU only)."""
+        """Run by the autograd engine when the backward is done: the sample's end stops
+        here (CPU: with the run-queue reading; CUDA: the mark alone)."""
+        if self._cuda:
+            self._finished = True
+            return
         waited = _clock.runqueue_wait_ns()
         self._finished = (threading.get_ident(), waited, time.perf_counter())
 
     def _end(self, grad: Any) -> None:
+        # The parameters' end hooks are shared by the trial's samples and fire in every
+        # backward over the model: another call's (another signature's, in a workload
+        # mixing them) before this sample is read. Only its own backward's count.
+        if self._finished is not None:
+            return
         self._ended = self._now()
 
     def remove(self) -> None:

@@ -270,3 +270,45 @@ def test_a_training_trial_whose_outputs_stop_carrying_gradients_still_decides():
     model.requires_grad_(False)
     _forwards_until_decided(sm, model)
     assert "forward and backward" not in sm.plan.reason
+
+
+def test_a_sample_ends_with_its_own_backward():
+    """The parameters' end hooks fire in every backward over the model; a sample is read
+    at its signature's next trial call, after other calls' backwards (another signature's,
+    in a workload that mixes them). Its time is its own backward's, not until theirs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    ends = backward_timing.ParameterEnds(list(model.parameters()))
+    x = torch.randn(4, 8)
+    out = model(x)
+    sample = backward_timing.BackwardSample.attach(out, [x], None, ends=ends)
+    out.sum().backward()
+    own = sample.seconds
+    assert own is not None
+    time.sleep(0.05)
+    model(x).sum().backward()  # another call's backward over the same parameters
+    assert sample.seconds == own
+    ends.remove()
+    sample.remove()
+
+
+def test_a_mixed_training_workload_times_each_trial_call_by_its_own_backward(monkeypatch):
+    """Two call structures (two ranks) in training, alternating, each under its own trial:
+    with other calls' backwards between a sample's backward and its reading, the figures
+    the trial keeps stay those of one step, not of the steps in between."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+    sm = ss.StreamScheduledModule(model)
+
+    def step(x):
+        out = sm(x)
+        out.sum().backward()
+        time.sleep(0.01)  # the loop's own work between steps
+
+    for i in range(40):
+        step(torch.randn(4, 16) if i % 2 else torch.randn(2, 4, 16))
+    trials = [p.trial for p in sm.plans if p.trial is not None]
+    assert trials, [p.reason for p in sm.plans]
+    for trial in trials:
+        # Each step's forward and backward take well under the 10 ms slept between steps.
+        assert max(trial.best_us.values()) < 10_000, trial
