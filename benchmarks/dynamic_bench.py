@@ -596,7 +596,7 @@ def _hf_cases() -> list[Case]:
             b, t = ((2, 16), (4, 24), (1, 40))[i % 3]
             if i % 5 == 4:
                 t = draw.randint(8, 60)
-            ids = torch.randint(0, 100, (b, t), generator=torch.Generator().manual_seed(i))
+            ids = torch.randint(3, 100, (b, t), generator=torch.Generator().manual_seed(i))
             kwargs = {}
             if (i // 3) % 2:
                 mask = torch.ones(b, t, dtype=torch.long)
@@ -609,12 +609,36 @@ def _hf_cases() -> list[Case]:
             outs.append(logits.detach())
         return outs
 
-    mixed_what = "Qwen2 (2 layers): 3 shapes, masks, grad with backward, a new length every 5th call; 60 calls"
+    def bart() -> nn.Module:
+        cfg = transformers.BartConfig(
+            vocab_size=100,
+            d_model=32,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=64,
+            decoder_ffn_dim=64,
+        )
+        return transformers.BartForConditionalGeneration(cfg).eval()
+
+    def bert_classifier() -> nn.Module:
+        cfg = BertConfig(
+            vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
+        )
+        return transformers.BertForSequenceClassification(cfg).eval()
+
+    def mixed_cases(name: str, make: Callable[[], nn.Module], what: str) -> list[Case]:
+        what = f"{what}: 3 shapes, masks, grad with backward, a new length every 5th call; 60 calls"
+        return [
+            Case(name, what, make, mixed_calls),
+            Case(f"{name}_first_pass", f"{what}, on a fresh wrapper every pass", make, mixed_calls, fresh=True),
+        ]
+
     return [
-        Case("hf_qwen2_mixed", mixed_what, qwen2, mixed_calls),
-        Case(
-            "hf_qwen2_mixed_first_pass", f"{mixed_what}, on a fresh wrapper every pass", qwen2, mixed_calls, fresh=True
-        ),
+        *mixed_cases("hf_qwen2_mixed", qwen2, "Qwen2 (2 layers)"),
+        *mixed_cases("hf_bart_mixed", bart, "BART (2 + 2 layers)"),
+        *mixed_cases("hf_bert_classifier_mixed", bert_classifier, "BertForSequenceClassification (2 layers)"),
         cache_loop_case("hf_gpt2_dynamic_cache_loop", gpt2),
         cache_loop_case("hf_gpt2_8_layers_dynamic_cache_loop", gpt2_8_layers),
         cache_loop_case("hf_llama_dynamic_cache_loop", llama),

@@ -1121,8 +1121,9 @@ class _RetriesFound:
     keeps more of the model as written (an opaque class runs its module as written, a
     refused function fails the trace into its caller), which is exact; an opaque function
     site is still checked on every call it makes (``opaque_functions``). Kept per model
-    (weakly), for one set of leaf types and one generation of the model's modules: a
-    submodule swapped or an attribute set starts afresh."""
+    (weakly), for one set of leaf types and one generation of the model's modules
+    (``_generation``): a submodule registered or swapped, or a flag a trace read set
+    anew, starts afresh."""
 
     def __init__(self) -> None:
         self._found: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
