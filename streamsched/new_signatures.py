@@ -241,13 +241,17 @@ def _nest_chain(
         structure = Structure(runner.config.plan_cache_size)
         st.structures.put(structure_key, structure)
     structure.uniform = structure.nests = True
-    opaque = ", ".join(sorted(traced.opaque))
+    opaque = "; ".join(f"{name}: {_first_line(reason)}" for name, reason in sorted(traced.opaque.items()))
     why = (
         f"the traced forward is a chain around modules that cannot be traced ({opaque}): nothing to run side by "
         "side or batch at this level, so it runs as written, the children of those modules nested"
     )
     structure.decide(signatures.ANY_SIZE, signatures.Decision(True, "serial", why, shapes))
     return new_signature(runner, key, spec, tensors, args, kwargs)
+
+
+def _first_line(text: str) -> str:
+    return (str(text).strip().splitlines() or [""])[0]
 
 
 def baked_value_assigned(runner: Runner, traced: Traced) -> list[str]:

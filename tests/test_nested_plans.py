@@ -762,6 +762,7 @@ def test_a_chain_around_an_opaque_call_runs_as_written_with_its_children_nested(
     assert "OpaqueInside" not in recorded, recorded  # the root: no recording call
     assert "Block" in recorded  # the nested blocks were planned
     assert "chain around modules that cannot be traced" in sm.plan.reason, sm.plan.reason
+    assert "Untraceable: TraceError" in sm.plan.reason, sm.plan.reason  # which, and why
     assert {"mid", "mid.blocks.0", "mid.blocks.1"} <= set(sm.nested_plans), sorted(sm.nested_plans)
     # The untraceable module replaced by a traceable one: traced afresh, a plain chain.
     model.mid = nn.Linear(16, 3)
