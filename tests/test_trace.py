@@ -141,10 +141,8 @@ class InnerBeside(nn.Module):
         return self.inner(x) + self.side(x)
 
 
-def test_a_new_call_structure_starts_from_the_opaque_classes_found(monkeypatch):
-    """Each call structure is traced on its own; the second starts with the class the
-    first trace's retry made opaque, so it traces the model once, not twice, and gets
-    the same plan."""
+def _count_trace_attempts(monkeypatch) -> list:
+    """The models each attempt of a trace is made of (a retry is another attempt)."""
     attempts = []
     trace_once = trace_module._trace_once
 
@@ -153,6 +151,14 @@ def test_a_new_call_structure_starts_from_the_opaque_classes_found(monkeypatch):
         return trace_once(model, *args, **kwargs)
 
     monkeypatch.setattr(trace_module, "_trace_once", counted)
+    return attempts
+
+
+def test_a_new_call_structure_starts_from_the_opaque_classes_found(monkeypatch):
+    """Each call structure is traced on its own; the second starts with the class the
+    first trace's retry made opaque, so it traces the model once, not twice, and gets
+    the same plan."""
+    attempts = _count_trace_attempts(monkeypatch)
     model = InnerBeside()
     sm = ss.StreamScheduledModule(model, executor="serial")
     calls = [(torch.randn(3), "recorded"), (-torch.randn(3).abs(), "plan:serial")]
@@ -170,14 +176,7 @@ def test_a_new_call_structure_starts_from_the_opaque_classes_found(monkeypatch):
 def test_the_opaque_classes_found_are_forgotten_when_the_model_changes(monkeypatch):
     """A submodule registered anew (the generation moves) starts the next trace afresh:
     the class found untraceable before is tried again."""
-    attempts = []
-    trace_once = trace_module._trace_once
-
-    def counted(model, *args, **kwargs):
-        attempts.append(model)
-        return trace_once(model, *args, **kwargs)
-
-    monkeypatch.setattr(trace_module, "_trace_once", counted)
+    attempts = _count_trace_attempts(monkeypatch)
     model = InnerBeside()
     sm = ss.StreamScheduledModule(model, executor="serial")
     with torch.no_grad():
