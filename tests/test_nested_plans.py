@@ -759,6 +759,17 @@ def test_a_chain_around_an_opaque_call_runs_as_written_with_its_children_nested(
             want = torch.autograd.grad(expected.sum(), list(model.parameters()))
             for g, w in zip(got, want):
                 assert_close(g, w)
+    model.train()  # in training too
+    for n in (8, 12, 8):
+        x = torch.randn(n, 16)
+        out, expected = sm(x), model(x)
+        assert_close(out, expected)
+        assert last_path(sm) == "as-written"
+        got = torch.autograd.grad(out.sum(), list(model.parameters()))
+        want = torch.autograd.grad(expected.sum(), list(model.parameters()))
+        for g, w in zip(got, want):
+            assert_close(g, w)
+    model.eval()
     assert "OpaqueInside" not in recorded, recorded  # the root: no recording call
     assert "Block" in recorded  # the nested blocks were planned
     assert "chain around modules that cannot be traced" in sm.plan.reason, sm.plan.reason
