@@ -308,3 +308,22 @@ def test_a_decoding_loop_passing_its_dynamic_cache_on_every_call(family, executo
                 assert torch.equal(ids[0], ids[1])
             assert caches[0].get_seq_length() == caches[1].get_seq_length() == prompt_len + 7
     assert set(paths) == {"as-written"}, paths
+
+
+def test_tracing_logs_no_torch_warnings(caplog):
+    """Tracing asks torch about every atom type of every node; on torch 2.14 the old name
+    of that question logged a deprecation warning per call (hundreds of stderr lines per
+    new call structure). Nothing at WARNING from torch while a model is traced and run."""
+    import logging
+
+    torch.manual_seed(0)
+    model = _llama().eval()
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    with caplog.at_level(logging.WARNING, logger="torch"):
+        for n in (6, 6, 9):
+            ids = torch.randint(1, VOCAB, (2, n))
+            with torch.no_grad():
+                torch.testing.assert_close(sm(ids).logits, model(ids).logits)
+    assert last_path(sm) == "recorded"  # the third call traced and recorded anew
+    torch_records = [r for r in caplog.records if r.name.startswith("torch")]
+    assert not torch_records, [r.getMessage() for r in torch_records][:3]
