@@ -91,6 +91,12 @@ class UntraceableWarning(UserWarning):
     """
 
 
+def first_line(reason: object) -> str:
+    """The first line of ``reason`` (an exception or its text), or, where it has none,
+    the exception's type name: what a one-line summary of a failure shows."""
+    return (str(reason).strip().splitlines() or [type(reason).__name__])[0]
+
+
 def raised_in(exc: BaseException, model: torch.nn.Module) -> str | None:
     """Where in ``model`` ``exc`` was raised, read from its traceback: the path of the
     module whose code ran the innermost frame that one of the model's modules ran

@@ -18,7 +18,7 @@ import torch
 
 from . import _generation
 from ._rng import restore_generators, save_generators
-from .errors import FusedMembersReshaped, ProfileMismatchError, TraceError
+from .errors import FusedMembersReshaped, ProfileMismatchError, TraceError, first_line
 from .frontend.effects import EffectRecorder, Effects, parameter_writers, reads_only
 from .frontend.meta import fetch_attr, run_and_record
 from .frontend.nodes import node_label, resolving_submodules, submodule_resolver
@@ -125,7 +125,7 @@ def new_signature(runner: Runner, key: Any, spec: Any, tensors: list[torch.Tenso
             )
             if structure.nests and verdict.settled:
                 # A chain around untraceable modules: as written, their children nested
-                # (``_nest_chain``); it settles once the children are quiet.
+                # (``_nested_chain_reason``); it settles once the children are quiet.
                 written.nests = written.every_size = True
                 st.written.put(key, written)
                 return runner.forward_nesting(key, spec, args, kwargs)
@@ -183,15 +183,11 @@ def new_signature(runner: Runner, key: Any, spec: Any, tensors: list[torch.Tenso
         # ms decoding pass). Decided for the model as written at every size, with nothing recorded.
         # (In training the first call is planned at once, as before: its cost is paid
         # once in a loop of many steps, and the trial times the backward too.)
-        if structure is None:
-            structure = Structure(runner.config.plan_cache_size)
-            st.structures.put(structure_key, structure)
-        structure.uniform = True
         why = (
             "the traced forward is a chain (each operation reads the one before it): nothing to run side by "
             "side or batch, and a plan would win only the forward's Python, less than its recording call costs"
         )
-        structure.decide(signatures.ANY_SIZE, signatures.Decision(True, "serial", why, shapes))
+        _as_written_at_every_size(runner, structure, structure_key, shapes, why)
         return new_signature(runner, key, spec, tensors, args, kwargs)
     if (
         (structure is None or structure.plan is None)
@@ -200,7 +196,8 @@ def new_signature(runner: Runner, key: Any, spec: Any, tensors: list[torch.Tenso
         and runner.automatic()
         and a_chain(traced, opaque_modules=True)
     ):
-        return _nest_chain(runner, structure, structure_key, traced, key, spec, tensors, shapes, args, kwargs)
+        _as_written_at_every_size(runner, structure, structure_key, shapes, _nested_chain_reason(traced), nests=True)
+        return new_signature(runner, key, spec, tensors, args, kwargs)
     assigned = _generation.assignments()
     try:
         compiled, out = compile_signature(runner, traced, key, tensors)
@@ -215,43 +212,40 @@ def new_signature(runner: Runner, key: Any, spec: Any, tensors: list[torch.Tenso
     return out
 
 
-def _nest_chain(
+def _as_written_at_every_size(
     runner: Runner,
     structure: Optional[Structure],
     structure_key: tuple,
-    traced: Traced,
-    key: Any,
-    spec: Any,
-    tensors: list[torch.Tensor],
     shapes: tuple,
-    args: tuple,
-    kwargs: dict,
-) -> Any:
-    """A traced forward that is a chain around modules that could not be traced (a
-    language model's head around its untraceable decoder): its plan would run the same
-    chain, those modules as written with their children nested, and could win only the
-    forward's Python; each of its sizes and modes would still pay a recording call and a
-    trial, and the trial's calls of the plan, which are the only ones to reach the
-    children, would wait on the children's own first calls and trials. So it runs as an
-    untraceable forward does, for every size and grad mode: as written, its children
-    nested (``Runner.forward_nesting``, whose trial of nesting decides whether they pay),
-    with nothing recorded or planned at this level."""
-    st = runner.st
+    why: str,
+    nests: bool = False,
+) -> None:
+    """Decide the call structure (made now where it has none) for the model as written at
+    every size (``ANY_SIZE``), ``why`` at ``shapes``; ``nests``: with the children of its
+    untraceable modules nested (:func:`_nested_chain_reason`)."""
     if structure is None:
         structure = Structure(runner.config.plan_cache_size)
-        st.structures.put(structure_key, structure)
-    structure.uniform = structure.nests = True
-    opaque = "; ".join(f"{name}: {_first_line(reason)}" for name, reason in sorted(traced.opaque.items()))
-    why = (
+        runner.st.structures.put(structure_key, structure)
+    structure.uniform = True
+    structure.nests = nests
+    structure.decide(signatures.ANY_SIZE, signatures.Decision(True, "serial", why, shapes))
+
+
+def _nested_chain_reason(traced: Traced) -> str:
+    """Why a traced forward that is a chain around modules that could not be traced (a
+    language model's head around its untraceable decoder) runs as written. Its plan would
+    run the same chain, those modules as written with their children nested, and could
+    win only the forward's Python; each of its sizes and modes would still pay a recording
+    call and a trial, and the trial's calls of the plan, which are the only ones to reach
+    the children, would wait on the children's own first calls and trials. So it runs as
+    an untraceable forward does, for every size and grad mode: as written, its children
+    nested (``Runner.forward_nesting``, whose trial of nesting decides whether they pay),
+    with nothing recorded or planned at this level."""
+    opaque = "; ".join(f"{name}: {first_line(reason)}" for name, reason in sorted(traced.opaque.items()))
+    return (
         f"the traced forward is a chain around modules that cannot be traced ({opaque}): nothing to run side by "
         "side or batch at this level, so it runs as written, the children of those modules nested"
     )
-    structure.decide(signatures.ANY_SIZE, signatures.Decision(True, "serial", why, shapes))
-    return new_signature(runner, key, spec, tensors, args, kwargs)
-
-
-def _first_line(text: str) -> str:
-    return (str(text).strip().splitlines() or [""])[0]
 
 
 def baked_value_assigned(runner: Runner, traced: Traced) -> list[str]:

@@ -23,7 +23,15 @@ from ._clock import runqueue_wait_ns
 from ._rng import restore_generators, save_generators
 from .backward_timing import BackwardSample, ParameterEnds, grad_outputs
 from .config import SchedulerConfig
-from .errors import FusedMembersReshaped, HooksWarning, TraceError, UntraceableWarning, raised_in, user_stacklevel
+from .errors import (
+    FusedMembersReshaped,
+    HooksWarning,
+    TraceError,
+    UntraceableWarning,
+    first_line,
+    raised_in,
+    user_stacklevel,
+)
 from .frontend.checkpointing import in_checkpoint_region
 from .frontend.hooks import global_hooks, has_hooks
 from .frontend.leafcalls import counting_dispatch
@@ -747,7 +755,7 @@ class Runner:
         if count < _QUIET_CALLS:
             self.st.quiet.put(trace_key, count)
             return
-        why = (str(reason).strip().splitlines() or [type(reason).__name__])[0]
+        why = first_line(reason)
         update = {
             "executor": "eager",
             "reason": (

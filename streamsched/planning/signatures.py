@@ -177,7 +177,7 @@ class Structure:
         # Its first plan had nothing to schedule: one bucket for every size (ANY_SIZE).
         self.uniform = False
         # Decided to run as written with the children of its untraceable modules nested
-        # (``new_signatures._nest_chain``): its calls go through the nesting.
+        # (``new_signatures._nested_chain_reason``): its calls go through the nesting.
         self.nests = False
         # Seconds of the structure's recording calls (trace, record, plan, compile): what a
         # plan of a new size costs, a running mean.

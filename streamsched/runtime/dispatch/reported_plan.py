@@ -8,6 +8,7 @@ from typing import Iterable, NamedTuple
 
 import torch
 
+from ...errors import first_line
 from ...planning.plan import Plan, PlannedTask
 from ...planning.planner import signature_text
 from .launch import _Launch
@@ -50,7 +51,7 @@ class _CallRecord(NamedTuple):
         reason: BaseException,
         device: torch.device,
     ) -> _CallRecord:
-        first_line = (str(reason).strip().splitlines() or [type(reason).__name__])[0]
+        summary = first_line(reason)
         tasks = tuple(
             _TaskRecord(
                 launch.id,
@@ -65,7 +66,7 @@ class _CallRecord(NamedTuple):
             )
             for launch in launches
         )
-        return cls(type(model).__name__, signature_text(tensors), str(device), first_line, mode, tuple(notes), tasks)
+        return cls(type(model).__name__, signature_text(tensors), str(device), summary, mode, tuple(notes), tasks)
 
 
 class EagerSchedule:
