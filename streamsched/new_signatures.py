@@ -109,7 +109,7 @@ def new_signature(runner: Runner, key: Any, spec: Any, tensors: list[torch.Tenso
         # runs as written too (planning.signatures): what it costs to trace, record and
         # plan is paid only where one of its sizes comes back. A decoding loop, a new size
         # every call, never pays it.
-        structure = Structure(runner.config.plan_cache_size)
+        structure = Structure(runner.config.plan_cache_size, st.call_count)
         st.structures.put(structure_key, structure)
     if structure is not None and runner.automatic():
         verdict = structure.admit(shapes, structure.bucket_of(shapes))
@@ -224,7 +224,7 @@ def _as_written_at_every_size(
     every size (``ANY_SIZE``), ``why`` at ``shapes``; ``nests``: with the children of its
     untraceable modules nested (:func:`_nested_chain_reason`)."""
     if structure is None:
-        structure = Structure(runner.config.plan_cache_size)
+        structure = Structure(runner.config.plan_cache_size, runner.st.call_count)
         runner.st.structures.put(structure_key, structure)
     structure.uniform = True
     structure.nests = nests
@@ -643,7 +643,7 @@ def _join_structure(
     st = runner.st
     if structure is None or structure.plan is None:
         if structure is None:
-            structure = Structure(runner.config.plan_cache_size)
+            structure = Structure(runner.config.plan_cache_size, st.call_count)
             st.structures.put(structure_key, structure)
         structure.planned.put(shapes, True)
         # Nothing side by side, nothing batched: the trial's verdict holds for

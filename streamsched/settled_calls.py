@@ -493,10 +493,9 @@ def _tensor_layout_check(
     lines.append("    if bucket in structure.decisions or bucket in structure.trying: return None")
     # Counted if new (one lookup for both): a size seen once already came back.
     lines.append("seen = structure.seen")
-    lines.append("count = len(seen)")
-    lines.append(f"if count >= {MAX_FRESH_SIZES}: return None")
-    lines.append("seen.setdefault(key, 1)")
-    lines.append("if len(seen) == count: return None")
+    lines.append(f"if key in seen or len(seen) >= {MAX_FRESH_SIZES}: return None")
+    # (Structure.admit's count, and when: the wrapper counts this call once it is admitted.)
+    lines.append("seen[key] = (1, structure.clock() + 1)")
     lines.append("found = sizes.fresh")
     lines.append("found.shapes = key")
     lines.append("return found")

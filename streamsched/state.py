@@ -357,6 +357,10 @@ class WrapperState:
         # those calls. Cleared by invalidate().
         self.state_written: Optional[AsWritten] = None
 
+    def call_count(self) -> int:
+        """Calls of the wrapper so far (the size policy's clock: ``Structure.clock``)."""
+        return self.calls
+
     def settle(self, record: SettledCalls) -> None:
         """Make ``record`` the settled layout checked first. The one it replaces is kept
         among the others (the most recent first, ``MAX_SETTLED_LAYOUTS`` in all), as long

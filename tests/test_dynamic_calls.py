@@ -556,6 +556,51 @@ def test_a_bucket_decided_for_a_schedule_that_would_not_repay_a_plan_runs_new_si
             assert "would take more than" in sm.plan.reason
 
 
+def test_a_size_that_comes_back_rarely_is_planned_only_where_its_calls_would_repay_the_plan():
+    """A size back after many calls of other sizes is expected back at that rate: it is
+    planned only where the calls of it within PAYBACK_WINDOW calls, each saving what the
+    structure's trials measured (the best decided bucket, for a bucket not decided yet),
+    repay a recording call. A size back at once is planned as before; so is a rare one
+    where the gain would repay it."""
+    record_s, interval = 0.5, 100
+    calls_in_window = signatures.PAYBACK_WINDOW / (interval + 1)
+    for gain_s, expected in (
+        (record_s / calls_in_window / 2, "as-written"),
+        (record_s / calls_in_window * 2, "recorded"),
+    ):
+        model = Towers()
+        sm = ss.StreamScheduledModule(model)
+        for _ in range(3):
+            sm(torch.randn(17, 16))
+        compiled = sm._ss.plans[next(iter(sm._ss.plans))]
+        structure = compiled.structure
+        structure.record_s = record_s
+        structure.decide(
+            signatures.size_bucket(compiled.sizes),
+            signatures.Decision(False, "serial", "planted", compiled.sizes, gain_s=gain_s),
+        )
+        x = torch.randn(40, 16)  # another bucket, not decided: the structure's best gain stands for it
+        assert_close(sm(x), model(x))
+        assert structure.seen.get(((40, 16),)) == (1, sm._ss.calls)
+        x = torch.randn(56, 16)  # its first call counted by the settled layout (settled_calls.py)
+        assert_close(sm(x), model(x))
+        assert structure.seen.get(((56, 16),)) == (1, sm._ss.calls)
+        for _ in range(interval - 1):
+            sm(torch.randn(17, 16))
+        x = torch.randn(40, 16)
+        assert_close(sm(x), model(x))
+        assert last_path(sm) == expected, (gain_s, sm.plan.reason)
+        if expected == "as-written":
+            assert "came back after 101 calls" in sm.plan.reason
+            for n in (100, 100):  # back at once (another bucket): planned on its second call
+                x = torch.randn(n, 16)
+                assert_close(sm(x), model(x))
+            assert last_path(sm) == "recorded"
+            x = torch.randn(40, 16)  # back sooner now: judged on the calls since its last
+            assert_close(sm(x), model(x))
+            assert last_path(sm) == "recorded"
+
+
 def test_a_trial_that_keeps_the_schedule_hands_its_gain_to_the_bucket(monkeypatch):
     """The gain per call the plan of a new size must win back is the trial's own figure."""
     from streamsched.runner import Runner

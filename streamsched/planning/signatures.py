@@ -73,6 +73,7 @@ __all__ = [
     "MAX_HANDOFFS",
     "RARE_CALLS",
     "PAYBACK_CALLS",
+    "PAYBACK_WINDOW",
     "FIRST_CALL_AS_WRITTEN",
     "CHAIN_AS_WRITTEN",
 ]
@@ -114,6 +115,11 @@ RARE_CALLS = 16
 # call (its gain per call against the structure's recording calls) for the size to be
 # planned: sizes that recur do so for many calls, but hundreds is more than a plan is worth.
 PAYBACK_CALLS = 64
+# Calls of the wrapper within which a size that comes back rarely must repay its plan: a
+# size back every ``k`` calls is planned only where ``PAYBACK_WINDOW / k`` calls of it
+# (each saving what the structure's trials measured) repay a recording call. Sizes back
+# within ``PAYBACK_WINDOW / PAYBACK_CALLS`` calls are judged by ``PAYBACK_CALLS`` alone.
+PAYBACK_WINDOW = 1024
 
 
 def size_bucket(sizes: tuple) -> tuple:
@@ -153,11 +159,15 @@ class Structure:
         "uniform",
         "nests",
         "record_s",
+        "clock",
     )
 
-    def __init__(self, plan_cache_size: int):
+    def __init__(self, plan_cache_size: int, clock: Callable[[], int] = int):
         self.capacity = plan_cache_size
-        # Sizes called but not planned yet: how often. Large, as its entries are small: a
+        # The wrapper's count of calls (``int``: 0, no clock): how long a size took to come back.
+        self.clock = clock
+        # Sizes called but not planned yet: how often, and the wrapper's call count at the
+        # latest (how long they took to come back). Large, as its entries are small: a
         # size must still be here when it comes back (sizes cycled through a loader or a
         # bucketing scheme come back after all the others), else it is new every time.
         self.seen: LRU = LRU(max(1024, 4 * plan_cache_size))
@@ -263,6 +273,41 @@ class Structure:
             True,
         )
 
+    def expected_gain(self, bucket: tuple) -> Optional[float]:
+        """Seconds a call of ``bucket`` is expected to save on a plan: its trial's figure,
+        or for a bucket not decided yet the best of the structure's decided buckets (a
+        bucket decided for the model as written saved nothing); None where unknown."""
+        decision = self.decisions.get(bucket)
+        if decision is not None:
+            return None if decision.as_written else decision.gain_s
+        gains = [0.0 if d.as_written else d.gain_s for d in self.decisions.values()]
+        if not gains or None in gains:
+            return None
+        return max(gains)  # type: ignore[type-var]
+
+    def _too_rare(self, sizes: tuple, bucket: tuple, interval: int) -> Optional[AsWritten]:
+        """Why ``sizes``, back after ``interval`` calls of the wrapper, are not worth a
+        plan (None: they are): at that rate the calls of these sizes within
+        :data:`PAYBACK_WINDOW` calls, each saving :meth:`expected_gain`, would not repay
+        a recording call of the structure."""
+        if interval * PAYBACK_CALLS <= PAYBACK_WINDOW or self.record_s is None:
+            return None  # back often enough for :meth:`repays`'s count of calls
+        gain = self.expected_gain(bucket)
+        if gain is None:
+            return None
+        calls = PAYBACK_WINDOW / interval
+        if gain * calls >= self.record_s:
+            return None
+        gain_us, record_ms = gain * 1e6, self.record_s * 1e3
+        return AsWritten(
+            False,
+            lambda: (
+                f"sizes {sizes_text(sizes)} came back after {interval} calls: at that rate a plan would save about "
+                f"{gain_us:.0f} us on each of {calls:.0f} calls in the next {PAYBACK_WINDOW}, less than its "
+                f"{record_ms:.1f} ms recording call; they run as written (planned if they come back more often)"
+            ),
+        )
+
     def admit(self, sizes: tuple, bucket: tuple) -> Optional[AsWritten]:
         """``None`` to plan ``sizes`` now, else why the call runs as written."""
         decided = self.admit_decided(bucket)
@@ -304,14 +349,21 @@ class Structure:
                 ),
                 True,
             )
-        count = (self.seen.get(sizes) or 0) + 1
+        now = self.clock()
+        count, last = self.seen.get(sizes) or (0, now)
+        count += 1
         if count < PLAN_AFTER:
-            self.seen.put(sizes, count)
+            self.seen.put(sizes, (count, now))
             return AsWritten(
                 False,
                 lambda: f"sizes {sizes_text(sizes)} are new to this call structure: they are planned if they come back",
                 fresh=True,
             )
+        rare = self._too_rare(sizes, bucket, now - last)
+        if rare is not None:
+            # Judged again when it next comes back, on the calls between then and now.
+            self.seen.put(sizes, (count - 1, now))
+            return rare
         self.seen.pop(sizes, None)
         if sizes in self.planned:
             self.replans += 1

@@ -12,6 +12,7 @@ cost on the hot path (see :func:`annotate_exception`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import linecache
 import math
@@ -26,6 +27,7 @@ from ..frontend.nodes import node_label
 from ..passes.fusion.kernels import FusedKernel
 from ..passes.fusion.layout import specialise_gather
 from ..planning.schedule import Schedule, ScheduledTask
+from .generated import LazyFunction
 
 __all__ = ["CompiledTask", "Program", "ProgramCache", "compile_program", "program_key", "annotate_exception"]
 
@@ -39,7 +41,7 @@ class CompiledTask:
     id: int
     name: str
     stream: int
-    fn: Callable[[list], None]
+    source: LazyFunction
     waits: tuple[int, ...]
     records: bool
     reads: tuple[int, ...]
@@ -48,6 +50,12 @@ class CompiledTask:
     frees: tuple[int, ...] = ()
     node_names: tuple[str, ...] = ()
     seq: int = 0
+
+    @functools.cached_property
+    def fn(self) -> Callable[[list], None]:
+        """``task(env)``, compiled when an executor first runs the task (the serial
+        executor runs the whole-call function instead)."""
+        return self.source.get()
 
 
 @dataclass(eq=False)  # compared and hashed by identity: executors key their state by program
@@ -58,12 +66,12 @@ class Program:
     input_slots: tuple[int, ...]
     attr_slots: tuple[tuple[int, str], ...]
     tasks: list[CompiledTask]
-    output: Callable[[list], Any]
+    output_source: LazyFunction
     output_slots: tuple[int, ...]
     num_streams: int
-    run_serial: Callable[[list], None]
+    serial_source: LazyFunction
     root: torch.nn.Module
-    load: Callable[[list], list]
+    load_source: LazyFunction
     call: Optional[Callable[[list], Any]] = None
     """``call(inputs) -> output``: load, every task in issue order and the output in one
     generated function over local variables (what the serial executor runs when nothing
@@ -92,6 +100,22 @@ class Program:
             for s in self.output_slots
             if s in self.slot_producer and self.tasks_by_id[self.slot_producer[s]].stream != 0
         )
+
+    # Compiled by the first executor that runs them (see runtime.generated).
+    @functools.cached_property
+    def output(self) -> Callable[[list], Any]:
+        """``output(env)``: the call's output from the slots."""
+        return self.output_source.get()
+
+    @functools.cached_property
+    def run_serial(self) -> Callable[[list], None]:
+        """``run_serial(env)``: every task's statements in issue order, with the frees."""
+        return self.serial_source.get()
+
+    @functools.cached_property
+    def load(self) -> Callable[[list], list]:
+        """``load(inputs) -> env``: the inputs and attributes in their slots."""
+        return self.load_source.get()
 
     def new_env(self, inputs: list[Any]) -> list[Any]:
         """A fresh value list holding the inputs and the current parameters and buffers."""
@@ -221,7 +245,7 @@ def _compile_loader(
     root: torch.nn.Module,
     emitter: _Emitter,
     filename: str,
-) -> Callable[[list], list]:
+) -> LazyFunction:
     """``load(inputs) -> env``: inputs and attributes in their slots, in one generated function.
 
     Parameters and buffers are read from their owning module's own ``_parameters`` /
@@ -230,11 +254,7 @@ def _compile_loader(
     """
     lines = [f"env = [None] * {n_slots}"] + _load_lines(input_slots, attr_slots, root, emitter)
     lines.append("return env")
-    source = "def load(inputs):\n" + "".join(f"    {line}\n" for line in lines)
-    namespace = dict(emitter.globals)
-    exec(compile(source, filename, "exec"), namespace)
-    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    return namespace["load"]
+    return LazyFunction.of_body("load", lines, filename, emitter.globals, arg="inputs")
 
 
 def _load_lines(
@@ -256,14 +276,8 @@ def _load_lines(
 
 
 def _compile_function(name: str, body: list[str], emitter: _Emitter, filename: str, arg: str = "env") -> Callable:
-    lines = [f"def {name}({arg}):"] + [f"    {line}" for line in body or ["pass"]]
-    source = "\n".join(lines) + "\n"
-    code = compile(source, filename, "exec")
-    namespace = dict(emitter.globals)
-    exec(code, namespace)
-    # Make the generated source visible in tracebacks and debuggers.
-    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    return namespace[name]
+    """The generated function, compiled now (the whole-call function every serial call runs)."""
+    return LazyFunction.of_body(name, body, filename, emitter.globals, arg).get()
 
 
 class ProgramCache:
@@ -504,7 +518,7 @@ def _compile_tasks(
             serial_body.append(body[-1])
             slot_producer[slot[node]] = t
         serial_body += [f"env[{s}] = None" for s in frees.get(t, ())]
-        fn = _compile_function(f"task_{t}", body, emitter, filename)
+        fn = LazyFunction.of_body(f"task_{t}", body, filename, emitter.globals)
         reads, writes = _task_slots(task, slot, node_task, len(slot))
         cross = _cross_reads(reads, stream, slot_producer, stream_of, inputs)
         seq_counter[stream] += 1
@@ -513,7 +527,7 @@ def _compile_tasks(
                 id=t,
                 name=task.name,
                 stream=stream,
-                fn=fn,
+                source=fn,
                 waits=task.waits,
                 records=task.records,
                 reads=tuple(reads),
@@ -565,10 +579,10 @@ def _compile(schedule: Schedule) -> Program:
     lines: dict[tuple[str, int], str] = {}
     tasks, serial_body, slot_producer = _compile_tasks(schedule, order, layout, emitter, frees, node_task, uid, lines)
     files = {k: f"<streamsched-{k}-{uid}>" for k in ("program", "load", "output", "call")}
-    run_serial = _compile_function("run_serial", serial_body, emitter, files["program"])
+    run_serial = LazyFunction.of_body("run_serial", serial_body, files["program"], emitter.globals)
     load = _compile_loader(n_values, layout.input_slots, layout.attr_slots, schedule.root, emitter, files["load"])
     out_expr = emitter.render(layout.output_node.args[0])
-    output = _compile_function("output", [f"return {out_expr}"], emitter, files["output"])
+    output = LazyFunction.of_body("output", [f"return {out_expr}"], files["output"], emitter.globals)
     call = _compile_call(order, layout, schedule.root, emitter, frees, files["call"], lines)
     effects = schedule.effects
     program = Program(
@@ -576,12 +590,12 @@ def _compile(schedule: Schedule) -> Program:
         input_slots=tuple(layout.input_slots),
         attr_slots=tuple(layout.attr_slots),
         tasks=tasks,
-        output=output,
+        output_source=output,
         output_slots=layout.output_slots,
         num_streams=schedule.num_streams,
-        run_serial=run_serial,
+        serial_source=run_serial,
         root=schedule.root,
-        load=load,
+        load_source=load,
         call=call,
         slot_producer=slot_producer,
         lines=lines,
