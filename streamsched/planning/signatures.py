@@ -36,6 +36,11 @@ signature without the sizes: argument structure, dtypes, devices, ranks, modes) 
   within :data:`PAYBACK_CALLS` calls (:meth:`Structure.repays`); where it does not (a
   schedule a few percent faster, a recording call worth hundreds of calls), new sizes of
   the bucket run as written and are settled so.
+- **a size that comes back rarely:** a size whose second call came more than
+  ``PAYBACK_WINDOW / PAYBACK_CALLS`` calls of the wrapper after its first is expected back
+  at that rate: it is planned only where its calls within :data:`PAYBACK_WINDOW` calls,
+  each saving what the structure's trials measured (:meth:`Structure.expected_gain`),
+  repay a recording call; otherwise it runs as written, judged again when it comes back.
 - **nothing to schedule:** where the structure's first plan runs nothing side by side
   and batches nothing (one stream, no fused group), the schedule can differ from the
   model as written only by the cost of running the forward's Python; that does not
