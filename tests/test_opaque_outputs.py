@@ -586,3 +586,59 @@ def test_a_learned_none_becoming_a_tensor_nothing_reads_is_learned_again(executo
             m.settings.weights = weights
         with torch.set_grad_enabled(mode == "train"):
             assert_close(sm(x), ref(x), atol=1e-6)
+
+
+def test_a_new_call_structure_starts_from_what_the_others_learned(monkeypatch):
+    """Each leaf's ``(h, None)`` is learned by the first call structure's recording call;
+    another structure (inputs of another rank) starts its trace from it, with no trace
+    and recording call again per leaf; a guess that is wrong (``g`` given: ``(h, g)``) is
+    learned again as it would be with no guess, and every output equals eager's."""
+    from streamsched.frontend.trace import Traced
+
+    relearned = []
+    relearn = Traced.relearn
+    monkeypatch.setattr(Traced, "relearn", lambda self, node, value: relearned.append(node) or relearn(self, node, value))
+    model = TwoStream().eval()
+    sm = ss.StreamScheduledModule(model, executor="serial", leaf_modules=[Attention])
+    calls = (
+        (lambda: (torch.randn(5, 8),), 3),  # one per layer's attention
+        (lambda: (torch.randn(2, 5, 8),), 0),  # guessed right
+        (lambda: (torch.randn(5, 8), torch.randn(5, 8)), 3),  # guessed wrong: learned
+    )
+    with torch.no_grad():
+        for make, expected in calls:
+            relearned.clear()
+            for call in range(2):
+                args = make()
+                assert_close(sm(*args), model(*args))
+                assert_path(sm, "recorded" if call == 0 else "plan:serial")
+            assert len(relearned) == expected, [n.name for n in relearned]
+
+
+def test_a_wrong_guess_that_only_changes_the_check_is_learned():
+    """A leaf returns ``(y, None)`` under one call structure and ``(y, tensor)`` under
+    another, whose second item nothing reads: the second structure's trace guessed the
+    first's, the recording call finds a tensor, and the trace learned again is the same
+    program with another check: progress, not a failure (the guess was what it took)."""
+
+    class Gate(nn.Module):
+        def forward(self, x):
+            return x + 1, (x if x.dim() == 3 else None)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = Gate()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            a, _b = self.gate(x)
+            return self.lin(a)
+
+    model = Model()
+    sm = ss.StreamScheduledModule(model, executor="serial", leaf_modules=[Gate])
+    for shape in ((4, 8), (2, 4, 8)):
+        for call in range(2):
+            x = torch.randn(*shape)
+            assert_close(sm(x), model(x))
+            assert_path(sm, "recorded" if call == 0 else "plan:serial")

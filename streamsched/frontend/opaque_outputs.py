@@ -385,11 +385,41 @@ def learned(model: Any, spec_key: Hashable) -> dict[tuple[str, int], Skeleton]:
     return {(path, index): s for (key, path, index), s in table.items() if key == spec_key}
 
 
+# Skeletons no guess is made from (see learned_with_guesses).
+_BARE = ("none", "tensor", "value")
+
+
+def learned_with_guesses(model: Any, spec_key: Hashable) -> dict[tuple[str, int], Skeleton]:
+    """:func:`learned` for ``spec_key``, and for the opaque calls learned only under other
+    call structures, what they returned there (the latest learned): a guess a new call
+    structure's trace starts from. A guess is what a trace assumes of any opaque call it
+    knows nothing of (a tensor) made better: the recording call checks the value against
+    it as against that, relearning where it differs, and every later call checks it too
+    (the output checks). An attention function returning ``(output, None)`` under each of
+    a model's four call structures (mask or not, gradients or not) is learned once, not
+    once per structure with a trace and a recording call each. Containers only: what
+    returns a bare ``None`` under one structure (a mask function given no mask) often
+    returns a tensor under another, the guess a trace makes anyway."""
+    table = _LEARNED.get(model)
+    if not table:
+        return {}
+    guesses: dict[tuple[str, int], Skeleton] = {}
+    own: dict[tuple[str, int], Skeleton] = {}
+    for (key, path, index), skeleton in table.items():
+        if key == spec_key:
+            own[(path, index)] = skeleton
+        elif skeleton.shape[0] not in _BARE:
+            guesses[(path, index)] = skeleton
+    guesses.update(own)
+    return guesses
+
+
 def learn(model: Any, spec_key: Hashable, path: str, index: int, skeleton: Skeleton) -> None:
     """Remember what the ``index``-th call of ``path`` returned for calls of ``spec_key``."""
     table = _LEARNED.get(model)
     if table is None:
         table = _LEARNED[model] = {}
+    table.pop((spec_key, path, index), None)  # (the latest last: the guess other structures take)
     table[(spec_key, path, index)] = skeleton
 
 

@@ -60,7 +60,7 @@ from .opaque_outputs import (
     Skeleton,
     leaf_label,
     learn,
-    learned,
+    learned_with_guesses,
     mark_structure_read,
     skeleton_of,
 )
@@ -603,6 +603,10 @@ class Traced:
     flags: tuple = ()
     leaf_types: tuple = ()
     """The ``leaf_types`` it was traced with (a re-trace uses them again)."""
+    known_outputs: dict = field(default_factory=dict, compare=False, repr=False)
+    """What the trace took each opaque call it knew of to return: ``(label, index) ->
+    skeleton``, learned for its call structure or guessed from another's
+    (``opaque_outputs.learned_with_guesses``)."""
     inlined_leaf_calls: int = 0
     """Calls of childless modules the trace went through (their operations are graph
     nodes): leaf-module calls for ``Plan.coverage`` (``frontend.leafcalls``)."""
@@ -696,7 +700,7 @@ class Traced:
                 break
             index += leaf_label(n) == label
         key = _learned_key(self.model, self.spec, self.ranks, self.dtypes)
-        before = learned(self.model, key).get((label, index))
+        before = self.known_outputs.get((label, index))  # what this trace took it for, guessed or learned
         learn(self.model, key, label, index, skeleton)
         fresh = trace_model(
             self.model, self.root._streamsched_binder, self.spec, self.leaf_types, self.ranks, self.dtypes
@@ -710,6 +714,7 @@ class Traced:
         self.module_ids, self.structure, self.output_tree = fresh.module_ids, fresh.structure, fresh.output_tree
         self.opaque, self.flags, self.in_place = fresh.opaque, fresh.flags, fresh.in_place
         self.opaque_functions = fresh.opaque_functions
+        self.known_outputs = fresh.known_outputs
         self.inlined_leaf_calls = fresh.inlined_leaf_calls
         self.dtype_guards = fresh.dtype_guards
         self.baked = fresh.baked
@@ -1073,7 +1078,7 @@ def trace_model(
     # this model's earlier traces found (``_RetriesFound``).
     hint_key = (module_types, functions, _generation.current())
     opaque, sites, refused = _RETRIES_FOUND.start(model, hint_key)
-    known = learned(model, _learned_key(model, spec, ranks, dtypes))
+    known = learned_with_guesses(model, _learned_key(model, spec, ranks, dtypes))
     try:
         while True:
             try:
@@ -1081,6 +1086,7 @@ def trace_model(
                     model, binder, spec, module_types, functions, opaque, known, sites, set(refused), ranks, dtypes
                 )
                 traced.leaf_types = tuple(leaf_types)
+                traced.known_outputs = known
                 return traced
             except _OpaqueRetry as retry:
                 _retry_once_more(retry, opaque, sites, refused)
