@@ -522,6 +522,23 @@ def test_a_trial_whose_size_comes_back_rarely_decides_on_one_call_of_each():
     assert paths.count("as-written") >= len(sizes) - 1, paths
 
 
+def _decided_for_the_schedule(record_s: float, gain_s: float) -> tuple:
+    """``Towers`` planned at batch 17, its size bucket decided for the schedule with a
+    planted gain per call and recording cost: (model, wrapper, call structure)."""
+    model = Towers()
+    sm = ss.StreamScheduledModule(model)
+    for _ in range(3):
+        sm(torch.randn(17, 16))
+    compiled = sm._ss.plans[next(iter(sm._ss.plans))]
+    structure = compiled.structure
+    structure.record_s = record_s
+    structure.decide(
+        signatures.size_bucket(compiled.sizes),
+        signatures.Decision(False, "serial", "planted", compiled.sizes, gain_s=gain_s),
+    )
+    return model, sm, structure
+
+
 def test_a_bucket_decided_for_a_schedule_that_would_not_repay_a_plan_runs_new_sizes_as_written(monkeypatch):
     """A bucket decided for the schedule by a gain per call too small to repay a recording
     call within PAYBACK_CALLS calls: its new sizes run as written, settled (the size policy
@@ -533,17 +550,7 @@ def test_a_bucket_decided_for_a_schedule_that_would_not_repay_a_plan_runs_new_si
         (signatures.PAYBACK_CALLS * 2, ["as-written"] * 4),
         (signatures.PAYBACK_CALLS // 2, ["as-written", "recorded", "plan:serial", "plan:serial"]),
     ):
-        model = Towers()
-        sm = ss.StreamScheduledModule(model)
-        for _ in range(3):
-            sm(torch.randn(17, 16))
-        compiled = sm._ss.plans[next(iter(sm._ss.plans))]
-        structure = compiled.structure
-        structure.record_s = 0.5
-        structure.decide(
-            signatures.size_bucket(compiled.sizes),
-            signatures.Decision(False, "serial", "planted", compiled.sizes, gain_s=0.5 / gain_calls),
-        )
+        model, sm, _structure = _decided_for_the_schedule(record_s=0.5, gain_s=0.5 / gain_calls)
         asked.clear()
         paths = []
         for _ in range(4):
@@ -568,17 +575,7 @@ def test_a_size_that_comes_back_rarely_is_planned_only_where_its_calls_would_rep
         (record_s / calls_in_window / 2, "as-written"),
         (record_s / calls_in_window * 2, "recorded"),
     ):
-        model = Towers()
-        sm = ss.StreamScheduledModule(model)
-        for _ in range(3):
-            sm(torch.randn(17, 16))
-        compiled = sm._ss.plans[next(iter(sm._ss.plans))]
-        structure = compiled.structure
-        structure.record_s = record_s
-        structure.decide(
-            signatures.size_bucket(compiled.sizes),
-            signatures.Decision(False, "serial", "planted", compiled.sizes, gain_s=gain_s),
-        )
+        model, sm, structure = _decided_for_the_schedule(record_s, gain_s)
         x = torch.randn(40, 16)  # another bucket, not decided: the structure's best gain stands for it
         assert_close(sm(x), model(x))
         assert structure.seen.get(((40, 16),)) == (1, sm._ss.calls)
