@@ -647,3 +647,33 @@ def test_a_wrong_guess_that_only_changes_the_check_is_learned():
             x = torch.randn(*shape)
             assert_close(sm(x), model(x))
             assert_path(sm, "recorded" if call == 0 else "plan:serial")
+
+
+def test_a_guess_the_traced_code_cannot_read_is_traced_without():
+    """A leaf returns ``(y, None)`` under one call structure and a bare tensor under
+    another, whose code computes with it: the guess (a tuple) would fail that trace, so
+    the structure is traced as with no guess, and planned as before."""
+
+    class Gate(nn.Module):
+        def forward(self, x):
+            return (x + 1, None) if x.dim() == 2 else x * 2
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = Gate()
+            self.a = nn.Linear(8, 8)
+            self.b = nn.Linear(8, 8)
+
+        def forward(self, x):
+            y = self.gate(x)[0] if x.dim() == 2 else self.gate(x)
+            y = y * 1.5  # a tuple here fails the trace
+            return self.a(y) + self.b(y)
+
+    model = Model()
+    sm = ss.StreamScheduledModule(model, executor="serial", leaf_modules=[Gate])
+    for shape in ((4, 8), (2, 4, 8)):
+        for call in range(2):
+            x = torch.randn(*shape)
+            assert_close(sm(x), model(x))
+            assert_path(sm, "recorded" if call == 0 else "plan:serial")

@@ -399,7 +399,8 @@ def learned_with_guesses(model: Any, spec_key: Hashable) -> dict[tuple[str, int]
     a model's four call structures (mask or not, gradients or not) is learned once, not
     once per structure with a trace and a recording call each. Containers only: what
     returns a bare ``None`` under one structure (a mask function given no mask) often
-    returns a tensor under another, the guess a trace makes anyway."""
+    returns a tensor under another, the guess a trace makes anyway. A trace that fails
+    with guesses is made again without them (``frontend.trace.trace_model``)."""
     table = _LEARNED.get(model)
     if not table:
         return {}

@@ -60,6 +60,7 @@ from .opaque_outputs import (
     Skeleton,
     leaf_label,
     learn,
+    learned,
     learned_with_guesses,
     mark_structure_read,
     skeleton_of,
@@ -1078,7 +1079,10 @@ def trace_model(
     # this model's earlier traces found (``_RetriesFound``).
     hint_key = (module_types, functions, _generation.current())
     opaque, sites, refused = _RETRIES_FOUND.start(model, hint_key)
-    known = learned_with_guesses(model, _learned_key(model, spec, ranks, dtypes))
+    key = _learned_key(model, spec, ranks, dtypes)
+    own = learned(model, key)
+    known = learned_with_guesses(model, key)
+    guessed = len(known) > len(own)
     try:
         while True:
             try:
@@ -1088,8 +1092,16 @@ def trace_model(
                 traced.leaf_types = tuple(leaf_types)
                 traced.known_outputs = known
                 return traced
-            except _OpaqueRetry as retry:
-                _retry_once_more(retry, opaque, sites, refused)
+            except Exception as exc:
+                if guessed:
+                    # What another call structure's opaque call returned may be what
+                    # failed (code reading a tensor where the guess gave a tuple): the
+                    # trace is made as it would be with no guess.
+                    known, guessed = own, False
+                    continue
+                if not isinstance(exc, _OpaqueRetry):
+                    raise
+                _retry_once_more(exc, opaque, sites, refused)
     finally:
         _RETRIES_FOUND.keep(model, hint_key, opaque, sites, refused)
 
