@@ -677,3 +677,4 @@ def test_a_guess_the_traced_code_cannot_read_is_traced_without():
             x = torch.randn(*shape)
             assert_close(sm(x), model(x))
             assert_path(sm, "recorded" if call == 0 else "plan:serial")
+    assert all(not traced.opaque for traced in sm._ss.traces.values())  # nothing made opaque for it

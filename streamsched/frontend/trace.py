@@ -1092,16 +1092,15 @@ def trace_model(
                 traced.leaf_types = tuple(leaf_types)
                 traced.known_outputs = known
                 return traced
-            except Exception as exc:
-                if guessed:
-                    # What another call structure's opaque call returned may be what
-                    # failed (code reading a tensor where the guess gave a tuple): the
-                    # trace is made as it would be with no guess.
-                    known, guessed = own, False
-                    continue
-                if not isinstance(exc, _OpaqueRetry):
+            except _OpaqueRetry as retry:
+                _retry_once_more(retry, opaque, sites, refused)
+            except Exception:
+                if not guessed:
                     raise
-                _retry_once_more(exc, opaque, sites, refused)
+                # What another call structure's opaque call returned may be what failed
+                # (code reading a tensor where the guess gave a tuple): the trace is
+                # made again with no guess.
+                known, guessed = own, False
     finally:
         _RETRIES_FOUND.keep(model, hint_key, opaque, sites, refused)
 
