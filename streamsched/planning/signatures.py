@@ -284,7 +284,7 @@ class Structure:
         bucket decided for the model as written saved nothing); None where unknown."""
         decision = self.decisions.get(bucket)
         if decision is not None:
-            return None if decision.as_written else decision.gain_s
+            return 0.0 if decision.as_written else decision.gain_s
         gains = [0.0 if d.as_written else d.gain_s for d in self.decisions.values()]
         if not gains or None in gains:
             return None
