@@ -109,8 +109,7 @@ def new_signature(runner: Runner, key: Any, spec: Any, tensors: list[torch.Tenso
         # runs as written too (planning.signatures): what it costs to trace, record and
         # plan is paid only where one of its sizes comes back. A decoding loop, a new size
         # every call, never pays it.
-        structure = Structure(runner.config.plan_cache_size, st.call_count)
-        st.structures.put(structure_key, structure)
+        structure = _new_structure(runner, structure_key)
     if structure is not None and runner.automatic():
         verdict = structure.admit(shapes, structure.bucket_of(shapes))
         if verdict is not None:
@@ -212,6 +211,14 @@ def new_signature(runner: Runner, key: Any, spec: Any, tensors: list[torch.Tenso
     return out
 
 
+def _new_structure(runner: Runner, structure_key: tuple) -> Structure:
+    """A new call structure's size policy, kept under ``structure_key``; its clock is the
+    wrapper's count of calls."""
+    structure = Structure(runner.config.plan_cache_size, runner.st.call_count)
+    runner.st.structures.put(structure_key, structure)
+    return structure
+
+
 def _as_written_at_every_size(
     runner: Runner,
     structure: Optional[Structure],
@@ -224,8 +231,7 @@ def _as_written_at_every_size(
     every size (``ANY_SIZE``), ``why`` at ``shapes``; ``nests``: with the children of its
     untraceable modules nested (:func:`_nested_chain_reason`)."""
     if structure is None:
-        structure = Structure(runner.config.plan_cache_size, runner.st.call_count)
-        runner.st.structures.put(structure_key, structure)
+        structure = _new_structure(runner, structure_key)
     structure.uniform = True
     structure.nests = nests
     structure.decide(signatures.ANY_SIZE, signatures.Decision(True, "serial", why, shapes))
@@ -643,8 +649,7 @@ def _join_structure(
     st = runner.st
     if structure is None or structure.plan is None:
         if structure is None:
-            structure = Structure(runner.config.plan_cache_size, st.call_count)
-            st.structures.put(structure_key, structure)
+            structure = _new_structure(runner, structure_key)
         structure.planned.put(shapes, True)
         # Nothing side by side, nothing batched: the trial's verdict holds for
         # every size (planning.signatures).
