@@ -620,6 +620,19 @@ def test_a_new_call_structure_starts_from_what_the_others_learned(monkeypatch):
             assert len(relearned) == expected, [n.name for n in relearned]
 
 
+def _recorded_then_planned_at_each_rank(model: nn.Module, leaf: type) -> ss.StreamScheduledModule:
+    """Two calls with rank-2 inputs, then two with rank-3 (another call structure, whose
+    trace starts from what the first learned): each structure's first call is its
+    recording call, its second runs the plan, both equal to eager."""
+    sm = ss.StreamScheduledModule(model, executor="serial", leaf_modules=[leaf])
+    for shape in ((4, 8), (2, 4, 8)):
+        for call in range(2):
+            x = torch.randn(*shape)
+            assert_close(sm(x), model(x))
+            assert_path(sm, "recorded" if call == 0 else "plan:serial")
+    return sm
+
+
 def test_a_wrong_guess_that_only_changes_the_check_is_learned():
     """A leaf returns ``(y, None)`` under one call structure and ``(y, tensor)`` under
     another, whose second item nothing reads: the second structure's trace guessed the
@@ -640,13 +653,7 @@ def test_a_wrong_guess_that_only_changes_the_check_is_learned():
             a, _b = self.gate(x)
             return self.lin(a)
 
-    model = Model()
-    sm = ss.StreamScheduledModule(model, executor="serial", leaf_modules=[Gate])
-    for shape in ((4, 8), (2, 4, 8)):
-        for call in range(2):
-            x = torch.randn(*shape)
-            assert_close(sm(x), model(x))
-            assert_path(sm, "recorded" if call == 0 else "plan:serial")
+    _recorded_then_planned_at_each_rank(Model(), Gate)
 
 
 def test_a_guess_the_traced_code_cannot_read_is_traced_without():
@@ -670,11 +677,5 @@ def test_a_guess_the_traced_code_cannot_read_is_traced_without():
             y = y * 1.5  # a tuple here fails the trace
             return self.a(y) + self.b(y)
 
-    model = Model()
-    sm = ss.StreamScheduledModule(model, executor="serial", leaf_modules=[Gate])
-    for shape in ((4, 8), (2, 4, 8)):
-        for call in range(2):
-            x = torch.randn(*shape)
-            assert_close(sm(x), model(x))
-            assert_path(sm, "recorded" if call == 0 else "plan:serial")
+    sm = _recorded_then_planned_at_each_rank(Model(), Gate)
     assert all(not traced.opaque for traced in sm._ss.traces.values())  # nothing made opaque for it
