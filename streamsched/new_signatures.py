@@ -521,6 +521,7 @@ def compile_signature(runner: Runner, traced: Traced, key: Any, tensors: list[to
     measured = _measured_costs(runner, tensors)
     with resolving_submodules(traced.root, resolved):
         planned = make_schedule(traced, metas, config, tensors, fusion=st.fusion, measured=measured, effects=effects)
+        runs_models_code = traced.runs_models_code  # (each module path resolved once, as above)
     programs = st.programs.get(traced.graph)
     if programs is None:
         programs = st.programs[traced.graph] = ProgramCache()
@@ -531,7 +532,7 @@ def compile_signature(runner: Runner, traced: Traced, key: Any, tensors: list[to
     compiled = Compiled(planned, program, rebuild, runner.cuda_graph and planned.plan.device.startswith("cuda"))
     compiled.nested_sites = runner.opaque_sites(planned.plan)
     compiled.checks = checks
-    compiled.runs_models_code = traced.runs_models_code
+    compiled.runs_models_code = runs_models_code
     compiled.written = written
     if effects.writes_inputs or effects.writes_state or _layout_decides_writes(effects, traced.graph):
         # Its order of in-place writes holds for the way the inputs alias each other and

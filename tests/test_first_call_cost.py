@@ -98,6 +98,33 @@ def test_planning_resolves_each_module_path_once(monkeypatch):
     assert len(calls) <= len(targets) // 10, f"{len(calls)} get_submodule calls for {len(targets)} paths"
 
 
+def test_the_whole_planning_call_resolves_each_module_path_once(monkeypatch):
+    # The trace, the recording call, planning and the checks after it (whether the plan
+    # runs code of the model's, Traced.runs_models_code) share the resolutions: a walk
+    # per node anywhere in the call is 3 get_submodule calls per member.
+    torch.manual_seed(0)
+    model = ParallelFCN(64).eval()
+    sm = ss.StreamScheduledModule(copy.deepcopy(model))
+    calls: list[str] = []
+    original = nn.Module.get_submodule
+
+    def counted(self, target):
+        calls.append(target)
+        return original(self, target)
+
+    x = torch.randn(4, 64 * 20)
+    with torch.no_grad():
+        monkeypatch.setattr(nn.Module, "get_submodule", counted)
+        try:
+            out = sm(x)
+        finally:
+            monkeypatch.setattr(nn.Module, "get_submodule", original)
+        assert_path(sm, "recorded")
+        assert_close(out, model(x))
+    assert [g.size for g in sm.plan.fused_groups] == [64, 64, 64]
+    assert len(calls) <= 64 * 3 // 10, f"{len(calls)} get_submodule calls for {64 * 3} paths"
+
+
 # --- copy_graph ------------------------------------------------------------------------
 
 

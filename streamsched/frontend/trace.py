@@ -53,7 +53,7 @@ from .held_reads import stale_held_read
 from .hooks import capture_collecting, capture_hooks, captures_below, has_hooks
 from .made_modules import made_module_refusal
 from .member_replay import MemberReplay
-from .nodes import AUGMENTED_OPERATORS, has_children, modules_of, named_modules_of, submodule_resolver
+from .nodes import AUGMENTED_OPERATORS, has_children, modules_of, named_modules_of, submodule, submodule_resolver
 from .opaque_functions import OpaqueFunction, UnsafeOpaqueCall
 from .opaque_outputs import (
     OutputCheck,
@@ -645,10 +645,20 @@ class Traced:
         holding hooks, or a function from outside torch (a ``@streamsched.branch``). Such
         code may assign an attribute the trace baked in, during the call (a hook counting
         calls), where a traced call would read the value as it was before the call."""
+        library_classes: set[type] = set()  # (each class's origin read once: 1,000 alike members)
         for node in self.graph.nodes:
             if node.op == "call_module":
-                module = _resolve_target(self.root, node.target)
-                if module is None or _models_code(type(module)) or has_hooks(module):
+                try:
+                    # (Inside the recording call's ``resolving_submodules``: a lookup.)
+                    module = submodule(self.root, node.target)
+                except AttributeError:
+                    return True
+                cls = type(module)
+                if cls not in library_classes:
+                    if _models_code(cls):
+                        return True
+                    library_classes.add(cls)
+                if has_hooks(module):
                     return True
             elif node.op == "call_function" and _models_code(node.target):
                 return True
@@ -871,13 +881,6 @@ def _models_code(target: Any) -> bool:
     if not isinstance(origin, str):
         return False  # a builtin method or operator
     return not any(origin == p or origin.startswith(p + ".") for p in _LIBRARY_PREFIXES)
-
-
-def _resolve_target(root: torch.nn.Module, target: str) -> Optional[torch.nn.Module]:
-    try:
-        return root.get_submodule(target)
-    except AttributeError:
-        return None
 
 
 def _in_place_flags(graph: fx.Graph, resolve: Callable[[str], Any]) -> tuple:

@@ -33,19 +33,19 @@ def _owns_storage(t: torch.Tensor) -> bool:
     """Whether ``t`` is the only view of its whole storage (so it can be re-pointed)."""
     if t.grad_fn is not None or t.is_sparse:
         return False
-    if t.device.type == "meta":
+    if t.is_meta:
         return True
     try:
         storage = t.untyped_storage()
     except (RuntimeError, NotImplementedError):
         return False
-    return t.storage_offset() == 0 and t.is_contiguous() and storage.nbytes() == t.numel() * t.element_size()
+    return t.storage_offset() == 0 and t.is_contiguous() and storage.nbytes() == t.nbytes
 
 
 def _storage_address(t: Any) -> Optional[int]:
     """The address of a tensor's storage, or None (a meta or sparse tensor, an empty
     storage: no address to tell storages apart by)."""
-    if not isinstance(t, torch.Tensor) or t.device.type == "meta" or t.is_sparse:
+    if not isinstance(t, torch.Tensor) or t.is_meta or t.is_sparse:
         return None
     try:
         return t.untyped_storage().data_ptr() or None
