@@ -887,15 +887,35 @@ def _in_place_flags(graph: fx.Graph, resolve: Callable[[str], Any]) -> tuple:
     """``(module, inplace)`` of each module ``graph`` calls that has a bool ``inplace``
     flag, each once; its name is watched (setting it moves the generation)."""
     seen: dict[int, tuple] = {}
+    plain_lookup: dict[type, bool] = {}
     for node in graph.nodes:
         if node.op == "call_module":
             m = resolve(node.target)
-            flag = getattr(m, "inplace", None)
+            cls = type(m)
+            plain = plain_lookup.get(cls)
+            if plain is None:
+                plain = plain_lookup[cls] = _instance_attribute_only(cls, "inplace")
+            # (Where only the instance can hold the name, its __dict__ answers: a getattr
+            # that misses raises and catches an AttributeError in nn.Module.__getattr__,
+            # which for thousands of Linears was most of this walk.)
+            flag = m.__dict__.get("inplace") if plain else getattr(m, "inplace", None)
             if isinstance(flag, bool) and id(m) not in seen:
                 seen[id(m)] = (m, flag)
     if seen:
         _generation.watch(("inplace",))
     return tuple(seen.values())
+
+
+def _instance_attribute_only(cls: type, name: str) -> bool:
+    """Whether ``getattr(m, name)`` of a ``cls`` instance finds a bool only in the
+    instance's ``__dict__``: no class attribute or property of that name, and torch's own
+    attribute lookup (``nn.Module.__getattr__`` finds parameters, buffers and modules,
+    none of them a bool)."""
+    return (
+        not hasattr(cls, name)
+        and cls.__getattr__ is torch.nn.Module.__getattr__  # type: ignore[attr-defined]
+        and cls.__getattribute__ is object.__getattribute__
+    )
 
 
 # What a module's __dict__ mostly holds besides flags (its registries and hook tables):
