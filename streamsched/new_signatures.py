@@ -111,10 +111,13 @@ def new_signature(runner: Runner, key: Any, spec: Any, tensors: list[torch.Tenso
         # every call, never pays it.
         structure = _new_structure(runner, structure_key)
     if structure is not None and runner.automatic():
-        verdict = structure.admit(shapes, structure.bucket_of(shapes))
+        # (On the CPU a call's time as written is its work: a size that comes back rarely
+        # may be judged on it, Structure._too_rare.)
+        timeable = all(t.device.type == "cpu" for t in tensors)
+        verdict = structure.admit(shapes, structure.bucket_of(shapes), timeable)
         if verdict is not None:
             like, why = structure.plan, verdict.why
-            if verdict.fresh:
+            if verdict.fresh or verdict.rare:
                 _count_new_sizes(runner, structure, sizes, tensors, args, kwargs)
             written = st.last = AsWritten()
             # Made when asked: by then ``every_size`` says whether it stands for this
@@ -143,6 +146,8 @@ def new_signature(runner: Runner, key: Any, spec: Any, tensors: list[torch.Tenso
                     runner.settle_as_written(args, kwargs, written, plan_for, planned)
                 else:
                     runner.settle_as_written(args, kwargs, written)
+            if verdict.timed:
+                return _timed_as_written(runner, structure, shapes, tensors, args, kwargs)
             return runner.as_written(args, kwargs)
     if structure is None and st.mode_id in st.hooked_modes and runner.automatic():
         # Modules hold hooks this structure has not met (a hook held for one call to log
@@ -153,7 +158,6 @@ def new_signature(runner: Runner, key: Any, spec: Any, tensors: list[torch.Tenso
             why = "modules hold hooks this call structure has not met: planned if it comes back with them"
             st.last = AsWritten(make=lambda: _as_written_plan(runner, why))
             return runner.as_written(args, kwargs)
-    start = time.perf_counter()
     count_unsettled()
     # A trace bakes in the training flags of the modules it traced through, and is
     # made under one autocast state: a forward's own autocast block shows as a change
@@ -198,6 +202,9 @@ def new_signature(runner: Runner, key: Any, spec: Any, tensors: list[torch.Tenso
         _as_written_at_every_size(runner, structure, structure_key, shapes, _nested_chain_reason(traced), nests=True)
         return new_signature(runner, key, spec, tensors, args, kwargs)
     assigned = _generation.assignments()
+    # What a plan of a new size costs (Structure.record_s): the recording call, planning
+    # and compiling; not the trace, made once for the structure's sizes.
+    start = time.perf_counter()
     try:
         compiled, out = compile_signature(runner, traced, key, tensors)
     except _RecordingAbandoned as abandoned:
@@ -208,6 +215,23 @@ def new_signature(runner: Runner, key: Any, spec: Any, tensors: list[torch.Tenso
     _join_structure(runner, compiled, structure_key, structure, shapes, time.perf_counter() - start)
     if _generation.assignments() != assigned:
         runner.check_written_state(traced)
+    return out
+
+
+def _timed_as_written(
+    runner: Runner, structure: Structure, shapes: tuple, tensors: list[torch.Tensor], args: tuple, kwargs: dict
+) -> Any:
+    """The model as written, its seconds handed to ``structure`` (what a plan of these
+    sizes could save at most: ``Structure._too_rare``), times ``signatures.GRAD_BOUND``
+    where autograd may record the call (its backward a plan may shorten too)."""
+    start = time.perf_counter()
+    out = runner.as_written(args, kwargs)
+    seconds = time.perf_counter() - start
+    if torch.is_grad_enabled() and (
+        any(t.requires_grad for t in tensors) or any(p.requires_grad for p in runner.module.parameters())
+    ):
+        seconds *= signatures.GRAD_BOUND
+    structure.note_as_written(shapes, seconds)
     return out
 
 
@@ -365,10 +389,14 @@ def _count_new_sizes(
         signature = signature_text_of([(tuple(s), *m) for s, m in zip(shapes, metas)])
         return _as_written_plan(runner, why, structure.plan, signature)
 
+    def rare_plan(shapes: tuple, why: str) -> Plan:
+        signature = signature_text_of([(tuple(s), *m) for s, m in zip(shapes, metas)])
+        return _as_written_plan(runner, why, structure.plan, signature)
+
     if settled is None:
         settled = SettledCalls(st.generation, args, kwargs, None, tensors=True, sizes={})
         st.settle(settled)
-    settled.count_new_sizes(structure, plan_for)
+    settled.count_new_sizes(structure, plan_for, rare_plan)
     st.counting = True
 
 

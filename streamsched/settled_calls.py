@@ -50,7 +50,7 @@ import torch
 
 from .frontend.binder import is_plain
 from .frontend.trace_guard import autocast_state
-from .planning.signatures import ANY_SIZE, size_bucket
+from .planning.signatures import ANY_SIZE, rare_text, size_bucket
 
 __all__ = [
     "BucketCall",
@@ -105,6 +105,30 @@ class BucketCall:
         return self.plan_for(self.shapes)
 
 
+class RareCall:
+    """What ``sm.plan`` reports for a call of a size that comes back too rarely to repay a
+    plan, run as written by a settled layout (``Structure.rare_again``): made when read,
+    from the call's shapes and what they were judged on, which each such call sets."""
+
+    __slots__ = ("plan_for", "shapes", "interval", "rarity")
+
+    as_written = True
+    alias_pattern = None
+    trial = None
+    nests = False
+    every_size = False
+
+    def __init__(self, plan_for: Callable[[tuple, str], Any]):
+        self.plan_for = plan_for
+        self.shapes: tuple = ()
+        self.interval = 0
+        self.rarity: Any = None
+
+    @property
+    def plan(self) -> Any:
+        return self.plan_for(self.shapes, rare_text(self.shapes, self.interval, self.rarity))
+
+
 class SizeTable(dict):
     """A tensor layout's settled shapes (``shapes_of``) -> what ``sm.plan`` reports for
     them (``False``: a planned shape of a settled bucket, which takes the full path), and
@@ -115,7 +139,7 @@ class SizeTable(dict):
     length of a settled bucket once: a table of sizes alone would send each length through
     the full path first."""
 
-    __slots__ = ("buckets", "hits", "structure", "fresh")
+    __slots__ = ("buckets", "hits", "structure", "fresh", "rare")
 
     def __init__(self, *args: Any):
         super().__init__(*args)
@@ -136,6 +160,10 @@ class SizeTable(dict):
         # binding, the plan key and the size policy, a tenth of a small model's call.
         self.structure: Any = None
         self.fresh: Optional[BucketCall] = None
+        # A size seen before that comes back too rarely to repay a plan
+        # (``Structure.rare_again``) runs as written here too: one record, which each
+        # such call sets (as ``fresh``).
+        self.rare: Optional[RareCall] = None
 
     def holds(self, key: tuple) -> bool:
         """Whether shapes ``key`` are settled here (in the table, or in a settled bucket
@@ -246,12 +274,15 @@ class SettledCalls:
         if sizes is not None and len(sizes) < MAX_SETTLED_SIZES:
             sizes[shapes] = reported
 
-    def count_new_sizes(self, structure: Any, plan_for: Callable[[tuple], Any]) -> None:
+    def count_new_sizes(
+        self, structure: Any, plan_for: Callable[[tuple], Any], rare_plan: Callable[[tuple, str], Any]
+    ) -> None:
         """Sizes of this layout new to ``structure`` run as written, counted in its
-        ``seen`` (``SizeTable.structure``)."""
+        ``seen`` (``SizeTable.structure``), and so do sizes it has seen that come back
+        too rarely to repay a plan (``rare_plan(shapes, why)``: what ``sm.plan`` says)."""
         sizes = self.sizes
         if sizes is not None:
-            sizes.structure, sizes.fresh = structure, BucketCall(plan_for, ())
+            sizes.structure, sizes.fresh, sizes.rare = structure, BucketCall(plan_for, ()), RareCall(rare_plan)
 
     def add_bucket(self, shapes: tuple, plan_for: Callable[[tuple], Any], planned: Any = ()) -> None:
         """The size bucket of ``shapes`` settled to run as written (decided for the model as
@@ -491,9 +522,18 @@ def _tensor_layout_check(
     lines.append("if structure.decisions or structure.trying:")
     lines.append("    bucket = _ANY_SIZE if structure.uniform else _bucket(key)")
     lines.append("    if bucket in structure.decisions or bucket in structure.trying: return None")
-    # Counted if new (one lookup for both): a size seen once already came back.
+    # Counted if new (one lookup for both): a size seen once already came back, and
+    # runs as written here where it comes back too rarely to repay a plan (the size
+    # policy's verdict for it, Structure.rare_again; None: the full path judges it).
     lines.append("seen = structure.seen")
-    lines.append(f"if key in seen or len(seen) >= {MAX_FRESH_SIZES}: return None")
+    lines.append("if key in seen:")
+    lines.append("    judged = structure.rare_again(key)")
+    lines.append("    if judged is None: return None")
+    lines.append("    found = sizes.rare")
+    lines.append("    found.shapes = key")
+    lines.append("    found.interval, found.rarity = judged")
+    lines.append("    return found")
+    lines.append(f"if len(seen) >= {MAX_FRESH_SIZES}: return None")
     # (Structure.admit's count, and when: the wrapper counts this call once it is admitted.)
     lines.append("seen[key] = (1, structure.clock() + 1)")
     lines.append("found = sizes.fresh")

@@ -598,6 +598,98 @@ def test_a_size_that_comes_back_rarely_is_planned_only_where_its_calls_would_rep
             assert last_path(sm) == "recorded"
 
 
+def _rare_size_unmeasured(record_s: float, grad: bool = True) -> tuple:
+    """``Towers`` planned at batch 17 (training: a structure's first call is planned), no
+    trial's figure kept, its recording call taken to cost ``record_s``; then size 40
+    called, 100 new sizes, size 40 (timed as written), 100 new sizes and size 40 again;
+    all with gradients (``grad``) or without. Every output compared with eager; every new
+    size run as written and counted by the settled layout (none took the full path).
+    Returns the wrapper and the call structure, after the last call."""
+    from streamsched.settled_calls import BucketCall
+
+    model = Towers()
+    sm = ss.StreamScheduledModule(model)
+    fresh = iter(range(100, 400))
+
+    def other_sizes(n: int) -> None:
+        for _ in range(n):
+            y = torch.randn(next(fresh), 16)
+            assert_close(sm(y), model(y))
+            assert isinstance(sm._ss.last, BucketCall)  # run as written, counted by the layout
+            assert last_path(sm) == "as-written"
+
+    with torch.set_grad_enabled(grad):
+        x = torch.randn(17, 16)
+        assert_close(sm(x), model(x))
+        assert_path(sm, "recorded")
+        structure = next(iter(sm._ss.structures.values()))
+        structure.decisions.clear()
+        structure.trying.clear()
+        structure.waits.clear()
+        structure.record_s = record_s
+        x = torch.randn(40, 16)
+        assert_close(sm(x), model(x))
+        other_sizes(100)
+        x = torch.randn(40, 16)
+        assert_close(sm(x), model(x))
+        assert last_path(sm) == "as-written"
+        assert "is timed" in sm.plan.reason, sm.plan.reason
+        timed = structure.timed.get(((40, 16),))
+        assert timed is not None and timed > 0
+        other_sizes(100)
+        x = torch.randn(40, 16)
+        assert_close(sm(x), model(x))
+    return sm, structure
+
+
+@pytest.mark.parametrize("record_s, expected", [(10.0, "as-written"), (1e-6, "recorded")])
+def test_a_rare_size_no_trial_measured_is_timed_then_planned_only_where_its_whole_call_could_repay(record_s, expected):
+    """Where no trial of the structure measured a gain, a size that comes back rarely runs
+    as written once more, timed: no plan saves more than the whole call. When it comes
+    back again it is planned only where that much on each of its calls within
+    PAYBACK_WINDOW would repay a recording call; else it runs as written, judged by the
+    settled layout itself (its calls between are new sizes, which the layout counts)."""
+    from streamsched.settled_calls import RareCall
+
+    sm, _ = _rare_size_unmeasured(record_s)
+    assert last_path(sm) == expected, sm.plan.reason
+    if expected == "as-written":
+        assert isinstance(sm._ss.last, RareCall)  # the settled layout's own verdict
+        assert "came back after 101 calls" in sm.plan.reason and "even a plan taking all" in sm.plan.reason
+
+
+@pytest.mark.parametrize("grad, expected", [(True, "recorded"), (False, "as-written")])
+def test_a_rare_call_autograd_records_may_save_on_its_backward_too(monkeypatch, grad, expected):
+    """A call whose output autograd records is bounded by GRAD_BOUND times its forward (a
+    plan may shorten its backward too); without gradients, by the forward alone."""
+    monkeypatch.setattr(signatures, "GRAD_BOUND", 1e9)
+    sm, _ = _rare_size_unmeasured(10.0, grad=grad)
+    assert last_path(sm) == expected, sm.plan.reason
+
+
+def test_what_a_new_size_costs_leaves_the_structures_trace_out(monkeypatch):
+    """``Structure.record_s`` is what a plan of a new size costs: its recording call, plan
+    and compile. The trace is made once for all of the structure's sizes (a first
+    recording call that traced cost five times a later one, and kept rare sizes of 64
+    fused heads from being planned where their plans repay themselves)."""
+    import streamsched.new_signatures as new_signatures
+
+    trace = new_signatures.trace_model
+
+    def slow_trace(*args, **kwargs):
+        time.sleep(0.3)
+        return trace(*args, **kwargs)
+
+    monkeypatch.setattr(new_signatures, "trace_model", slow_trace)
+    model = Towers()
+    sm = ss.StreamScheduledModule(model)
+    x = torch.randn(17, 16)
+    assert_close(sm(x), model(x))
+    assert_path(sm, "recorded")
+    structure = next(iter(sm._ss.structures.values()))
+    assert structure.record_s is not None and 0 < structure.record_s < 0.3
+
+
 def test_a_trial_that_keeps_the_schedule_hands_its_gain_to_the_bucket(monkeypatch):
     """The gain per call the plan of a new size must win back is the trial's own figure."""
     from streamsched.runner import Runner

@@ -41,6 +41,10 @@ signature without the sizes: argument structure, dtypes, devices, ranks, modes) 
   at that rate: it is planned only where its calls within :data:`PAYBACK_WINDOW` calls,
   each saving what the structure's trials measured (:meth:`Structure.expected_gain`),
   repay a recording call; otherwise it runs as written, judged again when it comes back.
+  Where no trial measured anything yet, a call on the CPU bounds it: no plan saves more
+  than the whole call (:data:`GRAD_BOUND` times it where autograd records the call). The
+  size runs as written once more, timed, and is judged on that when it comes back. The
+  settled layouts judge such sizes themselves (:meth:`Structure.rare_again`).
 - **nothing to schedule:** where the structure's first plan runs nothing side by side
   and batches nothing (one stream, no fused group), the schedule can differ from the
   model as written only by the cost of running the forward's Python; that does not
@@ -60,7 +64,7 @@ Nothing here holds a reference to a caller's tensor or object: sizes are tuples 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 from .._lru import LRU
 
@@ -79,6 +83,9 @@ __all__ = [
     "RARE_CALLS",
     "PAYBACK_CALLS",
     "PAYBACK_WINDOW",
+    "GRAD_BOUND",
+    "Rarity",
+    "rare_text",
     "FIRST_CALL_AS_WRITTEN",
     "CHAIN_AS_WRITTEN",
 ]
@@ -125,6 +132,12 @@ PAYBACK_CALLS = 64
 # (each saving what the structure's trials measured) repay a recording call. Sizes back
 # within ``PAYBACK_WINDOW / PAYBACK_CALLS`` calls are judged by ``PAYBACK_CALLS`` alone.
 PAYBACK_WINDOW = 1024
+# Where no trial of the structure has measured what a plan saves, a size that comes back
+# rarely is judged on its own as-written call (timed once, on the CPU): no plan saves more
+# than the whole call, and a call whose output autograd records may save on its backward
+# too, bounded by this many times the forward (a backward is about twice a forward's work;
+# on a CUDA device the host's time of a call is not its work, and nothing is bounded).
+GRAD_BOUND = 3.0
 
 
 def size_bucket(sizes: tuple) -> tuple:
@@ -164,6 +177,9 @@ class Structure:
         "uniform",
         "nests",
         "record_s",
+        "timed",
+        "version",
+        "_rare_kept",
         "clock",
     )
 
@@ -176,6 +192,15 @@ class Structure:
         # size must still be here when it comes back (sizes cycled through a loader or a
         # bucketing scheme come back after all the others), else it is new every time.
         self.seen: LRU = LRU(max(1024, 4 * plan_cache_size))
+        # Sizes that come back rarely, where no trial measured a gain yet: the seconds of
+        # one as-written call (times GRAD_BOUND with autograd recording), what a plan of
+        # them could save at most (:meth:`_too_rare`).
+        self.timed: LRU = LRU(1024)
+        # Moves whenever what a rare size is judged on may change (a recording call's
+        # time, a trial's verdict); and per size, what it was judged on at a version
+        # (:meth:`rare_again`).
+        self.version = 0
+        self._rare_kept: dict[tuple, tuple] = {}
         # Sizes planned before, to tell a re-plan (the plan was evicted) from a new size.
         self.planned: LRU = LRU(max(128, 8 * plan_cache_size))
         self.replans = 0
@@ -194,13 +219,14 @@ class Structure:
         # Decided to run as written with the children of its untraceable modules nested
         # (``new_signatures._nested_chain_reason``): its calls go through the nesting.
         self.nests = False
-        # Seconds of the structure's recording calls (trace, record, plan, compile): what a
-        # plan of a new size costs, a running mean.
+        # Seconds of the structure's recording calls (record, plan, compile; not the trace,
+        # which its sizes share): what a plan of a new size costs, a running mean.
         self.record_s: Optional[float] = None
 
     def recorded(self, seconds: float) -> None:
         """A recording call of this structure took ``seconds``."""
         self.record_s = seconds if self.record_s is None else 0.5 * (self.record_s + seconds)
+        self.version += 1
 
     def repays(self, decision: Decision) -> bool:
         """Whether a new size of a bucket decided for the schedule is worth its plan: the
@@ -232,6 +258,7 @@ class Structure:
 
     def decide(self, bucket: tuple, decision: Decision) -> None:
         self.decisions.put(bucket, decision)
+        self.version += 1
         self.trying.pop(bucket, None)
         self.waits.pop(bucket, None)
 
@@ -290,31 +317,96 @@ class Structure:
             return None
         return max(gains)  # type: ignore[type-var]
 
-    def _too_rare(self, sizes: tuple, bucket: tuple, interval: int) -> Optional[AsWritten]:
+    def _rarity(self, sizes: tuple, bucket: tuple, timeable: bool) -> Any:
+        """What ``sizes``, should they come back rarely, are judged on (:class:`Rarity`):
+        each call saving :meth:`expected_gain`, or where no trial measured a gain and the
+        call can be timed (``timeable``: on the CPU), at most what the sizes' as-written
+        call cost (:meth:`note_as_written`; :data:`TIME_IT` where it is not timed yet). None
+        where nothing is known (no recording call yet, or a gain that cannot be bounded):
+        planned."""
+        record_s = self.record_s
+        if record_s is None:
+            return None
+        gain = self.expected_gain(bucket)
+        bound = False
+        if gain is None:
+            if not timeable:
+                return None
+            gain = self.timed.get_fresh(sizes)
+            if gain is None:
+                return TIME_IT
+            bound = True
+        # Back after more calls than this, the calls within PAYBACK_WINDOW (each saving
+        # ``gain``) do not repay a recording call.
+        threshold = max(PAYBACK_WINDOW / PAYBACK_CALLS, gain * PAYBACK_WINDOW / record_s)
+        return Rarity(threshold, gain, bound, record_s)
+
+    def _too_rare(self, sizes: tuple, bucket: tuple, interval: int, timeable: bool) -> Optional[AsWritten]:
         """Why ``sizes``, back after ``interval`` calls of the wrapper, are not worth a
         plan (None: they are): at that rate the calls of these sizes within
-        :data:`PAYBACK_WINDOW` calls, each saving :meth:`expected_gain`, would not repay
-        a recording call of the structure."""
-        if interval * PAYBACK_CALLS <= PAYBACK_WINDOW or self.record_s is None:
+        :data:`PAYBACK_WINDOW` calls, each saving what :meth:`_rarity` says, would not
+        repay a recording call of the structure. Where that is the sizes' own as-written
+        time and it is not measured yet, the call runs as written and is timed
+        (``AsWritten.timed``), and the sizes are judged on it when they come back: a plan
+        that could repay its recording call only by saving more than the whole call is
+        not made."""
+        if interval * PAYBACK_CALLS <= PAYBACK_WINDOW:
             return None  # back often enough for :meth:`repays`'s count of calls
-        gain = self.expected_gain(bucket)
-        if gain is None:
+        rarity = self._rarity(sizes, bucket, timeable)
+        if rarity is None:
             return None
-        calls = PAYBACK_WINDOW / interval
-        if gain * calls >= self.record_s:
+        if rarity is TIME_IT:
+            return AsWritten(
+                False,
+                lambda: (
+                    f"sizes {sizes_text(sizes)} came back after {interval} calls, and what a plan saves is not "
+                    "measured yet: this call runs as written and is timed, to judge the sizes on when they come back"
+                ),
+                rare=True,
+                timed=True,
+            )
+        if interval <= rarity.threshold:
             return None
-        gain_us, record_ms = gain * 1e6, self.record_s * 1e3
-        return AsWritten(
-            False,
-            lambda: (
-                f"sizes {sizes_text(sizes)} came back after {interval} calls: at that rate a plan would save about "
-                f"{gain_us:.0f} us on each of {calls:.0f} calls in the next {PAYBACK_WINDOW}, less than its "
-                f"{record_ms:.1f} ms recording call; they run as written (planned if they come back more often)"
-            ),
-        )
+        return AsWritten(False, lambda: rare_text(sizes, interval, rarity), rare=True)
 
-    def admit(self, sizes: tuple, bucket: tuple) -> Optional[AsWritten]:
-        """``None`` to plan ``sizes`` now, else why the call runs as written."""
+    def rare_again(self, sizes: tuple) -> Optional[tuple[int, Rarity]]:
+        """:meth:`admit` for ``sizes``, seen before and back now, where nothing but their
+        rate can decide (their bucket neither decided nor under trial, no churn: the
+        settled layouts' own check asks, ``settled_calls``): ``(interval, rarity)`` where
+        they come back too rarely to repay a plan (counted as :meth:`admit` counts them:
+        they run as written), None where the full path must judge them (a plan, or a call
+        to time). The wrapper counts this call after the check: it is call
+        ``clock() + 1``. What they are judged on is kept until the structure's figures
+        change (:attr:`version`): the check runs on every such call."""
+        now = self.clock() + 1
+        count, last = self.seen[sizes]
+        interval = now - last
+        if count + 1 < PLAN_AFTER or interval * PAYBACK_CALLS <= PAYBACK_WINDOW:
+            return None
+        kept = self._rare_kept.get(sizes)
+        if kept is None or kept[0] != self.version or kept[1] != self.uniform:
+            rarity = self._rarity(sizes, self.bucket_of(sizes), timeable=True)
+            if rarity is None or rarity is TIME_IT:
+                return None
+            if len(self._rare_kept) >= MAX_RARE_KEPT:
+                self._rare_kept.clear()
+            kept = self._rare_kept[sizes] = (self.version, self.uniform, rarity)
+        rarity = kept[2]
+        if interval <= rarity.threshold:
+            return None
+        self.seen.put(sizes, (count, now))
+        return interval, rarity
+
+    def note_as_written(self, sizes: tuple, seconds: float) -> None:
+        """A call of ``sizes`` that :meth:`admit` asked to time (``AsWritten.timed``) ran
+        as written in ``seconds`` (times :data:`GRAD_BOUND` where autograd recorded it)."""
+        self.timed.put(sizes, seconds)
+        self._rare_kept.pop(sizes, None)
+
+    def admit(self, sizes: tuple, bucket: tuple, timeable: bool = False) -> Optional[AsWritten]:
+        """``None`` to plan ``sizes`` now, else why the call runs as written.
+        ``timeable``: the call's time as written is its work (on the CPU), so that a size
+        coming back rarely may be judged on it (:meth:`_too_rare`)."""
         decided = self.admit_decided(bucket)
         if decided is not None:
             return decided
@@ -364,18 +456,54 @@ class Structure:
                 lambda: f"sizes {sizes_text(sizes)} are new to this call structure: they are planned if they come back",
                 fresh=True,
             )
-        rare = self._too_rare(sizes, bucket, now - last)
+        rare = self._too_rare(sizes, bucket, now - last, timeable)
         if rare is not None:
             # Judged again when it next comes back, on the calls between then and now.
             self.seen.put(sizes, (count - 1, now))
             return rare
         self.seen.pop(sizes, None)
+        self.timed.pop(sizes, None)
         if sizes in self.planned:
             self.replans += 1
         self.planned.put(sizes, True)
         if self.replans >= CHURN_REPLANS or len(self.planned) > CHURN_SIZES * self.capacity:
             self.churning = True
         return None
+
+
+class Rarity(NamedTuple):
+    """What a size that comes back rarely is judged on (``Structure._rarity``)."""
+
+    # Back after more calls of the wrapper than this, it runs as written.
+    threshold: float
+    # What each of its calls is taken to save, in seconds.
+    per_call_s: float
+    # Whether that is a bound (the sizes' as-written time) rather than a trial's figure.
+    bound: bool
+    # The structure's recording call it would have to repay, in seconds.
+    record_s: float
+
+
+# ``Structure._rarity`` where a size must be timed as written before it is judged.
+TIME_IT: Any = object()
+# Sizes whose rarity ``Structure.rare_again`` keeps (forgotten all at once when full).
+MAX_RARE_KEPT = 1024
+
+
+def rare_text(sizes: tuple, interval: int, rarity: Rarity) -> str:
+    """Why ``sizes``, back after ``interval`` calls, run as written (``sm.plan``)."""
+    calls = PAYBACK_WINDOW / interval
+    per_call_us, record_ms = rarity.per_call_s * 1e6, rarity.record_s * 1e3
+    saving = (
+        f"even a plan taking all of their {per_call_us:.0f} us off each of {calls:.0f} calls"
+        if rarity.bound
+        else f"a plan would save about {per_call_us:.0f} us on each of {calls:.0f} calls"
+    )
+    return (
+        f"sizes {sizes_text(sizes)} came back after {interval} calls: at that rate {saving} in the next "
+        f"{PAYBACK_WINDOW}, less than its {record_ms:.1f} ms recording call; they run as written (planned if they "
+        "come back more often)"
+    )
 
 
 class AsWritten(NamedTuple):
@@ -397,6 +525,13 @@ class AsWritten(NamedTuple):
     # :attr:`Structure.seen`): any new size of the structure would run so, and the
     # wrapper's settled layouts may count the next ones themselves (settled_calls.py).
     fresh: bool = False
+    # Whether the call runs as written because its sizes come back too rarely to repay a
+    # plan (:meth:`Structure._too_rare`): the wrapper's settled layouts may judge their
+    # next calls themselves (:meth:`Structure.rare_again`), as they count new sizes.
+    rare: bool = False
+    # Whether the wrapper times this call and hands the seconds to
+    # :meth:`Structure.note_as_written` (a size that comes back rarely, judged on them).
+    timed: bool = False
 
 
 def _bucket_text(bucket: tuple) -> str:
