@@ -379,7 +379,10 @@ class Structure:
         ``clock() + 1``. What they are judged on is kept until the structure's figures
         change (:attr:`version`): the check runs on every such call."""
         now = self.clock() + 1
-        count, last = self.seen[sizes]
+        entry = self.seen.get(sizes)
+        if entry is None:  # (dropped by another thread's call since the check found it)
+            return None
+        count, last = entry
         interval = now - last
         if count + 1 < PLAN_AFTER or interval * PAYBACK_CALLS <= PAYBACK_WINDOW:
             return None
