@@ -384,14 +384,14 @@ def _count_new_sizes(
         return
     metas = [m[1:] for m in sizes]
 
-    def plan_for(shapes: tuple) -> Plan:
-        why = f"sizes {sizes_text(shapes)} are new to this call structure: they are planned if they come back"
-        signature = signature_text_of([(tuple(s), *m) for s, m in zip(shapes, metas)])
-        return _as_written_plan(runner, why, structure.plan, signature)
-
     def rare_plan(shapes: tuple, why: str) -> Plan:
         signature = signature_text_of([(tuple(s), *m) for s, m in zip(shapes, metas)])
         return _as_written_plan(runner, why, structure.plan, signature)
+
+    def plan_for(shapes: tuple) -> Plan:
+        return rare_plan(
+            shapes, f"sizes {sizes_text(shapes)} are new to this call structure: they are planned if they come back"
+        )
 
     if settled is None:
         settled = SettledCalls(st.generation, args, kwargs, None, tensors=True, sizes={})
