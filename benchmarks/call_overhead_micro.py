@@ -18,7 +18,12 @@ at another checkout's tree, from outside this one, to compare two versions). Pri
   fuse, plan, compile), each in a fresh process (``--first-call-processes``, the median
   is printed): CPU seconds of the calling thread, beside the goal (0.3 s on the machine
   of issue 26, where it measured 0.62 s). Guarded like the critics row: above
-  ``--max-first-call-s`` the script says REGRESSION and exits 1;
+  ``--max-first-call-s`` the script says REGRESSION and exits 1. With ``--issue-scale
+  REV`` (issue 26's tree: ``c062527^``), the same call read on the issue's machine: that
+  tree, exported from git, and this one timed alternately in fresh processes
+  (``profiles/cpu/first-call/calibrate.py``), the ratio of their medians times the 0.62
+  s the issue measured there: as a user's first call, and with the collector off for
+  the call in both (the work alone);
 - for GPT-2, Mixtral and ViT-tiny (the models of ``real_models_bench.py``): the time to
   bind one call's arguments, how often one call moves the module generation (each move
   makes the next call re-check the model's structure), and what one such re-check costs.
@@ -34,11 +39,14 @@ from __future__ import annotations
 
 import argparse
 import copy
+import io
 import json
 import os
 import statistics
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -145,6 +153,62 @@ def first_call_row(processes: int) -> dict[str, Any]:
     }
 
 
+ISSUE_FIRST_CALL_S = 0.62
+"""The first call as issue 26 measured it, on its machine, in its tree (``--issue-scale``)."""
+
+
+def _calibrated(tree: str, mode: str) -> float:
+    """CPU seconds of the planning call of ``ParallelFCN(1000)`` with ``tree``'s streamsched,
+    in a fresh process, pure Python (``calibrate.py``: runs in trees of any age)."""
+    script = Path(__file__).resolve().parents[1] / "profiles" / "cpu" / "first-call" / "calibrate.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "STREAMSCHED_DISABLE_EXT": "1", "STREAMSCHED_REQUIRE_EXT": "0"}
+    done = subprocess.run(
+        [sys.executable, str(script), tree, *([mode] if mode else [])],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tree,
+        check=False,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"the first call in {tree} failed:\n{done.stderr[-2000:]}")
+    sample = json.loads(lines[-1])
+    assert sample["fused"] == 3, sample  # the members fused: the call that plans
+    return float(sample["cpu_s"])
+
+
+def issue_scale_row(rev: str, processes: int) -> dict[str, Any]:
+    """This tree's first call read on issue 26's machine: the tree at ``rev`` (exported from
+    this checkout's git history) and this one, timed alternately in ``processes`` fresh
+    processes each, as a user's first call (``user``) and with the collector off for the
+    call (``work``); each figure is the ratio of the medians times
+    :data:`ISSUE_FIRST_CALL_S`, beside every sample."""
+    checkout = Path(__file__).resolve().parents[1]
+    archive = subprocess.run(["git", "archive", "--format=tar", rev], cwd=checkout, capture_output=True, check=False)
+    if archive.returncode != 0:
+        raise RuntimeError(f"git archive {rev} in {checkout}: {archive.stderr.decode()[-500:]}")
+    out: dict[str, Any] = {"rev": rev}
+    with tempfile.TemporaryDirectory() as old:
+        with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+            if hasattr(tarfile, "data_filter"):
+                tar.extractall(old, filter="data")
+            else:  # pragma: no cover - a Python without extraction filters
+                tar.extractall(old)  # noqa: S202 - this checkout's own history
+        for label, mode in (("user", ""), ("work", "--nogc")):
+            samples: dict[str, list[float]] = {"issue": [], "this": []}
+            for _ in range(processes):
+                samples["issue"].append(_calibrated(old, mode))
+                samples["this"].append(_calibrated(str(checkout), mode))
+            ratio = statistics.median(samples["this"]) / statistics.median(samples["issue"])
+            out[label] = {
+                "issue_scale_s": ratio * ISSUE_FIRST_CALL_S,
+                "ratio": ratio,
+                "samples_s": {k: [round(v, 3) for v in vs] for k, vs in samples.items()},
+            }
+    return out
+
+
 def bench(fn: Callable[[], Any], n: int = 2000, reps: int = 9, clock: Callable[[], float] = time.perf_counter) -> float:
     best = float("inf")
     for _ in range(reps):
@@ -225,6 +289,12 @@ def main(argv: Any = None) -> int:
         "--first-call-processes", type=int, default=5, help="fresh processes timing ParallelFCN(1000)'s first call"
     )
     parser.add_argument("--max-first-call-s", type=float, default=FIRST_CALL_MAX_S)
+    parser.add_argument(
+        "--issue-scale",
+        metavar="REV",
+        default=None,
+        help="read the first call on issue 26's machine, timing the tree at REV (c062527^) beside this one",
+    )
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
@@ -248,6 +318,16 @@ def main(argv: Any = None) -> int:
             f"samples {first['samples_cpu_s']}); goal <= {FIRST_CALL_GOAL_S} s: {goal}; {verdict}"
         )
         status = max(status, int(slow))
+        if args.issue_scale:
+            scaled = issue_scale_row(args.issue_scale, args.first_call_processes)
+            for label, what in (("user", "as a user's first call"), ("work", "the work alone (collector off)")):
+                row = scaled[label]
+                goal = "met" if row["issue_scale_s"] <= FIRST_CALL_GOAL_S else "not met"
+                print(
+                    f"  on issue 26's machine, {what}: {row['issue_scale_s']:.3f} s ({row['ratio']:.3f} of the tree at "
+                    f"{args.issue_scale}'s {ISSUE_FIRST_CALL_S} s; samples {row['samples_s']}); "
+                    f"goal <= {FIRST_CALL_GOAL_S} s: {goal}"
+                )
     if args.critics_only:
         return status
     x = torch.randn(2, 4)

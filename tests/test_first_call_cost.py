@@ -276,6 +276,42 @@ def test_the_overhead_report_prints_the_first_call_beside_its_goal_and_guards_it
     assert "REGRESSION (guard: <= 0.00 s)" in line and code == 1
 
 
+def test_the_report_reads_the_first_call_on_the_issues_scale(monkeypatch, capsys):
+    """``--issue-scale REV``: the tree at REV, exported from git, and this one each time
+    the call (``_calibrated``, stood in for here: the figures are the report's
+    arithmetic, not a timing), alternately, as a user's first call and with the
+    collector off; each figure is this tree's median over REV's times the issue's 0.62 s."""
+    script = _load_call_overhead_micro()
+    here = str(Path(script.__file__).resolve().parents[1])
+    calls: list[tuple[str, str]] = []
+
+    def calibrated(tree: str, mode: str) -> float:
+        calls.append((tree, mode))
+        if tree == here:
+            return 0.4 if mode == "" else 0.5
+        # The exported tree holds the package and the zoo the child imports.
+        assert (Path(tree) / "streamsched" / "__init__.py").is_file()
+        assert (Path(tree) / "benchmarks" / "zoo" / "__init__.py").is_file()
+        return 1.0
+
+    monkeypatch.setattr(script, "_calibrated", calibrated)
+    row = script.issue_scale_row("HEAD", 2)
+    assert abs(row["user"]["issue_scale_s"] - 0.4 * script.ISSUE_FIRST_CALL_S) < 1e-9
+    assert abs(row["work"]["issue_scale_s"] - 0.5 * script.ISSUE_FIRST_CALL_S) < 1e-9
+    assert [mode for _, mode in calls] == ["", "", "", "", "--nogc", "--nogc", "--nogc", "--nogc"]
+    assert [tree == here for tree, _ in calls] == [False, True] * 4  # alternating, the issue's tree first
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(script, "first_call_row", lambda n: {"cpu_s": 0.42, "wall_s": 0.42, "samples_cpu_s": [0.42]})
+    monkeypatch.setattr(script, "critics_row", lambda rounds: (1.0, 1.0))
+    try:
+        code = script.main(["--critics-only", "--first-call-processes", "1", "--issue-scale", "HEAD"])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "on issue 26's machine, as a user's first call: 0.248 s" in out and "goal <= 0.3 s: met" in out
+    assert "the work alone (collector off): 0.310 s" in out and code == 0
+
+
 # --- costs of fused nodes ------------------------------------------------------------------
 
 

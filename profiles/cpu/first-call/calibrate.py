@@ -11,6 +11,8 @@ import sys
 import time
 import warnings
 
+# TREE's package, not an editable install's (whose finder would answer first).
+sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f).lower()]
 sys.path.insert(0, sys.argv[1])
 warnings.simplefilter("ignore")
 import torch  # noqa: E402
