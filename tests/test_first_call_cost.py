@@ -58,50 +58,12 @@ def test_submodule_resolves_as_get_submodule_does_and_follows_a_rewiring():
     assert submodule(model, "mlps.2.fc2") is model.mlps[2].fc2
 
 
-def test_planning_resolves_each_module_path_once(monkeypatch):
-    torch.manual_seed(0)
-    model = ParallelFCN(64).eval()
-    sm = ss.StreamScheduledModule(copy.deepcopy(model))
-    calls: list[str] = []
-    original = nn.Module.get_submodule
-
-    def counted(self, target):
-        calls.append(target)
-        return original(self, target)
-
-    planned = []
-    make = planner.make_schedule
-
-    def watched(traced, *args, **kwargs):
-        monkeypatch.setattr(nn.Module, "get_submodule", counted)
-        try:
-            schedule = make(traced, *args, **kwargs)
-        finally:
-            monkeypatch.setattr(nn.Module, "get_submodule", original)
-        planned.append(traced)
-        return schedule
-
-    monkeypatch.setattr("streamsched.new_signatures.make_schedule", watched)
-    x = torch.randn(4, 64 * 20)
-    with torch.no_grad():
-        out = sm(x)
-        assert_path(sm, "recorded")
-        assert_close(out, model(x))
-        fresh = torch.randn(4, 64 * 20)
-        assert_close(sm(fresh), model(fresh))
-        assert_path(sm, "plan")
-    assert len(planned) == 1 and [g.size for g in sm.plan.fused_groups] == [64, 64, 64]
-    targets = {n.target for n in planned[0].graph.nodes if n.op == "call_module"}
-    assert len(targets) == 64 * 3
-    # Each pass used to walk get_submodule per node (7 walks per path); now a path's
-    # parent is resolved once and its children are one attribute lookup each.
-    assert len(calls) <= len(targets) // 10, f"{len(calls)} get_submodule calls for {len(targets)} paths"
-
-
 def test_the_whole_planning_call_resolves_each_module_path_once(monkeypatch):
     # The trace, the recording call, planning and the checks after it (whether the plan
-    # runs code of the model's, Traced.runs_models_code) share the resolutions: a walk
-    # per node anywhere in the call is 3 get_submodule calls per member.
+    # runs code of the model's, Traced.runs_models_code) share the resolutions. Each
+    # planning pass used to walk get_submodule per node (7 walks per path), and later the
+    # check after planning did (3 per member); now a path's parent is resolved once and
+    # its children are one attribute lookup each.
     torch.manual_seed(0)
     model = ParallelFCN(64).eval()
     sm = ss.StreamScheduledModule(copy.deepcopy(model))
@@ -121,6 +83,9 @@ def test_the_whole_planning_call_resolves_each_module_path_once(monkeypatch):
             monkeypatch.setattr(nn.Module, "get_submodule", original)
         assert_path(sm, "recorded")
         assert_close(out, model(x))
+        fresh = torch.randn(4, 64 * 20)
+        assert_close(sm(fresh), model(fresh))
+        assert_path(sm, "plan")
     assert [g.size for g in sm.plan.fused_groups] == [64, 64, 64]
     assert len(calls) <= 64 * 3 // 10, f"{len(calls)} get_submodule calls for {64 * 3} paths"
 
