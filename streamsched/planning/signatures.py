@@ -341,21 +341,41 @@ class Structure:
         threshold = max(PAYBACK_WINDOW / PAYBACK_CALLS, gain * PAYBACK_WINDOW / record_s)
         return Rarity(threshold, gain, bound, record_s)
 
-    def _too_rare(self, sizes: tuple, bucket: tuple, interval: int, timeable: bool) -> Optional[AsWritten]:
-        """Why ``sizes``, back after ``interval`` calls of the wrapper, are not worth a
-        plan (None: they are): at that rate the calls of these sizes within
-        :data:`PAYBACK_WINDOW` calls, each saving what :meth:`_rarity` says, would not
-        repay a recording call of the structure. Where that is the sizes' own as-written
-        time and it is not measured yet, the call runs as written and is timed
-        (``AsWritten.timed``), and the sizes are judged on it when they come back: a plan
-        that could repay its recording call only by saving more than the whole call is
-        not made."""
+    def _rare_verdict(self, sizes: tuple, bucket: Optional[tuple], interval: int, timeable: bool) -> Any:
+        """How ``sizes``, back after ``interval`` calls of the wrapper, are judged: their
+        :class:`Rarity` where they come back too rarely for their calls within
+        :data:`PAYBACK_WINDOW` calls, each saving what :meth:`_rarity` says, to repay a
+        recording call of the structure; :data:`TIME_IT` where that is their own
+        as-written time, not measured yet; None where they are worth a plan. What they
+        are judged on is kept per size until the structure's figures change
+        (:attr:`version`): the settled layouts ask on every such call. ``bucket``: the
+        sizes' bucket, or None to have it worked out where needed."""
         if interval * PAYBACK_CALLS <= PAYBACK_WINDOW:
             return None  # back often enough for :meth:`repays`'s count of calls
-        rarity = self._rarity(sizes, bucket, timeable)
-        if rarity is None:
+        stamp = (self.version, self.uniform, timeable)
+        kept = self._rare_kept.get(sizes)
+        if kept is not None and kept[0] == stamp:
+            rarity = kept[1]
+        else:
+            rarity = self._rarity(sizes, self.bucket_of(sizes) if bucket is None else bucket, timeable)
+            if rarity is None or rarity is TIME_IT:
+                return rarity
+            if len(self._rare_kept) >= MAX_RARE_KEPT:
+                self._rare_kept.clear()
+            self._rare_kept[sizes] = (stamp, rarity)
+        return rarity if interval > rarity.threshold else None
+
+    def _too_rare(self, sizes: tuple, bucket: tuple, interval: int, timeable: bool) -> Optional[AsWritten]:
+        """Why ``sizes``, back after ``interval`` calls of the wrapper, are not worth a
+        plan (None: they are), as :meth:`_rare_verdict` judges them. Where that is on the
+        sizes' own as-written time and it is not measured yet, the call runs as written
+        and is timed (``AsWritten.timed``), and the sizes are judged on it when they come
+        back: a plan that could repay its recording call only by saving more than the
+        whole call is not made."""
+        verdict = self._rare_verdict(sizes, bucket, interval, timeable)
+        if verdict is None:
             return None
-        if rarity is TIME_IT:
+        if verdict is TIME_IT:
             return AsWritten(
                 False,
                 lambda: (
@@ -365,9 +385,7 @@ class Structure:
                 rare=True,
                 timed=True,
             )
-        if interval <= rarity.threshold:
-            return None
-        return AsWritten(False, lambda: rare_text(sizes, interval, rarity), rare=True)
+        return AsWritten(False, lambda: rare_text(sizes, interval, verdict), rare=True)
 
     def rare_again(self, sizes: tuple) -> Optional[tuple[int, Rarity]]:
         """:meth:`admit` for ``sizes``, seen before and back now, where nothing but their
@@ -376,29 +394,19 @@ class Structure:
         they come back too rarely to repay a plan (counted as :meth:`admit` counts them:
         they run as written), None where the full path must judge them (a plan, or a call
         to time). The wrapper counts this call after the check: it is call
-        ``clock() + 1``. What they are judged on is kept until the structure's figures
-        change (:attr:`version`): the check runs on every such call."""
+        ``clock() + 1``."""
         now = self.clock() + 1
         entry = self.seen.get(sizes)
         if entry is None:  # (dropped by another thread's call since the check found it)
             return None
         count, last = entry
-        interval = now - last
-        if count + 1 < PLAN_AFTER or interval * PAYBACK_CALLS <= PAYBACK_WINDOW:
+        if count + 1 < PLAN_AFTER:
             return None
-        kept = self._rare_kept.get(sizes)
-        if kept is None or kept[0] != self.version or kept[1] != self.uniform:
-            rarity = self._rarity(sizes, self.bucket_of(sizes), timeable=True)
-            if rarity is None or rarity is TIME_IT:
-                return None
-            if len(self._rare_kept) >= MAX_RARE_KEPT:
-                self._rare_kept.clear()
-            kept = self._rare_kept[sizes] = (self.version, self.uniform, rarity)
-        rarity = kept[2]
-        if interval <= rarity.threshold:
+        verdict = self._rare_verdict(sizes, None, now - last, timeable=True)
+        if verdict is None or verdict is TIME_IT:
             return None
         self.seen.put(sizes, (count, now))
-        return interval, rarity
+        return now - last, verdict
 
     def note_as_written(self, sizes: tuple, seconds: float) -> None:
         """A call of ``sizes`` that :meth:`admit` asked to time (``AsWritten.timed``) ran
@@ -466,6 +474,7 @@ class Structure:
             return rare
         self.seen.pop(sizes, None)
         self.timed.pop(sizes, None)
+        self._rare_kept.pop(sizes, None)
         if sizes in self.planned:
             self.replans += 1
         self.planned.put(sizes, True)
