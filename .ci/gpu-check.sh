@@ -20,6 +20,15 @@ DEADLINE=${GPU_CHECK_DEADLINE:-540}  # seconds for the whole run: one device cal
 # GPU_CHECK_ONLY="bench prefetch": run only these stages after the build (which always
 # runs): everything does not fit in one call, so a second call can take the rest.
 ONLY=${GPU_CHECK_ONLY:-}
+# The cuda-marked tests and the sanitizer run in this many pytest workers on the one GPU
+# (each a process with its own allocator; whole files to a worker, so a file's order
+# holds): one worker ran out of its budget with a fifth of the tests left (2026-11-27).
+WORKERS=${GPU_TEST_WORKERS:-6}
+XDIST=(-n "$WORKERS" --dist loadfile)
+(( WORKERS > 1 )) || XDIST=()
+# GPU_BENCH_ARGS: the benchmark's cases (default: the fused, training and multi-stream
+# rows without torch.compile; the whole suite does not fit beside the tests).
+read -r -a BENCH_ARGS <<< "${GPU_BENCH_ARGS:---models critic_ensemble,parallel_fcn,multitask_heads,inception3 --no-compile --rounds 5}"
 stage() {  # stage NAME SECONDS COMMAND...  (skipped when the run's deadline is near)
   local name=$1 budget=$2; shift 2
   local start=$SECONDS
@@ -52,21 +61,21 @@ if [ -n "$CUDA_HOME" ] && stage build 240 env USE_CUDA=1 "$PY" setup.py build_ex
   # CUDA and the sanitizer (correctness), then the demo and the benchmarks.
   # (2026-11-27 on an H200: the cuda-marked tests ran 190 s to 78% without the DDP test,
   # which gets a stage of its own; test_cuda.py alone takes 7 s.)
-  stage cuda-tests 260 "$PY" -m pytest -v --tb=short -p no:cacheprovider -m cuda tests -o addopts="-ra" \
-    -o console_output_style=times --timeout 60 \
+  stage cuda-tests 200 "$PY" -m pytest -v --tb=short -p no:cacheprovider -m cuda tests -o addopts="-ra" \
+    "${XDIST[@]}" --durations=25 --timeout 90 \
     --deselect tests/test_distributed.py::test_ddp_on_cuda_with_side_streams_equals_single_process_training
   stage ddp 45 "$PY" -m pytest -v --tb=short -p no:cacheprovider -o addopts="-ra" \
     tests/test_distributed.py::test_ddp_on_cuda_with_side_streams_equals_single_process_training
   # The sanitizer does not follow graph captures: tests that capture (and the benchmark
   # suite's quick run, whose peers capture) are left out.
   stage sanitizer 90 env TORCH_CUDA_SANITIZER=1 "$PY" -m pytest -v -p no:cacheprovider -m cuda tests \
-    -k "not graph and not capture and not peak_memory and not quick_suite" -o addopts="" --timeout 60 \
-    -o console_output_style=times
+    -k "not graph and not capture and not peak_memory and not quick_suite" -o addopts="" --timeout 90 \
+    "${XDIST[@]}"
   stage demo 60 "$PY" examples/inception.py --rounds 5
   stage timeline 40 "$PY" -m streamsched timeline benchmarks.zoo:Inception3 --input-shape 1,3,299,299 \
     --device cuda --out "$ALL/inception_b1"
   stage overhead 30 "$PY" benchmarks/overhead_bench.py --device cuda --out "$ALL/overhead.json"
-  stage bench 190 "$PY" -m streamsched bench --device cuda --rounds 10 --compile-budget 60 --out "$ALL/bench"
+  stage bench 150 "$PY" -m streamsched bench --device cuda "${BENCH_ARGS[@]}" --out "$ALL/bench"
   stage prefetch 30 "$PY" benchmarks/prefetch_bench.py --out "$ALL/prefetch.json"
   # The rest of the suite (what CI runs without a GPU) with whatever time is left.
   stage tests 120 "$PY" -m pytest -q -p no:cacheprovider tests -m "not slow and not cuda" -o addopts="-ra" \

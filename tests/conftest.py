@@ -49,7 +49,10 @@ def pytest_runtest_logreport(report):
         return
     import sys
 
-    sys.__stderr__.write(f"\n--- {report.nodeid} failed ({report.when}) ---\n{report.longreprtext}\n---\n")
+    # What the test wrote to stderr too: the stream sanitizer prints its race report there
+    # (both accesses' stacks) and raises an error that names only their count.
+    err = f"captured stderr:\n{report.capstderr}" if report.capstderr else ""
+    sys.__stderr__.write(f"\n--- {report.nodeid} failed ({report.when}) ---\n{report.longreprtext}\n{err}---\n")
     sys.__stderr__.flush()
 
 
