@@ -18,11 +18,12 @@ import torch
 
 from . import _generation
 from ._rng import restore_generators, save_generators
-from .errors import FusedMembersReshaped, ProfileMismatchError, TraceError, first_line
+from .errors import FusedMembersReshaped, ProfileMismatchError, StreamSchedError, TraceError, first_line
 from .frontend.effects import EffectRecorder, Effects, parameter_writers, reads_only
 from .frontend.meta import fetch_attr, run_and_record
 from .frontend.nodes import node_label, resolving_submodules, submodule_resolver
 from .frontend.opaque_outputs import OutputCheck, check_recorded_structures
+from .frontend.rank_checks import RankAssumptionError
 from .frontend.trace import Traced, dtype_probes, trace_model
 from .frontend.trace_guard import autocast_state
 from .observe.schedule_profiles import check_profile, load_profile, profile_costs
@@ -208,14 +209,28 @@ def new_signature(runner: Runner, key: Any, spec: Any, tensors: list[torch.Tenso
     try:
         compiled, out = compile_signature(runner, traced, key, tensors)
     except _RecordingAbandoned as abandoned:
-        st.traces.put(trace_key, abandoned.error)  # later calls go to eager dispatch at once
-        if structure is not None and structure.plan is None:
-            st.structures.pop(structure_key, None)
-        return runner.eager_dispatch(key, spec, tensors, abandoned.error, trace_key, args, kwargs)
+        if abandoned.proven:
+            _untraceable(runner, trace_key, structure, structure_key, abandoned.error)
+            return runner.eager_dispatch(key, spec, tensors, abandoned.error, trace_key, args, kwargs)
+        # The model as written decides: its error (if it raises too) is the call's, and the
+        # next call traces again; if it runs, the trace is to blame.
+        out = runner.eager_dispatch(key, spec, tensors, abandoned.error, trace_key, args, kwargs)
+        _untraceable(runner, trace_key, structure, structure_key, abandoned.error)
+        return out
     _join_structure(runner, compiled, structure_key, structure, shapes, time.perf_counter() - start)
     if _generation.assignments() != assigned:
         runner.check_written_state(traced)
     return out
+
+
+def _untraceable(
+    runner: Runner, trace_key: Any, structure: Optional[Structure], structure_key: Any, error: TraceError
+) -> None:
+    """Later calls of ``trace_key`` go to eager dispatch at once; a structure that never
+    had a plan is dropped with it (it has no sizes to decide)."""
+    runner.st.traces.put(trace_key, error)
+    if structure is not None and structure.plan is None:
+        runner.st.structures.pop(structure_key, None)
 
 
 def _timed_as_written(
@@ -490,32 +505,33 @@ def compile_signature(runner: Runner, traced: Traced, key: Any, tensors: list[to
         resolve = held[1]
     else:
         resolve = submodule_resolver(root)
+    rng = save_generators(next((t.device for t in tensors if t.is_cuda), None))
     if reads_only(graph, resolve, tensors):
         # No op of this call can write a storage: the recorder would record no write, and
         # the effects of its recording are none whatever it read (``reads_only``); its
         # dispatch mode, through which every op of the call went, is left out.
         recorder = None
-        result = run_and_record(graph, traced.root, tensors, on_error, metas, resolve=resolve, reads_only=True)
+        try:
+            result = run_and_record(graph, traced.root, tensors, on_error, metas, resolve=resolve, reads_only=True)
+        except Exception as exc:
+            _recording_failed(config, exc, rng)
         if traced.graph is not graph:  # pragma: no cover - a call of such nodes misleads no trace
             raise RuntimeError("streamsched: the trace changed during a call of reading modules only")
     else:
         regions = st.fusion.stack_regions() if st.fusion is not None else None
         recorder = EffectRecorder(regions)
-        rng = save_generators(next((t.device for t in tensors if t.is_cuda), None))
         try:
             with recorder:
                 result = run_and_record(graph, traced.root, tensors, on_error, metas, recorder, resolve)
-        except TraceError as exc:
+        except Exception as exc:
+            # The call runs as written instead (below), where the nodes run so far wrote no
+            # state (the random numbers they drew are put back); otherwise it cannot be run
+            # again, and the error is the call's.
             recorder.merge_spanning()
-            # A leaf call returned what no trace can follow (a ``None`` where the traced
-            # code reads a tensor, in a structure learning cannot stand in for): the call
-            # runs as written instead, where the nodes run so far wrote no state (the
-            # random numbers they drew are put back); otherwise it cannot be run again.
             inputs = frozenset(recorder.key_of(t) for t in tensors)
-            if config.strict or Effects.from_accesses(recorder.accesses, inputs).writes_state:
+            if refused(exc) or Effects.from_accesses(recorder.accesses, inputs).writes_state:
                 raise
-            restore_generators(rng)
-            raise _RecordingAbandoned(exc) from exc
+            _recording_failed(config, exc, rng)
     _guard_dtypes(runner, traced)
     # A leaf call that returned a tensor here may return None on a later call (the
     # reverse of what the recording call's re-trace learns): read it through a check.
@@ -641,13 +657,46 @@ def _keep_variant(previous: Any, compiled: Compiled) -> None:
     compiled.variants = variants
 
 
-class _RecordingAbandoned(Exception):
-    """A recording call stopped by a ``TraceError`` having written no state: the call
-    structure is taken for untraceable (``error``) and the call runs as written."""
+def refused(exc: Exception) -> bool:
+    """Whether ``exc``, raised by a recording call, is streamsched's own refusal (a rank
+    the trace relied on, a profile that does not fit, ...): raised as it is, never
+    retried as written. A ``TraceError`` is not: what no trace can follow runs as written."""
+    return isinstance(exc, (RankAssumptionError, StreamSchedError)) and not isinstance(exc, TraceError)
 
-    def __init__(self, error: TraceError):
+
+class _RecordingAbandoned(Exception):
+    """A recording call stopped having written no state; the call runs as written.
+
+    ``proven``: by a ``TraceError`` (a leaf call returned what no trace can follow): the
+    call structure is untraceable (``error``). Otherwise the traced code raised, and the
+    trace is to blame only if the model as written runs (a trace can take a path the code
+    does not: ``hasattr(x, "name")`` holds for every traced value, and the traced graph
+    then calls a method the tensor does not have); if it raises too, its error is the
+    call's."""
+
+    def __init__(self, error: TraceError, proven: bool = True):
         super().__init__(str(error))
         self.error = error
+        self.proven = proven
+
+
+def _recording_failed(config: Any, exc: Exception, rng: tuple) -> None:
+    """Raise what a recording call that raised ``exc`` (having written no state) ends in:
+    ``exc`` itself under ``strict``, else :class:`_RecordingAbandoned` (the call to run as
+    written, the random numbers drawn so far put back)."""
+    if config.strict or refused(exc):
+        raise exc
+    restore_generators(rng)
+    if isinstance(exc, TraceError):
+        raise _RecordingAbandoned(exc) from exc
+    text = str(exc)
+    where = next((line.strip() for line in text.splitlines() if line.strip().startswith("[streamsched] raised")), "")
+    where = f" {where.removeprefix('[streamsched] ')}" if where else ""
+    reason = TraceError(
+        f"the traced forward raised {type(exc).__name__} ({first_line(text)}){where}, where the forward as "
+        "written runs: the trace took a path the code does not (a hasattr() or try/except on a traced value, say)"
+    )
+    raise _RecordingAbandoned(reason, proven=False) from exc
 
 
 def _attributes_read(traced: Traced) -> list[Any]:

@@ -445,6 +445,8 @@ class _Proxy(fx.Proxy):
             if dtype is not None:
                 _rely(self, "dtype", dtype)
                 return dtype
+        if not hasattr(torch.Tensor, name):
+            return _foreign_attribute(self, name)
         return _Attribute(self, name)
 
     def __setitem__(self, index: Any, value: Any) -> None:
@@ -494,6 +496,27 @@ class _Attribute(fx.proxy.Attribute):
             if rank is not None:
                 return rank
         return super().__call__(*args, **kwargs)
+
+
+def _foreign_attribute(proxy: _Proxy, name: str) -> Any:
+    """``proxy.name`` where a tensor has no ``name``.
+
+    fx answers every attribute of a traced value with a lazy proxy, so ``hasattr(x,
+    "jax")`` holds and ``getattr(x, "jax", None)`` is not None while tracing, where the
+    code as written takes the other path: the trace would compute something else,
+    silently. A value the ranks know for a tensor (its rank relied on, checked on the
+    recording call) answers as a tensor does, with an ``AttributeError``. Of any other
+    value the attribute is read at once, as a node of the graph: the recording call reads
+    it from the real value, and one that lacks it fails that call, which then runs as
+    written (``new_signatures``)."""
+    tracer = proxy.tracer
+    rank = tracer.ranks.rank_of(proxy.node) if isinstance(tracer, _LeafTracer) else None
+    if rank is not None:
+        _rely(proxy, "rank", rank)
+        raise AttributeError(f"'Tensor' object has no attribute '{name}'")
+    attribute = _Attribute(proxy, name)
+    attribute.node  # noqa: B018 - made now, not where the value is first used (never, after hasattr)
+    return attribute
 
 
 class NumpyOnTracedValue(TypeError):

@@ -1,0 +1,154 @@
+"""A trace can take a path the code as written does not: ``hasattr(x, "name")`` holds
+for every traced value, and a method called on it inside ``try`` never raises while
+tracing. The traced graph then fails where the model runs (transformers' models met this
+with ``jax`` installed: ``'Tensor' object has no attribute 'jax'``). The wrapper must run
+such a call as written, say why, and keep raising the model's own errors as they are."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import streamsched as ss
+from streamsched.testing import last_path
+
+from .helpers import assert_close, called_on
+
+D = 16
+
+
+class _Branches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.left = nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Linear(D, D))
+        self.right = nn.Sequential(nn.Linear(D, D), nn.ReLU(), nn.Linear(D, D))
+        self.head = nn.Linear(D, 4)
+
+
+class HasattrProbe(_Branches):
+    """What a library's ``is_jax_tensor``-style check can amount to."""
+
+    def forward(self, x):
+        y = self.left(x)
+        if hasattr(y, "jax"):  # never on a tensor
+            y = y * 2
+        return self.head(y + self.right(x))
+
+
+class GetattrDefault(_Branches):
+    def forward(self, x):
+        y = self.left(x)
+        scale = getattr(y, "scale", None)
+        if scale is not None:
+            y = y * scale
+        return self.head(y + self.right(x))
+
+
+class TryMethod(_Branches):
+    def forward(self, x):
+        y = self.left(x)
+        try:
+            y = y.as_numpy_array()  # raises on a tensor
+        except AttributeError:
+            y = y + 1
+        return self.head(y + self.right(x))
+
+
+@pytest.mark.parametrize("make", [HasattrProbe, GetattrDefault, TryMethod])
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+def test_a_traced_tensor_lacks_what_a_tensor_lacks(make, training):
+    # The trace knows these values for tensors: it answers as a tensor does, and the plan
+    # computes what the model does (fx alone took the other path: a wrong result).
+    torch.manual_seed(0)
+    model = make().train(training)
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    for call, path in enumerate(["recorded", "plan:serial", "plan:serial"]):
+        x = torch.randn(8, D, requires_grad=training)
+        out, expected = called_on(sm, path, x), model(x)
+        assert_close(out, expected, what=f"call {call} ({path})")
+        if training:
+            (g_out,) = torch.autograd.grad(out.sum(), x)
+            (g_eager,) = torch.autograd.grad(expected.sum(), x)
+            assert_close(g_out, g_eager, what=f"call {call}: input gradient")
+
+
+def _passed_on(t):
+    return t if t.shape[0] > 0 else t * 0
+
+
+torch.fx.wrap("_passed_on")  # called as it is, its result opaque to the trace
+
+
+class OpaqueProbe(_Branches):
+    """A hasattr() test of a value the trace cannot tell for a tensor (a wrapped
+    function's result), then a method only the other path calls, or arithmetic (which
+    would run on any value: a wrong result, unless the test itself is checked)."""
+
+    def __init__(self, then: str = "method"):
+        super().__init__()
+        self.then = then
+
+    def forward(self, x):
+        y = _passed_on(self.left(x))
+        if hasattr(y, "jax"):
+            y = y.jax() if self.then == "method" else y * 2
+        return self.head(y + self.right(x))
+
+
+@pytest.mark.parametrize("then", ["method", "arithmetic"])
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+def test_a_trace_that_fails_where_the_model_runs_runs_the_model_as_written(training, then):
+    torch.manual_seed(0)
+    model = OpaqueProbe(then).train(training)
+    sm = ss.StreamScheduledModule(model)
+    warned = 0
+    for call in range(6):
+        x = torch.randn(8, D, requires_grad=training)
+        expected = model(x)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = sm(x)
+        # Never the recording call's error: the model as written (as eager dispatch, then
+        # settled as written).
+        assert last_path(sm) in ("as-written", "eager-dispatch"), f"call {call}: {last_path(sm)}"
+        assert_close(out, expected, what=f"call {call} ({last_path(sm)})")
+        if training:
+            (g_out,) = torch.autograd.grad(out.sum(), x)
+            (g_eager,) = torch.autograd.grad(expected.sum(), x)
+            assert_close(g_out, g_eager, what=f"call {call}: input gradient")
+        said = [str(w.message) for w in caught if issubclass(w.category, ss.UntraceableWarning)]
+        assert all("AttributeError" in s and "where the forward as written runs" in s for s in said), said
+        warned += len(said)
+    assert warned == 1  # said once, after the recording call that failed
+
+
+def test_under_strict_the_traces_error_is_raised():
+    sm = ss.StreamScheduledModule(OpaqueProbe(), strict=True)
+    with pytest.raises(AttributeError, match="no attribute 'jax'"):
+        for _ in range(3):
+            sm(torch.randn(8, D))
+
+
+class Checked(_Branches):
+    """Raises on a bad input, as written and traced alike."""
+
+    def forward(self, x):
+        return self.head(self.left(x) + self.right(x))
+
+
+def test_an_error_the_model_raises_too_is_the_calls_and_the_next_call_is_still_planned():
+    model = Checked()
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    bad = torch.randn(8, D + 1)
+    with pytest.raises(RuntimeError) as eager:
+        model(bad)
+    with pytest.raises(RuntimeError) as wrapped:
+        sm(bad)  # the recording call: the traced graph raises, and so does the model
+    assert str(eager.value).splitlines()[0] in str(wrapped.value)
+    # The error was the model's: the structure is not taken for untraceable.
+    x = torch.randn(8, D)
+    assert_close(called_on(sm, "recorded", x), model(x))
+    assert_close(called_on(sm, "plan:serial", x), model(x))
