@@ -152,3 +152,79 @@ def test_an_error_the_model_raises_too_is_the_calls_and_the_next_call_is_still_p
     x = torch.randn(8, D)
     assert_close(called_on(sm, "recorded", x), model(x))
     assert_close(called_on(sm, "plan:serial", x), model(x))
+
+
+class IsTensor(_Branches):
+    """Type tests a forward makes of its values: eager takes the tensor path."""
+
+    def __init__(self, test: str):
+        super().__init__()
+        self.test = test
+
+    def forward(self, x):
+        y = self.left(x)
+        weight = self.left[0].weight
+        if self.test == "isinstance":
+            tensor = isinstance(y, torch.Tensor)
+        elif self.test == "is_tensor":
+            tensor = torch.is_tensor(y)
+        elif self.test == "tuple of classes":
+            tensor = isinstance(y, (torch.Tensor, list))
+        elif self.test == "a size":
+            tensor = isinstance(y.shape[0], int) and not isinstance(y.size(-1), torch.Tensor)
+        else:  # a parameter read in the forward
+            tensor = isinstance(weight, nn.Parameter)
+        if tensor:
+            y = y * 2
+        return self.head(y + self.right(x))
+
+
+@pytest.mark.parametrize("test", ["isinstance", "is_tensor", "tuple of classes", "a size", "parameter"])
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+def test_a_traced_value_is_an_instance_of_what_it_stands_for(test, training):
+    # To fx a traced value is a Proxy, no tensor: the plan took the other path (a
+    # wrong result, with nothing said).
+    torch.manual_seed(0)
+    model = IsTensor(test).train(training)
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    for call, path in enumerate(["recorded", "plan:serial", "plan:serial"]):
+        x = torch.randn(8, D, requires_grad=training)
+        out, expected = called_on(sm, path, x), model(x)
+        assert_close(out, expected, what=f"call {call} ({path})")
+        if training:
+            (g_out,) = torch.autograd.grad(out.sum(), x)
+            (g_eager,) = torch.autograd.grad(expected.sum(), x)
+            assert_close(g_out, g_eager, what=f"call {call}: input gradient")
+
+
+def _halves(t):
+    return t[:, : D // 2], t[:, D // 2 :]
+
+
+torch.fx.wrap("_halves")
+
+
+class TupleOrTensor(_Branches):
+    """An opaque call's value tested for a tensor: it is a tuple."""
+
+    def forward(self, x):
+        out = _halves(self.left(x))
+        if isinstance(out, torch.Tensor):
+            y = out * 2
+        else:
+            y = torch.cat([out[1], out[0]], dim=-1)
+        return self.head(y + self.right(x))
+
+
+def test_a_value_taken_for_a_tensor_that_is_none_runs_the_call_as_written():
+    model = TupleOrTensor()
+    sm = ss.StreamScheduledModule(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for call in range(4):
+            x = torch.randn(8, D)
+            assert_close(sm(x), model(x), what=f"call {call} ({last_path(sm)})")
+            assert last_path(sm) in ("as-written", "eager-dispatch"), f"call {call}: {last_path(sm)}"
+    said = [str(w.message) for w in caught if issubclass(w.category, ss.UntraceableWarning)]
+    assert len(said) == 1, said
+    assert "tested the type of" in said[0] and "taken for Tensor" in said[0] and "gave tuple" in said[0], said

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from ..errors import TraceError
 from . import node_meta
 
 __all__ = ["rely_on", "check_relied", "real_of", "RankAssumptionError", "RELIED"]
@@ -43,7 +44,10 @@ def rely_on(node: fx.Node, kind: str, number: Any) -> None:
 
 
 def real_of(kind: str, value: Any) -> Any:
-    """The rank, length or dtype of ``value`` (``None`` where it has none)."""
+    """The rank, length or dtype of ``value`` (``None`` where it has none), or its class
+    (``"class"``)."""
+    if kind == "class":
+        return type(value)
     if kind == "rank":
         return value.dim() if isinstance(value, torch.Tensor) else None
     if kind == "dtype":
@@ -55,6 +59,13 @@ def check_relied(node: fx.Node, value: Any) -> None:
     """Raise if ``value``, the real value of ``node``, is not what the trace relied on."""
     for kind, number in (node_meta.relied(node) or {}).items():
         real = real_of(kind, value)
+        if real is not number and kind == "class":
+            # The model's code tested the value's type: the trace's path is not the
+            # model's, and the call runs as written (``new_signatures``).
+            raise TraceError(
+                f"the forward tested the type of '{node.name}' ({node.format_node()}), taken for "
+                f"{number.__name__} while tracing, but the call gave {type(value).__name__}"
+            )
         if real != number:
             raise RankAssumptionError(
                 f"streamsched traced '{node.name}' ({node.format_node()}) assuming its {kind} is {number}, "

@@ -46,7 +46,7 @@ from torch import fx
 from .. import _generation
 from ..branch import _BRANCH_ATTR, BranchCall, is_branch_module
 from ..errors import TraceError
-from . import made_modules, opaque_functions
+from . import made_modules, node_meta, opaque_functions
 from .binder import CallBinder, CallSpec, is_plain
 from .fx_fast import FastTracerMixin
 from .held_reads import stale_held_read
@@ -432,6 +432,11 @@ class _Proxy(fx.Proxy):
     def __iter__(self) -> Any:
         return _proxy_iter(self, inspect.currentframe())
 
+    # ``isinstance(y, torch.Tensor)`` asks ``y.__class__`` once ``type(y)`` says no.
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # noqa: PLE0237
+        return _class_seen(self, sys._getframe(1))
+
     def __getattr__(self, name: str) -> Any:
         _refuse_numpy(name, sys._getframe(1))
         if name == "ndim":
@@ -498,6 +503,67 @@ class _Attribute(fx.proxy.Attribute):
         return super().__call__(*args, **kwargs)
 
 
+def _model_code(caller: Any) -> bool:
+    """Whether the frame ``caller`` is the model's code: any but torch's, streamsched's
+    (which handle traced values as such) and Python's own library (``dataclasses``
+    asking whether a value is a class, for one), asking through ``nn.Parameter``'s
+    instance check and ``torch.is_tensor``, which ask for their caller."""
+    while caller is not None:
+        module = caller.f_globals.get("__name__", "")
+        if module == "torch.nn.parameter" or (module == "torch" and caller.f_code.co_name == "is_tensor"):
+            caller = caller.f_back
+            continue
+        top = module.partition(".")[0]
+        return top not in _NOT_MODEL_CODE and top not in sys.stdlib_module_names
+    return False
+
+
+_NOT_MODEL_CODE = frozenset({"torch", "streamsched", ""})
+
+
+def _class_seen(proxy: _Proxy, caller: Any) -> type:
+    """The class ``isinstance`` sees for ``proxy`` in the frame ``caller``.
+
+    To fx a traced value is a ``Proxy``, no tensor: ``isinstance(y, torch.Tensor)`` and
+    ``torch.is_tensor(y)`` are False while tracing, where the code as written takes the
+    other path, and the plan computes something else, silently. The model's code (any
+    code but fx's and streamsched's) sees the class of the value it stands for: a
+    parameter's or buffer's own, ``int`` for a size read from a shape, and
+    ``torch.Tensor`` for any other value, relied on (``rank_checks``: the recording call
+    checks the value's class, and a call whose value is of another, a tuple an opaque
+    call returned, say, runs as written). ``type(y)``
+    cannot be answered so: ``type(y) is torch.Tensor`` stays False while tracing."""
+    tracer = proxy.tracer
+    if not isinstance(tracer, _LeafTracer) or threading.get_ident() != tracer.thread or not _model_code(caller):
+        return type(proxy)
+    node = proxy.node
+    if node.op == "get_attr":
+        held = _held_tensor(tracer.root, node.target)
+        if held is not None:
+            return type(held)
+    # A size read from a shape is an int on every call; anything else is taken for a
+    # tensor, and the recording call checks it.
+    seen = int if node in tracer.ranks.sizes else torch.Tensor
+    rely_on(node, "class", seen)
+    return seen
+
+
+def _held_tensor(root: torch.nn.Module, target: str) -> Optional[torch.Tensor]:
+    """The parameter, buffer or tensor attribute at ``target``, read from the modules'
+    own tables (attribute access on a module answers with a proxy while tracing)."""
+    *path, name = target.split(".")
+    module: Any = root
+    for part in path:
+        module = module._modules.get(part)
+        if module is None:
+            return None
+    for table in (module._parameters, module._buffers, module.__dict__):
+        value = table.get(name)
+        if isinstance(value, torch.Tensor):
+            return value
+    return None
+
+
 def _foreign_attribute(proxy: _Proxy, name: str) -> Any:
     """``proxy.name`` where a tensor has no ``name``.
 
@@ -513,6 +579,8 @@ def _foreign_attribute(proxy: _Proxy, name: str) -> Any:
     rank = tracer.ranks.rank_of(proxy.node) if isinstance(tracer, _LeafTracer) else None
     if rank is not None:
         _rely(proxy, "rank", rank)
+        raise AttributeError(f"'Tensor' object has no attribute '{name}'")
+    if (node_meta.relied(proxy.node) or {}).get("class") is torch.Tensor:  # taken for one by ``_class_seen``
         raise AttributeError(f"'Tensor' object has no attribute '{name}'")
     attribute = _Attribute(proxy, name)
     attribute.node  # noqa: B018 - made now, not where the value is first used (never, after hasattr)
