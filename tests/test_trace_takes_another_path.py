@@ -172,6 +172,9 @@ class IsTensor(_Branches):
             tensor = isinstance(y, (torch.Tensor, list))
         elif self.test == "a size":
             tensor = isinstance(y.shape[0], int) and not isinstance(y.size(-1), torch.Tensor)
+        elif self.test == "attributes":
+            tensor = isinstance(y.shape, torch.Size) and isinstance(y.device, torch.device)
+            tensor = tensor and isinstance(y.T, torch.Tensor) and isinstance(y.shape, tuple)
         else:  # a parameter read in the forward
             tensor = isinstance(weight, nn.Parameter)
         if tensor:
@@ -179,7 +182,7 @@ class IsTensor(_Branches):
         return self.head(y + self.right(x))
 
 
-@pytest.mark.parametrize("test", ["isinstance", "is_tensor", "tuple of classes", "a size", "parameter"])
+@pytest.mark.parametrize("test", ["isinstance", "is_tensor", "tuple of classes", "a size", "attributes", "parameter"])
 @pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
 def test_a_traced_value_is_an_instance_of_what_it_stands_for(test, training):
     # To fx a traced value is a Proxy, no tensor: the plan took the other path (a

@@ -34,6 +34,7 @@ import sys
 import threading
 import traceback
 import types
+import warnings
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -495,6 +496,11 @@ class _Attribute(fx.proxy.Attribute):
         _refuse_numpy(name, sys._getframe(1))
         return super().__getattr__(name)
 
+    # ``isinstance(x.shape, torch.Size)``: see ``_Proxy.__class__``.
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # noqa: PLE0237
+        return _attribute_class_seen(self, sys._getframe(1))
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.attr in ("dim", "ndimension") and not args and not kwargs:
             rank = _known_rank(self.root)
@@ -546,6 +552,44 @@ def _class_seen(proxy: _Proxy, caller: Any) -> type:
     seen = int if node in tracer.ranks.sizes else torch.Tensor
     rely_on(node, "class", seen)
     return seen
+
+
+def _attribute_class_seen(attribute: _Attribute, caller: Any) -> type:
+    """The class ``isinstance`` sees for ``attribute`` (``x.shape``, ``x.device``,
+    ``x.T``) in the frame ``caller``: in the model's code, the class a tensor's attribute
+    of that name has (``torch.Tensor`` for a name a tensor lacks: an opaque value's
+    field), relied on (the attribute read at once, as a node, and its class checked by
+    the recording call, as in ``_class_seen``)."""
+    tracer = attribute.tracer
+    if not isinstance(tracer, _LeafTracer) or threading.get_ident() != tracer.thread or not _model_code(caller):
+        return type(attribute)
+    seen = _TENSOR_ATTRIBUTE_CLASSES.get(attribute.attr, torch.Tensor)
+    rely_on(attribute.node, "class", seen)
+    return seen
+
+
+def _tensor_attribute_classes() -> dict[str, type]:
+    """The class of each public data attribute of a tensor (``shape``: ``torch.Size``,
+    ``device``: ``torch.device``, ``T``: ``torch.Tensor``, ``is_cuda``: ``bool``...);
+    not the methods, nor those that may be ``None`` (``grad``, ``grad_fn``). Made at
+    import: while tracing, torch's factories make traced values."""
+    sample = torch.zeros(1, 1)
+    classes = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in dir(torch.Tensor):
+            if name.startswith("_"):
+                continue
+            try:
+                value = getattr(sample, name)
+            except Exception:  # noqa: BLE001 - an attribute a CPU tensor cannot give
+                continue
+            if value is not None and not callable(value):
+                classes[name] = type(value)
+    return classes
+
+
+_TENSOR_ATTRIBUTE_CLASSES = _tensor_attribute_classes()
 
 
 def _held_tensor(root: torch.nn.Module, target: str) -> Optional[torch.Tensor]:
