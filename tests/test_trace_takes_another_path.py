@@ -6,6 +6,7 @@ such a call as written, say why, and keep raising the model's own errors as they
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -57,13 +58,9 @@ class TryMethod(_Branches):
         return self.head(y + self.right(x))
 
 
-@pytest.mark.parametrize("make", [HasattrProbe, GetattrDefault, TryMethod])
-@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
-def test_a_traced_tensor_lacks_what_a_tensor_lacks(make, training):
-    # The trace knows these values for tensors: it answers as a tensor does, and the plan
-    # computes what the model does (fx alone took the other path: a wrong result).
-    torch.manual_seed(0)
-    model = make().train(training)
+def _planned_as_eager(model: nn.Module, training: bool) -> None:
+    """Three calls of ``model`` wrapped (recorded, then the plan), each output and input
+    gradient equal to eager's."""
     sm = ss.StreamScheduledModule(model, executor="serial")
     for call, path in enumerate(["recorded", "plan:serial", "plan:serial"]):
         x = torch.randn(8, D, requires_grad=training)
@@ -73,6 +70,16 @@ def test_a_traced_tensor_lacks_what_a_tensor_lacks(make, training):
             (g_out,) = torch.autograd.grad(out.sum(), x)
             (g_eager,) = torch.autograd.grad(expected.sum(), x)
             assert_close(g_out, g_eager, what=f"call {call}: input gradient")
+
+
+@pytest.mark.parametrize("make", [HasattrProbe, GetattrDefault, TryMethod])
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+def test_a_traced_tensor_lacks_what_a_tensor_lacks(make, training):
+    # The trace knows these values for tensors: it answers as a tensor does, and the plan
+    # computes what the model does (fx alone took the other path: a wrong result).
+    torch.manual_seed(0)
+    model = make().train(training)
+    _planned_as_eager(model, training)
 
 
 def _passed_on(t):
@@ -189,15 +196,7 @@ def test_a_traced_value_is_an_instance_of_what_it_stands_for(test, training):
     # wrong result, with nothing said).
     torch.manual_seed(0)
     model = IsTensor(test).train(training)
-    sm = ss.StreamScheduledModule(model, executor="serial")
-    for call, path in enumerate(["recorded", "plan:serial", "plan:serial"]):
-        x = torch.randn(8, D, requires_grad=training)
-        out, expected = called_on(sm, path, x), model(x)
-        assert_close(out, expected, what=f"call {call} ({path})")
-        if training:
-            (g_out,) = torch.autograd.grad(out.sum(), x)
-            (g_eager,) = torch.autograd.grad(expected.sum(), x)
-            assert_close(g_out, g_eager, what=f"call {call}: input gradient")
+    _planned_as_eager(model, training)
 
 
 def _halves(t):
@@ -231,3 +230,44 @@ def test_a_value_taken_for_a_tensor_that_is_none_runs_the_call_as_written():
     said = [str(w.message) for w in caught if issubclass(w.category, ss.UntraceableWarning)]
     assert len(said) == 1, said
     assert "tested the type of" in said[0] and "taken for Tensor" in said[0] and "gave tuple" in said[0], said
+
+
+class ScalarArguments(_Branches):
+    """torch functions given a traced value and a Python number, beside a type test:
+    torch's C argument parser asks a value's class too, and a proxy it took for a tensor
+    was read as one (the process crashed)."""
+
+    def forward(self, x):
+        y = self.left(x)
+        if isinstance(y, torch.Tensor):
+            y = 0.5 * y * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (y + 0.044715 * torch.pow(y, 3.0))))
+        y = torch.clamp(y, min=-1.0) + torch.pow(y, 2)
+        return self.head(y + self.right(x))
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+def test_torch_functions_given_numbers_beside_a_type_test(training):
+    torch.manual_seed(0)
+    _planned_as_eager(ScalarArguments().train(training), training)
+
+
+class SplitTuple(_Branches):
+    """Type tests of calls' results, the calls given keyword arguments (the test's own
+    call is the one to answer, never the torch function's inside it)."""
+
+    def forward(self, x):
+        parts = self.left(x).split(D // 2, dim=1)
+        y = torch.cat(parts[::-1], dim=1) if isinstance(parts, tuple) else parts
+        if isinstance(torch.pow(y, exponent=2.0), torch.Tensor):
+            y = y * 2
+        return self.head(y + self.right(x))
+
+
+def test_a_type_test_of_a_call_given_keywords_is_the_tests_own():
+    model = SplitTuple()
+    sm = ss.StreamScheduledModule(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for call in range(4):
+            x = torch.randn(8, D)
+            assert_close(sm(x), model(x), what=f"call {call} ({last_path(sm)})")

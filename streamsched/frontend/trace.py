@@ -509,6 +509,56 @@ class _Attribute(fx.proxy.Attribute):
         return super().__call__(*args, **kwargs)
 
 
+def _asked_by_model_code(caller: Any) -> bool:
+    """Whether a traced value's ``__class__`` is asked by an ``isinstance(...)`` written
+    in the model's code, the frame ``caller`` running it.
+
+    Only such a call may be told the class of what the value stands for: torch's C
+    argument parser asks ``__class__`` too (a tensor check), and takes an object it is
+    told is a tensor for one (``torch.pow(y, 3.0)`` read a proxy as a tensor's memory and
+    crashed the process). The call ``caller`` is running must be the builtin
+    ``isinstance`` by its name (``_isinstance_sites``); anything else sees the proxy."""
+    if caller is None:
+        return False
+    # ``nn.Parameter``'s instance check (Python: ``isinstance``, then ``type``'s own
+    # check through ``super()``) asks for the ``isinstance`` that called it.
+    in_parameter_check = caller.f_code.co_name == "__instancecheck__" and (
+        caller.f_globals.get("__name__") == "torch.nn.parameter"
+    )
+    if not in_parameter_check and caller.f_lasti not in _isinstance_sites(caller.f_code):
+        return False
+    return _model_code(caller)
+
+
+_JUMPS = frozenset(dis.hasjrel) | frozenset(dis.hasjabs)
+
+
+@functools.lru_cache(maxsize=4096)
+def _isinstance_sites(code: types.CodeType) -> frozenset[int]:
+    """The offsets of the calls in ``code`` whose callable is the builtin ``isinstance``,
+    loaded by its name: from each such load, the stack is followed (straight-line code
+    only) to the call that consumes it."""
+    sites = set()
+    instructions = list(dis.get_instructions(code))
+    for i, load in enumerate(instructions):
+        if load.opname not in ("LOAD_GLOBAL", "LOAD_NAME") or load.argval != "isinstance":
+            continue
+        depth = 0  # values pushed above the callable since
+        later = instructions[i + 1 :]
+        for k, ins in enumerate(later):
+            if ins.is_jump_target or ins.opcode in _JUMPS:
+                break
+            # A call is PRECALL then CALL (3.11) or CALL alone (3.12): asked where it starts.
+            starts = ins.opname == "PRECALL" or (ins.opname == "CALL" and (k == 0 or later[k - 1].opname != "PRECALL"))
+            if starts and depth == ins.arg:
+                sites.update(c.offset for c in later[k : k + 2] if c.opname in ("PRECALL", "CALL"))
+                break
+            depth += dis.stack_effect(ins.opcode, ins.arg if ins.opcode >= dis.HAVE_ARGUMENT else None)
+            if depth < 0:
+                break
+    return frozenset(sites)
+
+
 def _model_code(caller: Any) -> bool:
     """Whether the frame ``caller`` is the model's code: any but torch's, streamsched's
     (which handle traced values as such) and Python's own library (``dataclasses``
@@ -540,7 +590,9 @@ def _class_seen(proxy: _Proxy, caller: Any) -> type:
     call returned, say, runs as written). ``type(y)``
     cannot be answered so: ``type(y) is torch.Tensor`` stays False while tracing."""
     tracer = proxy.tracer
-    if not isinstance(tracer, _LeafTracer) or threading.get_ident() != tracer.thread or not _model_code(caller):
+    if not isinstance(tracer, _LeafTracer) or threading.get_ident() != tracer.thread:
+        return type(proxy)
+    if not _asked_by_model_code(caller):
         return type(proxy)
     node = proxy.node
     if node.op == "get_attr":
@@ -561,7 +613,9 @@ def _attribute_class_seen(attribute: _Attribute, caller: Any) -> type:
     field), relied on (the attribute read at once, as a node, and its class checked by
     the recording call, as in ``_class_seen``)."""
     tracer = attribute.tracer
-    if not isinstance(tracer, _LeafTracer) or threading.get_ident() != tracer.thread or not _model_code(caller):
+    if not isinstance(tracer, _LeafTracer) or threading.get_ident() != tracer.thread:
+        return type(attribute)
+    if not _asked_by_model_code(caller):
         return type(attribute)
     seen = _TENSOR_ATTRIBUTE_CLASSES.get(attribute.attr, torch.Tensor)
     rely_on(attribute.node, "class", seen)
@@ -620,6 +674,10 @@ def _foreign_attribute(proxy: _Proxy, name: str) -> Any:
     it from the real value, and one that lacks it fails that call, which then runs as
     written (``new_signatures``)."""
     tracer = proxy.tracer
+    if proxy.node.op == "get_attr" and isinstance(tracer, _LeafTracer):
+        held = _held_tensor(tracer.root, proxy.node.target)
+        if held is not None:  # a parameter's own (``_is_param``, read by ``nn.Parameter``'s instance check)
+            return getattr(held, name)
     rank = tracer.ranks.rank_of(proxy.node) if isinstance(tracer, _LeafTracer) else None
     if rank is not None:
         _rely(proxy, "rank", rank)
