@@ -529,7 +529,7 @@ def compile_signature(runner: Runner, traced: Traced, key: Any, tensors: list[to
             # again, and the error is the call's.
             recorder.merge_spanning()
             inputs = frozenset(recorder.key_of(t) for t in tensors)
-            if refused(exc) or Effects.from_accesses(recorder.accesses, inputs).writes_state:
+            if Effects.from_accesses(recorder.accesses, inputs).writes_state:
                 raise
             _recording_failed(config, exc, rng)
     _guard_dtypes(runner, traced)
@@ -667,12 +667,12 @@ def refused(exc: Exception) -> bool:
 class _RecordingAbandoned(Exception):
     """A recording call stopped having written no state; the call runs as written.
 
-    ``proven``: by a ``TraceError`` (a leaf call returned what no trace can follow): the
-    call structure is untraceable (``error``). Otherwise the traced code raised, and the
-    trace is to blame only if the model as written runs (a trace can take a path the code
-    does not: ``hasattr(x, "name")`` holds for every traced value, and the traced graph
-    then calls a method the tensor does not have); if it raises too, its error is the
-    call's."""
+    ``proven``: by a ``TraceError`` (a leaf call returned what no trace can follow, a
+    value a type test took for a tensor was not one): the call structure is untraceable
+    (``error``). Otherwise the traced code raised, and the trace is to blame only if the
+    model as written runs (a trace can take a path the code does not: an attribute test
+    of an opaque value the trace made a node, which the real value lacks); if it raises
+    too, its error is the call's."""
 
     def __init__(self, error: TraceError, proven: bool = True):
         super().__init__(str(error))
@@ -694,7 +694,8 @@ def _recording_failed(config: Any, exc: Exception, rng: tuple) -> None:
     where = f" {where.removeprefix('[streamsched] ')}" if where else ""
     reason = TraceError(
         f"the traced forward raised {type(exc).__name__} ({first_line(text)}){where}, where the forward as "
-        "written runs: the trace took a path the code does not (a hasattr() or try/except on a traced value, say)"
+        "written runs: the trace took a path the code does not (an attribute or type test of a value it could "
+        "not tell, say)"
     )
     raise _RecordingAbandoned(reason, proven=False) from exc
 

@@ -582,13 +582,13 @@ def _class_seen(proxy: _Proxy, caller: Any) -> type:
 
     To fx a traced value is a ``Proxy``, no tensor: ``isinstance(y, torch.Tensor)`` and
     ``torch.is_tensor(y)`` are False while tracing, where the code as written takes the
-    other path, and the plan computes something else, silently. The model's code (any
-    code but fx's and streamsched's) sees the class of the value it stands for: a
+    other path, and the plan computes something else, silently. An ``isinstance`` in the
+    model's code (``_asked_by_model_code``) sees the class of the value it stands for: a
     parameter's or buffer's own, ``int`` for a size read from a shape, and
     ``torch.Tensor`` for any other value, relied on (``rank_checks``: the recording call
     checks the value's class, and a call whose value is of another, a tuple an opaque
-    call returned, say, runs as written). ``type(y)``
-    cannot be answered so: ``type(y) is torch.Tensor`` stays False while tracing."""
+    call returned, say, runs as written). ``type(y)`` cannot be answered so:
+    ``type(y) is torch.Tensor`` stays False while tracing."""
     tracer = proxy.tracer
     if not isinstance(tracer, _LeafTracer) or threading.get_ident() != tracer.thread:
         return type(proxy)
