@@ -674,16 +674,23 @@ def _foreign_attribute(proxy: _Proxy, name: str) -> Any:
     it from the real value, and one that lacks it fails that call, which then runs as
     written (``new_signatures``)."""
     tracer = proxy.tracer
-    if proxy.node.op == "get_attr" and isinstance(tracer, _LeafTracer):
-        held = _held_tensor(tracer.root, proxy.node.target)
-        if held is not None:  # a parameter's own (``_is_param``, read by ``nn.Parameter``'s instance check)
-            return getattr(held, name)
-    rank = tracer.ranks.rank_of(proxy.node) if isinstance(tracer, _LeafTracer) else None
-    if rank is not None:
-        _rely(proxy, "rank", rank)
-        raise AttributeError(f"'Tensor' object has no attribute '{name}'")
-    if (node_meta.relied(proxy.node) or {}).get("class") is torch.Tensor:  # taken for one by ``_class_seen``
-        raise AttributeError(f"'Tensor' object has no attribute '{name}'")
+    ours = isinstance(tracer, _LeafTracer)
+    held = _held_tensor(tracer.root, proxy.node.target) if ours and proxy.node.op == "get_attr" else None
+    if held is not None:
+        # A parameter's or buffer's own attribute: absent as it is absent from the
+        # tensor; ``_is_param`` (which ``nn.Parameter``'s instance check reads, and
+        # torch alone sets) as it is; any other read on every call, as a node.
+        if not hasattr(held, name):
+            raise AttributeError(f"'{type(held).__name__}' object has no attribute '{name}'")
+        if name == "_is_param":
+            return held._is_param
+    else:
+        rank = tracer.ranks.rank_of(proxy.node) if ours else None
+        if rank is not None:
+            _rely(proxy, "rank", rank)
+            raise AttributeError(f"'Tensor' object has no attribute '{name}'")
+        if (node_meta.relied(proxy.node) or {}).get("class") is torch.Tensor:  # taken for one: ``_class_seen``
+            raise AttributeError(f"'Tensor' object has no attribute '{name}'")
     attribute = _Attribute(proxy, name)
     attribute.node  # noqa: B018 - made now, not where the value is first used (never, after hasattr)
     return attribute
