@@ -271,3 +271,27 @@ def test_a_type_test_of_a_call_given_keywords_is_the_tests_own():
         for call in range(4):
             x = torch.randn(8, D)
             assert_close(sm(x), model(x), what=f"call {call} ({last_path(sm)})")
+
+
+class TaggedWeight(_Branches):
+    """A Python attribute of a parameter, tested and read in the forward."""
+
+    def forward(self, x):
+        y = self.left(x)
+        weight = self.left[0].weight
+        if hasattr(weight, "gain"):
+            y = y * weight.gain
+        if hasattr(weight, "absent"):
+            y = y * 0
+        return self.head(y + self.right(x))
+
+
+def test_a_parameters_own_attribute_is_tested_and_read_as_eager_does():
+    model = TaggedWeight()
+    model.left[0].weight.gain = 3.0
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    for call, path in enumerate(["recorded", "plan:serial", "plan:serial"]):
+        if call == 2:
+            model.left[0].weight.gain = -0.5  # read on every call, not baked into the trace
+        x = torch.randn(8, D)
+        assert_close(called_on(sm, path, x), model(x), what=f"call {call} ({path})")
