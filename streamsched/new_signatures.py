@@ -689,11 +689,10 @@ def _recording_failed(config: Any, exc: Exception, rng: tuple) -> None:
     restore_generators(rng)
     if isinstance(exc, TraceError):
         raise _RecordingAbandoned(exc) from exc
-    text = str(exc)
-    where = next((line.strip() for line in text.splitlines() if line.strip().startswith("[streamsched] raised")), "")
-    where = f" {where.removeprefix('[streamsched] ')}" if where else ""
+    where = getattr(exc, "_streamsched_where", None)  # (runtime.program.annotate_exception)
+    where = f" in {where}" if where else ""
     reason = TraceError(
-        f"the traced forward raised {type(exc).__name__} ({first_line(text)}){where}, where the forward as "
+        f"the traced forward raised {type(exc).__name__} ({first_line(str(exc))}){where}, where the forward as "
         "written runs: the trace took a path the code does not (an attribute or type test of a value it could "
         "not tell, say)"
     )

@@ -128,6 +128,7 @@ def test_a_trace_that_fails_where_the_model_runs_runs_the_model_as_written(train
             assert_close(g_out, g_eager, what=f"call {call}: input gradient")
         said = [str(w.message) for w in caught if issubclass(w.category, ss.UntraceableWarning)]
         assert all("AttributeError" in s and "where the forward as written runs" in s for s in said), said
+        assert all("in module 'getattr' of OpaqueProbe" in s for s in said), said  # where the trace raised it
         warned += len(said)
     assert warned == 1  # said once, after the recording call that failed
 

@@ -492,7 +492,7 @@ class RankTracker:
             return False
         try:
             if module is None:
-                module = self._attribute(root, str(target))
+                module = self.attribute(root, str(target))
             forward = type(module).forward
             if (
                 not isinstance(module, _SAME_MODULES)
@@ -629,7 +629,7 @@ class RankTracker:
     def _module_dtype(self, root: Any, target: Any, args: tuple, node: fx.Node) -> Optional[torch.dtype]:
         """An embedding's weight dtype, or a dtype-keeping module's input dtype (only for
         modules without hooks, running their class's own forward)."""
-        module = self._attribute(root, str(target))
+        module = self.attribute(root, str(target))
         forward = type(module).forward
         if has_hooks(module):
             return None  # its hooks may cast its input or hand back another value
@@ -793,7 +793,7 @@ class RankTracker:
             return None  # true division of integers: the default dtype
         return result
 
-    def _attribute(self, root: nn.Module, path: str) -> Any:
+    def attribute(self, root: nn.Module, path: str) -> Any:
         """:func:`_attribute`, each path prefix read once per trace: fx names a module
         call's target by the paths it took when the trace began, and the trace may not
         assign module attributes (``trace_guard``)."""
@@ -803,7 +803,7 @@ class RankTracker:
         if path in paths:
             return paths[path]
         parent, _, name = path.rpartition(".")
-        value = _attribute(self._attribute(root, parent) if parent else root, name)
+        value = _attribute(self.attribute(root, parent) if parent else root, name)
         paths[path] = value
         return value
 
@@ -835,17 +835,17 @@ class RankTracker:
             if index < len(self.inputs):
                 rank = self.inputs[index]
         elif kind == "get_attr":
-            value = self._attribute(root, str(target))
+            value = self.attribute(root, str(target))
             if isinstance(value, torch.Tensor):
                 rank = value.dim()
                 # A parameter, buffer or tensor attribute may be re-assigned, or given
                 # new data, of another rank: guarded wherever this rank is used.
                 owner_path, _, name = str(target).rpartition(".")
-                owner = self._attribute(root, owner_path) if owner_path else root
+                owner = self.attribute(root, owner_path) if owner_path else root
                 if isinstance(owner, nn.Module):
                     self._assume(node, ("param_dim", owner, name, rank))
         elif kind == "call_module":
-            module = self._attribute(root, str(target))
+            module = self.attribute(root, str(target))
             x = self._r(args[0]) if args else None
             # Only where the class runs torch's own forward: a subclass's forward (a
             # leaf_modules class, an opaque one) may give any rank.

@@ -509,16 +509,17 @@ class _Attribute(fx.proxy.Attribute):
         return super().__call__(*args, **kwargs)
 
 
-def _asked_by_model_code(caller: Any) -> bool:
+def _asked_by_model_code(tracer: Any, caller: Any) -> bool:
     """Whether a traced value's ``__class__`` is asked by an ``isinstance(...)`` written
-    in the model's code, the frame ``caller`` running it.
+    in the model's code, the frame ``caller`` running it, while ``tracer`` (the value's)
+    traces on this thread.
 
     Only such a call may be told the class of what the value stands for: torch's C
     argument parser asks ``__class__`` too (a tensor check), and takes an object it is
     told is a tensor for one (``torch.pow(y, 3.0)`` read a proxy as a tensor's memory and
     crashed the process). The call ``caller`` is running must be the builtin
     ``isinstance`` by its name (``_isinstance_sites``); anything else sees the proxy."""
-    if caller is None:
+    if caller is None or not isinstance(tracer, _LeafTracer) or threading.get_ident() != tracer.thread:
         return False
     # ``nn.Parameter``'s instance check (Python: ``isinstance``, then ``type``'s own
     # check through ``super()``) asks for the ``isinstance`` that called it.
@@ -590,13 +591,11 @@ def _class_seen(proxy: _Proxy, caller: Any) -> type:
     call returned, say, runs as written). ``type(y)`` cannot be answered so:
     ``type(y) is torch.Tensor`` stays False while tracing."""
     tracer = proxy.tracer
-    if not isinstance(tracer, _LeafTracer) or threading.get_ident() != tracer.thread:
-        return type(proxy)
-    if not _asked_by_model_code(caller):
+    if not _asked_by_model_code(tracer, caller):
         return type(proxy)
     node = proxy.node
     if node.op == "get_attr":
-        held = _held_tensor(tracer.root, node.target)
+        held = _held_tensor(tracer, node.target)
         if held is not None:
             return type(held)
     # A size read from a shape is an int on every call; anything else is taken for a
@@ -613,9 +612,7 @@ def _attribute_class_seen(attribute: _Attribute, caller: Any) -> type:
     field), relied on (the attribute read at once, as a node, and its class checked by
     the recording call, as in ``_class_seen``)."""
     tracer = attribute.tracer
-    if not isinstance(tracer, _LeafTracer) or threading.get_ident() != tracer.thread:
-        return type(attribute)
-    if not _asked_by_model_code(caller):
+    if not _asked_by_model_code(tracer, caller):
         return type(attribute)
     seen = _TENSOR_ATTRIBUTE_CLASSES.get(attribute.attr, torch.Tensor)
     rely_on(attribute.node, "class", seen)
@@ -646,20 +643,11 @@ def _tensor_attribute_classes() -> dict[str, type]:
 _TENSOR_ATTRIBUTE_CLASSES = _tensor_attribute_classes()
 
 
-def _held_tensor(root: torch.nn.Module, target: str) -> Optional[torch.Tensor]:
+def _held_tensor(tracer: _LeafTracer, target: str) -> Optional[torch.Tensor]:
     """The parameter, buffer or tensor attribute at ``target``, read from the modules'
     own tables (attribute access on a module answers with a proxy while tracing)."""
-    *path, name = target.split(".")
-    module: Any = root
-    for part in path:
-        module = module._modules.get(part)
-        if module is None:
-            return None
-    for table in (module._parameters, module._buffers, module.__dict__):
-        value = table.get(name)
-        if isinstance(value, torch.Tensor):
-            return value
-    return None
+    value = tracer.ranks.attribute(tracer.root, target)
+    return value if isinstance(value, torch.Tensor) else None
 
 
 def _foreign_attribute(proxy: _Proxy, name: str) -> Any:
@@ -675,7 +663,7 @@ def _foreign_attribute(proxy: _Proxy, name: str) -> Any:
     written (``new_signatures``)."""
     tracer = proxy.tracer
     ours = isinstance(tracer, _LeafTracer)
-    held = _held_tensor(tracer.root, proxy.node.target) if ours and proxy.node.op == "get_attr" else None
+    held = _held_tensor(tracer, proxy.node.target) if ours and proxy.node.op == "get_attr" else None
     if held is not None:
         # A parameter's or buffer's own attribute: absent as it is absent from the
         # tensor; ``_is_param`` (which ``nn.Parameter``'s instance check reads, and

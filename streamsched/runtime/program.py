@@ -647,10 +647,10 @@ def annotate_exception(exc: BaseException, where: str) -> None:
     it, as users of eager PyTorch expect); otherwise a note is added.
     """
     suffix = f"\n  [streamsched] raised in {where}"
-    if getattr(exc, "_streamsched_annotated", False):
+    if getattr(exc, "_streamsched_where", None) is not None:
         return
     try:
-        exc._streamsched_annotated = True  # type: ignore[attr-defined]
+        exc._streamsched_where = where  # type: ignore[attr-defined]  (read by new_signatures)
     except AttributeError:
         return
     if len(exc.args) == 1 and isinstance(exc.args[0], str) and not isinstance(exc, KeyError):
