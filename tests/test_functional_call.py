@@ -213,7 +213,7 @@ def test_stacked_layers_gradients_and_torch_func_grad():
     x = torch.randn(16, 23)
     sm(x)
     sm(x)
-    assert "baddbmm" in [g.kernel for g in sm.plan.fused_groups]
+    assert any(g.kernel.startswith("baddbmm") for g in sm.plan.fused_groups)
     weights = {k: torch.randn_like(v) * 0.3 for k, v in model.state_dict().items()}
     given = {k: v.clone().requires_grad_() for k, v in weights.items()}
     mine = {k: v.clone().requires_grad_() for k, v in weights.items()}
@@ -472,7 +472,7 @@ def test_torch_func_transforms_over_the_wrapper_with_trainable_fused_weights(exe
     for _ in range(2):
         sm(torch.randn(16, 23)).sum().backward()
     model.zero_grad(set_to_none=True)
-    assert "baddbmm" in [g.kernel for g in sm.plan.fused_groups]
+    assert any(g.kernel.startswith("baddbmm") for g in sm.plan.fused_groups)
     xs = torch.randn(3, 16, 23)
     assert_close(torch.func.vmap(sm)(xs), torch.func.vmap(ref)(xs), rtol=1e-4, what="vmap")
     assert_path(sm, "plan:" + executor)

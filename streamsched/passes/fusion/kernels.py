@@ -11,8 +11,9 @@ each kernel is built from a proposed group's members is in
 ============  =====================================  =====================
 members       kernel                                  output layout
 ============  =====================================  =====================
-Linear        one ``baddbmm``; one wide ``linear``     stack; fold(last)
-              when all read the same tensor
+Linear        one ``baddbmm``; one wide ``linear``     stack; fold(last);
+              when all read the same tensor; on the   transposed
+              CPU in chains of Linears ``W @ x``
 Conv1d/2d/3d  one grouped conv; one wide conv when    fold(channels)
               all read the same tensor
 BatchNorm     one ``batch_norm`` on ``[B, N*C, ...]``  fold(1)
@@ -31,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layout import SHARED, STACK, Layout, aligned_stack, fold, to_fold, to_stack
+from .layout import SHARED, STACK, TRANSPOSED, Layout, aligned_stack, fold, to_fold, to_stack
 from .params import StackedTensors
 from .stacked import StackedParameter
 from .stacked import grad_sink as _grad_sink
@@ -314,6 +315,17 @@ def _stacked_linear(xs: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]
     return _apply_linear(_unwrap_dead(xs), w, b)
 
 
+def _rows_last_wide(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
+    """``w @ x^T (+ b)``: ``x`` ``[rows, in]``, ``w`` ``[N*out, in]``, ``b`` ``[N*out, 1]``.
+    A 2-d matmul takes a transposed operand as it is (the BLAS call's own flag)."""
+    return torch.mm(w, x.t()) if b is None else torch.addmm(b, w, x.t())
+
+
+def _rows_last_bmm(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
+    """``w @ x (+ b)``: ``x`` ``[N, in, rows]``, ``w`` ``[N, out, in]``, ``b`` ``[N, out, 1]``."""
+    return torch.bmm(w, x) if b is None else torch.baddbmm(b, w, x)
+
+
 class LinearKernel(FusedKernel):
     kind = "Linear"
 
@@ -326,10 +338,21 @@ class LinearKernel(FusedKernel):
         in_layout: Layout,
         in_shape: tuple[int, ...],
         out_shape: tuple[int, ...],
+        transposed: bool = False,
     ):
+        """``transposed``: return the ``TRANSPOSED`` layout (2-d members reading a
+        ``SHARED`` or ``TRANSPOSED`` input; the builder's choice, see
+        ``builders.transposed_output``). A ``TRANSPOSED`` input is read as it is either way."""
         shared = in_layout == SHARED
-        self.kernel = "wide linear" if shared else "baddbmm"
-        super().__init__(len(members), names, fold(len(out_shape) - 1) if shared else STACK, out_shape)
+        rows_last = in_layout == TRANSPOSED
+        if transposed or rows_last:
+            assert len(in_shape) == 2 and len(out_shape) == 2 and (shared or rows_last), (in_layout, in_shape)
+        if transposed:
+            out_layout = TRANSPOSED
+        else:
+            out_layout = fold(len(out_shape) - 1) if shared else STACK
+        self.kernel = ("wide linear" if shared else "baddbmm") + (" (transposed)" if transposed or rows_last else "")
+        super().__init__(len(members), names, out_layout, out_shape)
         self.weight = weight
         self.bias = bias
         self.in_layout = in_layout
@@ -347,10 +370,20 @@ class LinearKernel(FusedKernel):
         n, fin, fout = self.n, self.in_features, self.out_features
         grad = _grad()
         weight, bias = self.weight, self.bias
+        transposed = self.out_layout == TRANSPOSED
         # view_of: the same views as before, kept between calls when no gradient is routed.
         if self.in_layout == SHARED:
+            if transposed and not grad:
+                w = weight.view_of(grad, torch.Tensor.reshape, n * fout, fin)
+                b = bias.view_of(grad, torch.Tensor.reshape, n * fout, 1) if bias is not None else None
+                return _rows_last_wide(x, w, b).view(n, fout, self.in_shape[0])
             w = weight.view_of(grad, torch.Tensor.reshape, n * fout, fin)
-            return F.linear(x, w, bias.view_of(grad, torch.Tensor.reshape, n * fout) if bias is not None else None)
+            y = F.linear(x, w, bias.view_of(grad, torch.Tensor.reshape, n * fout) if bias is not None else None)
+            return y.view(self.in_shape[0], n, fout).permute(1, 2, 0) if transposed else y
+        if self.in_layout == TRANSPOSED and not grad:
+            w = weight.view_of(grad, torch.Tensor.view, n, fout, fin)
+            y = _rows_last_bmm(x, w, bias.view_of(grad, torch.Tensor.unsqueeze, 2) if bias is not None else None)
+            return y if transposed else y.transpose(1, 2).contiguous()
         xs = to_stack(x, self.in_layout, n, self.in_shape)
         if xs.dim() != 3:  # members' inputs of other than 2 dims: one batch dim for bmm
             xs = xs.reshape(n, -1, fin)
@@ -362,6 +395,8 @@ class LinearKernel(FusedKernel):
                 y = torch.bmm(xs, wt)
             else:
                 y = torch.baddbmm(bias.view_of(grad, torch.Tensor.unsqueeze, 1), xs, wt)
+        if transposed:  # (with a gradient: the stacked result, viewed transposed)
+            return y.transpose(1, 2)
         return y if len(self.out_shape) == 2 else y.view((n,) + self.out_shape)
 
     def specialise(self, private: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -369,7 +404,9 @@ class LinearKernel(FusedKernel):
         kept between calls while grad mode is off (see :func:`_kept_views`), the layout
         conversion and the op chosen at build time."""
         if self.in_layout == SHARED:
-            return self._wide_linear()
+            return self._wide_rows_last() if self.out_layout == TRANSPOSED else self._wide_linear()
+        if self.in_layout == TRANSPOSED:
+            return self._rows_last()
         kind, _d = self.in_layout
         if self.bias is not None and len(self.in_shape) == 2 and len(self.out_shape) == 2 and kind in ("stack", "fold"):
             return self._stacked_baddbmm() if kind == "stack" else self._folded_baddbmm()
@@ -394,6 +431,61 @@ class LinearKernel(FusedKernel):
             return linear(x, kept[2], kept[3])
 
         return wide_linear
+
+    def _wide_rows_last(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """A shared 2-d input, the output ``TRANSPOSED``: one ``addmm`` of every member's
+        weight rows with the input's transpose (``[N*out, rows]``, viewed ``[N, out,
+        rows]``); with a gradient, the wide ``linear`` viewed transposed."""
+        n, fin, fout = self.n, self.in_features, self.out_features
+        rows = self.in_shape[0]
+        weight, bias = self.weight, self.bias
+        bsrc: Any = bias if bias is not None else _NO_STACK
+        is_grad = torch.is_grad_enabled
+        kept, views = _kept_views(
+            weight, torch.Tensor.reshape, (n * fout, fin), bias, torch.Tensor.reshape, (n * fout, 1)
+        )
+        linear, reshape, rows_last = F.linear, torch.Tensor.reshape, _rows_last_wide
+
+        def wide_rows_last(x: torch.Tensor) -> torch.Tensor:
+            if is_grad():
+                w = weight.view_of(True, reshape, n * fout, fin)
+                b = bias.view_of(True, reshape, n * fout) if bias is not None else None
+                return linear(x, w, b).view(rows, n, fout).permute(1, 2, 0)
+            if weight.stack is not kept[0] or bsrc.stack is not kept[1]:
+                w, b = views(False)
+            else:
+                w, b = kept[2], kept[3]
+            return rows_last(x, w, b).view(n, fout, rows)
+
+        return wide_rows_last
+
+    def _rows_last(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """A ``TRANSPOSED`` input (``[N, in, rows]``): one ``baddbmm`` of the weight stack
+        with it, ``[N, out, rows]``, no operand transposed; copied to a stack where the
+        output is not ``TRANSPOSED``. With a gradient, the stacked kernel on the input
+        viewed as a stack (its result viewed transposed where the output is)."""
+        n, fin, fout = self.n, self.in_features, self.out_features
+        weight, bias = self.weight, self.bias
+        bsrc: Any = bias if bias is not None else _NO_STACK
+        is_grad = torch.is_grad_enabled
+        kept, views = _kept_views(weight, torch.Tensor.view, (n, fout, fin), bias, torch.Tensor.unsqueeze, (2,))
+        for_grad, rows_last = _stacked_linear, _rows_last_bmm
+        transposed = self.out_layout == TRANSPOSED
+
+        def rows_last_bmm(x: torch.Tensor) -> torch.Tensor:
+            if is_grad():
+                y = for_grad(
+                    x.transpose(1, 2), weight.leaf_value(True), bias.leaf_value(True) if bias is not None else None
+                )
+                return y.transpose(1, 2) if transposed else y
+            if weight.stack is not kept[0] or bsrc.stack is not kept[1]:
+                w, b = views(False)
+            else:
+                w, b = kept[2], kept[3]
+            y = rows_last(x, w, b)
+            return y if transposed else y.transpose(1, 2).contiguous()
+
+        return rows_last_bmm
 
     def _stacked_baddbmm(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """2-d members' inputs already stacked, with a bias: one ``baddbmm``."""

@@ -114,6 +114,30 @@ class Rewriter:
         # cannot be built leaves behind, and how a builder tells its inputs were copied.
         self.inserted: list[fx.Node] = []
         self.position = {n: i for i, n in enumerate(graph.nodes)}
+        self.proposed: dict[fx.Node, str] = {}
+        """Each member of a proposed group -> its group's kernel kind (``fuse_graph``
+        sets it before building): what a builder may know of the groups after it."""
+
+    def feeds_linear(self, members: list[fx.Node]) -> bool:
+        """Whether every reader of ``members``' values is a member of a proposed Linear
+        group reading it as its input, or of an elementwise group of that one operand
+        whose values are read likewise, and some Linear reads them: a chain a layout
+        can carry through to the Linears (the groups may still be built otherwise)."""
+        reaches = False
+        todo = list(members)
+        seen: set[fx.Node] = set()
+        while todo:
+            for user in todo.pop().users:
+                kind = self.proposed.get(user)
+                if kind == "linear" and len(user.all_input_nodes) == 1:
+                    reaches = True
+                elif kind in ("elementwise", "function") and len(user.all_input_nodes) == 1:
+                    if user not in seen:
+                        seen.add(user)
+                        todo.append(user)
+                else:
+                    return False
+        return reaches
 
     def shape(self, node: fx.Node) -> tuple[int, ...]:
         meta = self.metas.get(node)

@@ -1,0 +1,276 @@
+"""Fused Linear chains held transposed on the CPU (``layout.TRANSPOSED``: each member's
+``[rows, features]`` value stored ``[N, features, rows]``, so the batched matmuls read
+no transposed operand). Which kernels choose it, and that everything around them is
+eager's: outputs and gradients, the strides of what the caller and the model's own code
+get, in-place writes by the caller, weights updated between calls."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import streamsched as ss
+from streamsched.passes.fusion.kernels import FusedKernel, LinearKernel
+from streamsched.passes.fusion.layout import TRANSPOSED, eager_strides, member_copy, unstack
+
+from .helpers import assert_close
+
+
+class Tower(nn.Module):
+    def __init__(self, fin: int, hidden: int, fout: int, bias: bool = True):
+        super().__init__()
+        self.l1 = nn.Linear(fin, hidden, bias=bias)
+        self.a1 = nn.ReLU()
+        self.l2 = nn.Linear(hidden, hidden, bias=bias)
+        self.a2 = nn.Tanh()
+        self.l3 = nn.Linear(hidden, fout, bias=bias)
+
+    def forward(self, x):
+        return self.l3(self.a2(self.l2(self.a1(self.l1(x)))))
+
+
+class Ensemble(nn.Module):
+    """``n`` towers reading one input; ``out``: how the caller gets their outputs."""
+
+    def __init__(self, n: int = 5, fin: int = 7, hidden: int = 6, fout: int = 1, out: str = "stack", bias=True):
+        super().__init__()
+        self.towers = nn.ModuleList(Tower(fin, hidden, fout, bias) for _ in range(n))
+        self.out = out
+
+    def forward(self, x):
+        outs = [t(x) for t in self.towers]
+        if self.out == "stack":
+            return torch.stack(outs)
+        if self.out == "list":
+            return outs
+        if self.out == "sigmoid":  # an activation after the last layer, fused too
+            return torch.stack([torch.sigmoid(o) for o in outs])
+        if self.out == "viewed":  # the model's own code views each output, as eager's allows
+            return torch.cat([(o * 2).view(-1) for o in outs])
+        raise AssertionError(self.out)
+
+
+def _linears(sm: ss.StreamScheduledModule) -> list[LinearKernel]:
+    return [n.target for n in sm._ss.last.graph.nodes if isinstance(n.target, LinearKernel)]
+
+
+def _same(out, expected, what: str) -> None:
+    if isinstance(expected, torch.Tensor):
+        out, expected = [out], [expected]
+    for i, (o, e) in enumerate(zip(out, expected)):
+        assert_close(o, e, what=f"{what} [{i}]")
+        # The caller's value has eager's strides: a view of it works where eager's does.
+        assert o.is_contiguous() and o.stride() == e.stride(), (what, i, o.stride(), e.stride())
+
+
+def _train_calls(sm, ref, calls: int = 4, rows: int = 5, fin: int = 7) -> None:
+    """Calls with gradients: outputs, the input's and every parameter's gradient eager's."""
+    for call in range(calls):
+        for m in (sm.module, ref):
+            m.zero_grad(set_to_none=True)
+        x = torch.randn(rows, fin, requires_grad=True)
+        xr = x.detach().clone().requires_grad_()
+        out, expected = sm(x), ref(xr)
+        _same(out, expected, f"call {call}")
+        flat = torch.cat([o.reshape(-1) for o in (out if isinstance(out, list) else [out])])
+        flat_ref = torch.cat([o.reshape(-1) for o in (expected if isinstance(expected, list) else [expected])])
+        (flat.pow(2) * torch.arange(flat.numel())).sum().backward()
+        (flat_ref.pow(2) * torch.arange(flat_ref.numel())).sum().backward()
+        assert_close(x.grad, xr.grad, what=f"call {call}: input grad")
+        for (name, p), q in zip(sm.module.named_parameters(), ref.parameters()):
+            assert_close(p.grad, q.grad, what=f"call {call}: grad {name}")
+
+
+@pytest.mark.parametrize("fout", [1, 3])
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_chain_from_a_shared_input_runs_transposed_with_eager_results(fout, bias):
+    """Shared input -> Linear -> ReLU -> Linear -> Tanh -> Linear, stacked: every Linear
+    reads and writes the transposed layout (the last one writes a stack for the
+    ``torch.stack`` of several features; of one, the transposed layout is the stack's
+    memory), and without gradients (the transposed matmuls) and with them (the stacked
+    kernels, viewed transposed) the values and gradients are eager's."""
+    torch.manual_seed(0)
+    model = Ensemble(fout=fout, bias=bias)
+    ref = copy.deepcopy(model)
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    _train_calls(sm, ref)
+    ss.testing.assert_path(sm, "plan:serial")
+    kernels = _linears(sm)
+    last = TRANSPOSED if fout == 1 else ("stack", 0)
+    assert [k.out_layout for k in kernels] == [TRANSPOSED, TRANSPOSED, last], [k.kernel for k in kernels]
+    assert kernels[2].in_layout == TRANSPOSED
+    assert [k.kernel for k in kernels] == ["wide linear (transposed)", "baddbmm (transposed)", "baddbmm (transposed)"]
+    with torch.no_grad():
+        for call in range(3):
+            x = torch.randn(5, 7)
+            out = sm(x)
+            if call:
+                ss.testing.assert_path(sm, "plan:serial")
+            _same(out, ref(x), f"no_grad call {call}")
+
+
+def test_an_activation_after_the_last_layer_keeps_the_layout_to_the_stack():
+    """``stack(sigmoid(tower(x)))``: the fused sigmoid runs on the transposed one-feature
+    output, and the stack is a view of its result; eager's values and gradients."""
+    torch.manual_seed(0)
+    model = Ensemble(fout=1, out="sigmoid")
+    ref = copy.deepcopy(model)
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    _train_calls(sm, ref)
+    ss.testing.assert_path(sm, "plan:serial")
+    assert [k.out_layout for k in _linears(sm)] == [TRANSPOSED] * 3
+    with torch.no_grad():
+        for call in range(3):
+            x = torch.randn(5, 7)
+            _same(sm(x), ref(x), f"no_grad call {call}")
+        ss.testing.assert_path(sm, "plan:serial")
+
+
+def test_a_transposed_part_copied_or_handed_out_gets_eager_strides():
+    """A member's part of a transposed group is dense but transposed: where the plan
+    hands it out with eager's strides (``eager_strides``) or copies it for a writer
+    (``member_copy``), the copy is contiguous, as eager's value is."""
+    n, shape = 3, (5, 4)
+    x = torch.randn(n, shape[1], shape[0])
+    parts = unstack(x, TRANSPOSED, n, shape)
+    assert_close(torch.stack(parts), x.transpose(1, 2))
+    assert not parts[1].is_contiguous()
+    for value in (eager_strides(parts[1]), member_copy(parts, 1)):
+        assert value.is_contiguous() and value.stride() == (4, 1)
+        assert_close(value, x[1].t())
+
+
+def test_the_caller_may_write_the_stacked_output_and_weights_updated_in_place_show():
+    """The stack the caller gets is its own (written in place, the next call is still
+    eager's); an optimizer's in-place steps on the members reach the transposed kernels."""
+    torch.manual_seed(0)
+    model = Ensemble(fout=1)
+    ref = copy.deepcopy(model)
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(4):
+        x = torch.randn(5, 7)
+        for o, m in ((opt, sm), (opt_ref, ref)):
+            o.zero_grad()
+            m(x).pow(2).sum().backward()
+            o.step()
+        with torch.no_grad():
+            x = torch.randn(5, 7)
+            out = sm(x)
+            expected = ref(x)
+            _same(out, expected, f"step {step}")
+            out.mul_(3)  # the caller's own tensor
+            _same(sm(x), expected, f"step {step}, after the caller wrote the last output")
+    ss.testing.assert_path(sm, "plan:serial")
+    assert all(k.out_layout == TRANSPOSED for k in _linears(sm))
+
+
+def test_outputs_read_by_the_models_code_or_the_caller_one_by_one_are_stacks():
+    """Several output features read one by one (returned as a list, or viewed by the
+    model's own code): the chain runs transposed up to its last Linear, which writes a
+    stack; every value has eager's strides (``view`` works on it)."""
+    torch.manual_seed(0)
+    for out in ("list", "viewed"):
+        model = Ensemble(fout=3, out=out)
+        ref = copy.deepcopy(model)
+        sm = ss.StreamScheduledModule(model, executor="serial")
+        _train_calls(sm, ref)
+        ss.testing.assert_path(sm, "plan:serial")
+        kernels = _linears(sm)
+        assert [k.out_layout for k in kernels] == [TRANSPOSED, TRANSPOSED, ("stack", 0)], out
+        assert kernels[2].in_layout == TRANSPOSED
+        with torch.no_grad():
+            for call in range(3):
+                x = torch.randn(5, 7)
+                _same(sm(x), ref(x), f"{out}, no_grad call {call}")
+            ss.testing.assert_path(sm, "plan:serial")
+
+
+class _ReadsHidden(nn.Module):
+    """A tower whose first layer's value is read besides the chain (the chain's layout
+    would reach code that is not a fused Linear)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(7, 6)
+        self.act = nn.ReLU()
+        self.l2 = nn.Linear(6, 2)
+
+    def forward(self, x):
+        h = self.l1(x)
+        return self.l2(self.act(h)) + h.sum(1, keepdim=True)
+
+
+class _ReadsHiddenGroup(nn.Module):
+    def __init__(self, n: int = 4):
+        super().__init__()
+        self.towers = nn.ModuleList(_ReadsHidden() for _ in range(n))
+
+    def forward(self, x):
+        return torch.stack([t(x) for t in self.towers])
+
+
+def test_a_value_read_outside_the_chain_keeps_the_stacked_layouts():
+    """The first layer's value has a reader that is no fused Linear: it stays a wide
+    linear (folded); values and gradients eager's."""
+    torch.manual_seed(0)
+    model = _ReadsHiddenGroup()
+    ref = copy.deepcopy(model)
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    _train_calls(sm, ref)
+    ss.testing.assert_path(sm, "plan:serial")
+    kernels = _linears(sm)
+    assert kernels and all(k.out_layout != TRANSPOSED for k in kernels), [k.kernel for k in kernels]
+    with torch.no_grad():
+        x = torch.randn(5, 7)
+        sm(x)
+        _same(sm(x), ref(x), "no_grad")
+        ss.testing.assert_path(sm, "plan:serial")
+
+
+@pytest.mark.cuda
+def test_on_a_cuda_device_the_chain_stays_stacked(emulated_cuda):
+    """cuBLAS takes a transposed operand as it is: on a CUDA device the kernels keep the
+    stacked layouts (the transposed one pays on the CPU only)."""
+    torch.manual_seed(0)
+    model = Ensemble(fout=1).cuda()
+    ref = copy.deepcopy(model)
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    _train_calls_cuda = [torch.randn(5, 7, device="cuda") for _ in range(3)]
+    with torch.no_grad():
+        for x in _train_calls_cuda:
+            assert_close(sm(x), ref(x))
+    assert [n.target for n in sm._ss.last.graph.nodes if isinstance(n.target, FusedKernel)]
+    kernels = _linears(sm)
+    assert kernels and all(k.out_layout != TRANSPOSED for k in kernels), [k.kernel for k in kernels]
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_the_general_path_computes_what_the_specialised_one_does(grad):
+    """``LinearKernel.run`` (the general path) and the specialised function of each
+    transposed kernel agree with the members' own modules, with gradients on and off."""
+    torch.manual_seed(0)
+    model = Ensemble(fout=3, out="list")
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    for _ in range(2):
+        sm(torch.randn(5, 7))
+    ss.testing.assert_path(sm, "plan:serial")
+    kernels = _linears(sm)
+    layers = [[getattr(t, f"l{i}") for t in model.towers] for i in (1, 2, 3)]
+    n, rows = len(model.towers), 5
+    with torch.set_grad_enabled(grad):
+        for k, members in zip(kernels, layers):
+            if k.in_layout == TRANSPOSED:
+                x = torch.randn(n, k.in_features, rows)
+                expected = torch.stack([m(x[i].t()) for i, m in enumerate(members)])
+            else:
+                x = torch.randn(rows, k.in_features)
+                expected = torch.stack([m(x) for m in members])
+            for fn in (k.run, k.specialise()):
+                out = unstack(fn(x), k.out_layout, n, k.out_shape)
+                assert_close(torch.stack(out), expected, what=f"{k.kernel}: {fn}")
+                assert out[0].requires_grad == grad
