@@ -125,7 +125,11 @@ def test_kept_views_follow_in_place_updates_and_re_stacks_of_weight_or_bias_alon
         ss.testing.assert_path(sm, "plan:serial")
         kernels = [k for k in _kernels(sm) if isinstance(k, LinearKernel)]
         # On the CPU the chain runs transposed (layout.TRANSPOSED: no transposed operand).
-        assert [k.kernel for k in kernels] == ["wide linear (transposed)", "baddbmm (transposed)", "baddbmm (transposed)"]
+        assert [k.kernel for k in kernels] == [
+            "wide linear (transposed)",
+            "baddbmm (transposed)",
+            "baddbmm (transposed)",
+        ]
         for layer in (0, 2, 4):
             model.critics[3].net[layer].weight.add_(0.5)  # in place: the same stacks
             assert_close(sm(x), model(x), what=f"in-place update of layer {layer}")

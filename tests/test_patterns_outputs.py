@@ -151,7 +151,9 @@ def test_a_stack_of_members_may_be_written_in_place_by_the_caller(batch, executo
         assert_close(out, expected, what=f"call {call} ({path}): outputs")
         assert_close(list(grads(model).values()), list(grads(ref).values()), what=f"call {call} ({path}): grads")
         if call > 0:
-            assert any(g.kernel.startswith("baddbmm") for g in sm.plan.fused_groups), "the members were meant to be batched"
+            assert any(g.kernel.startswith("baddbmm") for g in sm.plan.fused_groups), (
+                "the members were meant to be batched"
+            )
 
 
 class MembersReturned(TanhEnsemble):
@@ -186,7 +188,9 @@ def test_outputs_of_a_no_grad_call_may_be_written_with_grad_later(batch, executo
         assert_close(outs, expected, what=f"call {call} ({path}): outputs")
         assert_close(scale.grad, scale_ref.grad, what=f"call {call} ({path}): grad")
         if call > 0:
-            assert any(g.kernel.startswith("baddbmm") for g in sm.plan.fused_groups), "the members were meant to be batched"
+            assert any(g.kernel.startswith("baddbmm") for g in sm.plan.fused_groups), (
+                "the members were meant to be batched"
+            )
 
 
 def _resize_in_place(t: torch.Tensor) -> None:
@@ -227,4 +231,6 @@ def test_members_returned_without_grad_have_storage_of_their_own(change, executo
         change(expected[0])
         assert_close(outs[1:], expected[1:], what=f"call {call} ({path}): the other outputs")
         if call > 0:
-            assert any(g.kernel.startswith("baddbmm") for g in sm.plan.fused_groups), "the members were meant to be batched"
+            assert any(g.kernel.startswith("baddbmm") for g in sm.plan.fused_groups), (
+                "the members were meant to be batched"
+            )
