@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import streamsched as ss
-from benchmarks.zoo import CriticEnsemble
+from benchmarks.zoo import CriticEnsemble, ParallelFCN
 from streamsched.passes.fusion.kernels import ElementwiseKernel, FusedKernel, LinearKernel
 
 from .helpers import assert_close
@@ -59,10 +59,30 @@ def test_relu_after_a_fused_linear_runs_in_place_with_the_same_outputs_and_gradi
         _train_step(sm, ref, torch.randn(4, 7))
     ss.testing.assert_path(sm, "plan:serial")
     assert sum(isinstance(k, ElementwiseKernel) for k in _kernels(sm)) == 2
-    with _Ops() as ops:
-        out = sm(x := torch.randn(4, 7))
+    # (Without autograd: on the CPU the chain is held transposed, whose ReLU is written in
+    # place without autograd only, tests/test_transposed_layout.py.)
+    with torch.no_grad():
+        sm(x := torch.randn(4, 7))
+        with _Ops() as ops:
+            out = sm(x)
     ss.testing.assert_path(sm, "plan:serial")
     assert ops.ops.count("aten.relu_.default") == 2 and "aten.relu.default" not in ops.ops, ops.ops
+    assert_close(out, ref(x))
+
+
+def test_relu_after_a_stacked_linear_runs_in_place_with_autograd_too():
+    """MLPs reading slices of one input (stacked layouts): with autograd on, the fused
+    ReLU writes the first Linear's own result in place too; gradients are eager's."""
+    torch.manual_seed(0)
+    model = ParallelFCN(6, d_in=4, hidden=5)
+    ref = copy.deepcopy(model)
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    for _ in range(3):
+        _train_step(sm, ref, torch.randn(3, 24))
+    with _Ops() as ops:
+        out = sm(x := torch.randn(3, 24))
+    ss.testing.assert_path(sm, "plan:serial")
+    assert ops.ops.count("aten.relu_.default") == 1 and "aten.relu.default" not in ops.ops, ops.ops
     assert_close(out, ref(x))
 
 

@@ -274,3 +274,38 @@ def test_the_general_path_computes_what_the_specialised_one_does(grad):
                 out = unstack(fn(x), k.out_layout, n, k.out_shape)
                 assert_close(torch.stack(out), expected, what=f"{k.kernel}: {fn}")
                 assert out[0].requires_grad == grad
+
+
+def test_relu_on_the_transposed_layout_is_written_in_place_without_autograd_only():
+    """Without autograd the fused ReLU writes the Linear's own transposed result in place;
+    with it, that result is a transposed view of the stacked kernel's, and writing a view
+    in place would put CopySlices over the whole base into the backward: a new tensor."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = Ensemble(fout=1)
+    model.towers.apply(lambda m: setattr(m, "a2", nn.ReLU()) if isinstance(m, Tower) else None)
+    ref = copy.deepcopy(model)
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    _train_calls(sm, ref)
+    with Ops() as ops:
+        sm(torch.randn(5, 7, requires_grad=True))
+    ss.testing.assert_path(sm, "plan:serial")
+    assert ops.ops.count("aten.relu.default") == 2 and "aten.relu_.default" not in ops.ops, ops.ops
+    with torch.no_grad():
+        x = torch.randn(5, 7)
+        sm(x)
+        with Ops() as ops:
+            out = sm(x)
+        ss.testing.assert_path(sm, "plan:serial")
+        assert ops.ops.count("aten.relu_.default") == 2 and "aten.relu.default" not in ops.ops, ops.ops
+        _same(out, ref(x), "no_grad")
