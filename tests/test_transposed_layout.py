@@ -309,3 +309,21 @@ def test_relu_on_the_transposed_layout_is_written_in_place_without_autograd_only
         ss.testing.assert_path(sm, "plan:serial")
         assert ops.ops.count("aten.relu_.default") == 2 and "aten.relu.default" not in ops.ops, ops.ops
         _same(out, ref(x), "no_grad")
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_the_transposed_chain_under_cpu_autocast_returns_eagers_dtype_and_values(grad):
+    """Under CPU autocast (bfloat16) the transposed matmuls are cast as the members'
+    linears are: the plan's outputs have eager's dtype and values."""
+    torch.manual_seed(0)
+    model = Ensemble(fout=1)
+    ref = copy.deepcopy(model)
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.bfloat16):
+        for call in range(3):
+            x = torch.randn(5, 7)
+            out, expected = sm(x), ref(x)
+            assert out.dtype == expected.dtype == torch.bfloat16
+            assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2, what=f"call {call}")
+        ss.testing.assert_path(sm, "plan:serial")
+    assert [k.out_layout for k in _linears(sm)] == [TRANSPOSED] * 3
