@@ -59,12 +59,8 @@ def test_relu_after_a_fused_linear_runs_in_place_with_the_same_outputs_and_gradi
         _train_step(sm, ref, torch.randn(4, 7))
     ss.testing.assert_path(sm, "plan:serial")
     assert sum(isinstance(k, ElementwiseKernel) for k in _kernels(sm)) == 2
-    # (Without autograd: on the CPU the chain is held transposed, whose ReLU is written in
-    # place without autograd only, tests/test_transposed_layout.py.)
-    with torch.no_grad():
-        sm(x := torch.randn(4, 7))
-        with _Ops() as ops:
-            out = sm(x)
+    with _Ops() as ops:
+        out = sm(x := torch.randn(4, 7))
     ss.testing.assert_path(sm, "plan:serial")
     assert ops.ops.count("aten.relu_.default") == 2 and "aten.relu.default" not in ops.ops, ops.ops
     assert_close(out, ref(x))
@@ -131,25 +127,28 @@ def test_relu_whose_input_is_read_elsewhere_is_not_written_in_place():
     assert bool((out != 0).any())
 
 
-def test_kept_views_follow_in_place_updates_and_re_stacks_of_weight_or_bias_alone():
+@pytest.mark.parametrize(
+    "rows, kernel_names",
+    [
+        (4, ["wide linear", "baddbmm", "baddbmm"]),
+        # From 16 rows the CPU runs the chain transposed (layout.TRANSPOSED).
+        (16, ["wide linear (transposed)", "baddbmm (transposed)", "baddbmm (transposed)"]),
+    ],
+)
+def test_kept_views_follow_in_place_updates_and_re_stacks_of_weight_or_bias_alone(rows, kernel_names):
     """Under no_grad the Linear kernels read weight and bias views kept between calls.
     An optimizer-like in-place update shows through them; giving one member's weight or
     bias new storage re-stacks that tensor alone, and the kernel takes new views of it."""
     torch.manual_seed(0)
     model = CriticEnsemble(6, obs=7, hidden=5).eval()
     sm = ss.StreamScheduledModule(model, executor="serial")
-    x = torch.randn(4, 7)
+    x = torch.randn(rows, 7)
     with torch.no_grad():
         for _ in range(3):
             sm(x)
         ss.testing.assert_path(sm, "plan:serial")
         kernels = [k for k in _kernels(sm) if isinstance(k, LinearKernel)]
-        # On the CPU the chain runs transposed (layout.TRANSPOSED: no transposed operand).
-        assert [k.kernel for k in kernels] == [
-            "wide linear (transposed)",
-            "baddbmm (transposed)",
-            "baddbmm (transposed)",
-        ]
+        assert [k.kernel for k in kernels] == kernel_names
         for layer in (0, 2, 4):
             model.critics[3].net[layer].weight.add_(0.5)  # in place: the same stacks
             assert_close(sm(x), model(x), what=f"in-place update of layer {layer}")

@@ -18,6 +18,8 @@ from streamsched.passes.fusion.layout import TRANSPOSED, eager_strides, member_c
 
 from .helpers import assert_close
 
+ROWS = 16  # builders.TRANSPOSED_MIN_ROWS: fewer rows keep the stacked layouts
+
 
 class Tower(nn.Module):
     def __init__(self, fin: int, hidden: int, fout: int, bias: bool = True):
@@ -66,7 +68,7 @@ def _same(out, expected, what: str) -> None:
         assert o.is_contiguous() and o.stride() == e.stride(), (what, i, o.stride(), e.stride())
 
 
-def _train_calls(sm, ref, calls: int = 4, rows: int = 5, fin: int = 7) -> None:
+def _train_calls(sm, ref, calls: int = 4, rows: int = 16, fin: int = 7) -> None:
     """Calls with gradients: outputs, the input's and every parameter's gradient eager's."""
     for call in range(calls):
         for m in (sm.module, ref):
@@ -77,8 +79,9 @@ def _train_calls(sm, ref, calls: int = 4, rows: int = 5, fin: int = 7) -> None:
         _same(out, expected, f"call {call}")
         flat = torch.cat([o.reshape(-1) for o in (out if isinstance(out, list) else [out])])
         flat_ref = torch.cat([o.reshape(-1) for o in (expected if isinstance(expected, list) else [expected])])
-        (flat.pow(2) * torch.arange(flat.numel())).sum().backward()
-        (flat_ref.pow(2) * torch.arange(flat_ref.numel())).sum().backward()
+        weights = torch.linspace(-1, 1, flat.numel())  # every output's gradient its own
+        (flat.pow(2) * weights).sum().backward()
+        (flat_ref.pow(2) * weights).sum().backward()
         assert_close(x.grad, xr.grad, what=f"call {call}: input grad")
         for (name, p), q in zip(sm.module.named_parameters(), ref.parameters()):
             assert_close(p.grad, q.grad, what=f"call {call}: grad {name}")
@@ -105,7 +108,7 @@ def test_a_chain_from_a_shared_input_runs_transposed_with_eager_results(fout, bi
     assert [k.kernel for k in kernels] == ["wide linear (transposed)", "baddbmm (transposed)", "baddbmm (transposed)"]
     with torch.no_grad():
         for call in range(3):
-            x = torch.randn(5, 7)
+            x = torch.randn(ROWS, 7)
             out = sm(x)
             if call:
                 ss.testing.assert_path(sm, "plan:serial")
@@ -124,7 +127,7 @@ def test_an_activation_after_the_last_layer_keeps_the_layout_to_the_stack():
     assert [k.out_layout for k in _linears(sm)] == [TRANSPOSED] * 3
     with torch.no_grad():
         for call in range(3):
-            x = torch.randn(5, 7)
+            x = torch.randn(ROWS, 7)
             _same(sm(x), ref(x), f"no_grad call {call}")
         ss.testing.assert_path(sm, "plan:serial")
 
@@ -150,16 +153,16 @@ def test_the_caller_may_write_the_stacked_output_and_weights_updated_in_place_sh
     model = Ensemble(fout=1)
     ref = copy.deepcopy(model)
     sm = ss.StreamScheduledModule(model, executor="serial")
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.01)
     for step in range(4):
-        x = torch.randn(5, 7)
+        x = torch.randn(ROWS, 7)
         for o, m in ((opt, sm), (opt_ref, ref)):
             o.zero_grad()
-            m(x).pow(2).sum().backward()
+            m(x).pow(2).mean().backward()
             o.step()
         with torch.no_grad():
-            x = torch.randn(5, 7)
+            x = torch.randn(ROWS, 7)
             out = sm(x)
             expected = ref(x)
             _same(out, expected, f"step {step}")
@@ -185,7 +188,7 @@ def test_outputs_read_by_the_models_code_or_the_caller_one_by_one_are_stacks():
         assert kernels[2].in_layout == TRANSPOSED
         with torch.no_grad():
             for call in range(3):
-                x = torch.randn(5, 7)
+                x = torch.randn(ROWS, 7)
                 _same(sm(x), ref(x), f"{out}, no_grad call {call}")
             ss.testing.assert_path(sm, "plan:serial")
 
@@ -226,7 +229,7 @@ def test_a_value_read_outside_the_chain_keeps_the_stacked_layouts():
     kernels = _linears(sm)
     assert kernels and all(k.out_layout != TRANSPOSED for k in kernels), [k.kernel for k in kernels]
     with torch.no_grad():
-        x = torch.randn(5, 7)
+        x = torch.randn(ROWS, 7)
         sm(x)
         _same(sm(x), ref(x), "no_grad")
         ss.testing.assert_path(sm, "plan:serial")
@@ -240,7 +243,7 @@ def test_on_a_cuda_device_the_chain_stays_stacked(emulated_cuda):
     model = Ensemble(fout=1).cuda()
     ref = copy.deepcopy(model)
     sm = ss.StreamScheduledModule(model, executor="serial")
-    _train_calls_cuda = [torch.randn(5, 7, device="cuda") for _ in range(3)]
+    _train_calls_cuda = [torch.randn(ROWS, 7, device="cuda") for _ in range(3)]
     with torch.no_grad():
         for x in _train_calls_cuda:
             assert_close(sm(x), ref(x))
@@ -257,11 +260,11 @@ def test_the_general_path_computes_what_the_specialised_one_does(grad):
     model = Ensemble(fout=3, out="list")
     sm = ss.StreamScheduledModule(model, executor="serial")
     for _ in range(2):
-        sm(torch.randn(5, 7))
+        sm(torch.randn(ROWS, 7))
     ss.testing.assert_path(sm, "plan:serial")
     kernels = _linears(sm)
     layers = [[getattr(t, f"l{i}") for t in model.towers] for i in (1, 2, 3)]
-    n, rows = len(model.towers), 5
+    n, rows = len(model.towers), ROWS
     with torch.set_grad_enabled(grad):
         for k, members in zip(kernels, layers):
             if k.in_layout == TRANSPOSED:
@@ -298,11 +301,11 @@ def test_relu_on_the_transposed_layout_is_written_in_place_without_autograd_only
     sm = ss.StreamScheduledModule(model, executor="serial")
     _train_calls(sm, ref)
     with Ops() as ops:
-        sm(torch.randn(5, 7, requires_grad=True))
+        sm(torch.randn(ROWS, 7, requires_grad=True))
     ss.testing.assert_path(sm, "plan:serial")
     assert ops.ops.count("aten.relu.default") == 2 and "aten.relu_.default" not in ops.ops, ops.ops
     with torch.no_grad():
-        x = torch.randn(5, 7)
+        x = torch.randn(ROWS, 7)
         sm(x)
         with Ops() as ops:
             out = sm(x)
@@ -321,9 +324,106 @@ def test_the_transposed_chain_under_cpu_autocast_returns_eagers_dtype_and_values
     sm = ss.StreamScheduledModule(model, executor="serial")
     with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.bfloat16):
         for call in range(3):
-            x = torch.randn(5, 7)
+            x = torch.randn(ROWS, 7)
             out, expected = sm(x), ref(x)
             assert out.dtype == expected.dtype == torch.bfloat16
             assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2, what=f"call {call}")
         ss.testing.assert_path(sm, "plan:serial")
     assert [k.out_layout for k in _linears(sm)] == [TRANSPOSED] * 3
+
+
+def test_fewer_rows_keep_the_stacked_layouts():
+    """Under ``TRANSPOSED_MIN_ROWS`` rows ``xs @ W^T`` is the faster matmul: no kernel of
+    the chain is transposed, and the results are eager's."""
+    torch.manual_seed(0)
+    model = Ensemble(fout=1)
+    ref = copy.deepcopy(model)
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    _train_calls(sm, ref, rows=ROWS // 2)
+    ss.testing.assert_path(sm, "plan:serial")
+    kernels = _linears(sm)
+    assert kernels and all(TRANSPOSED not in (k.in_layout, k.out_layout) for k in kernels)
+
+
+class _Slices(nn.Module):
+    """MLPs each reading its own slice of one input (a fold of the features), concatenated."""
+
+    def __init__(self, n: int = 5, fin: int = 4, hidden: int = 6):
+        super().__init__()
+        self.fin = fin
+        self.mlps = nn.ModuleList(
+            nn.Sequential(nn.Linear(fin, hidden), nn.ReLU(), nn.Linear(hidden, 1)) for _ in range(n)
+        )
+
+    def forward(self, x):
+        return torch.cat([m(x[:, self.fin * i : self.fin * (i + 1)]) for i, m in enumerate(self.mlps)], 1)
+
+
+class _Separate(nn.Module):
+    """Towers each reading a part of one input (``xs[i]``: stacked for the first layer)."""
+
+    def __init__(self, n: int = 4):
+        super().__init__()
+        self.towers = nn.ModuleList(Tower(7, 6, 1) for _ in range(n))
+
+    def forward(self, xs):
+        return torch.stack([t(xs[i]) for i, t in enumerate(self.towers)])
+
+
+@pytest.mark.parametrize(
+    "make, shape, first_in",
+    [
+        (lambda: _Slices(), (ROWS, 20), ("fold", 1)),
+        (lambda: _Separate(), (4, ROWS, 7), ("stack", 0)),
+    ],
+    ids=["fold", "stack"],
+)
+def test_folded_and_stacked_inputs_are_read_transposed(make, shape, first_in):
+    """Small MLPs reading slices of one input (a fold of their features) or parts of an
+    unbound one (a stack): the first Linear reads its input as a transposed view, and the
+    chain runs transposed to the last layer's one output feature; eager's values, and
+    gradients of the input and the parameters."""
+    torch.manual_seed(0)
+    model = make()
+    ref = copy.deepcopy(model)
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    for call in range(4):
+        for m in (sm.module, ref):
+            m.zero_grad(set_to_none=True)
+        x = torch.randn(shape, requires_grad=True)
+        xr = x.detach().clone().requires_grad_()
+        out, expected = sm(x), ref(xr)
+        _same(out, expected, f"call {call}")
+        weights = torch.linspace(-1, 1, out.numel()).view(out.shape)
+        (out * weights).sum().backward()
+        (expected * weights).sum().backward()
+        assert_close(x.grad, xr.grad, what=f"call {call}: input grad")
+        for (name, p), q in zip(sm.module.named_parameters(), ref.parameters()):
+            assert_close(p.grad, q.grad, what=f"call {call}: grad {name}")
+    ss.testing.assert_path(sm, "plan:serial")
+    kernels = _linears(sm)
+    assert kernels[0].in_layout == first_in and all(k.out_layout == TRANSPOSED for k in kernels), [
+        (k.in_layout, k.out_layout) for k in kernels
+    ]
+    with torch.no_grad():
+        for call in range(3):
+            x = torch.randn(shape)
+            _same(sm(x), ref(x), f"no_grad call {call}")
+        ss.testing.assert_path(sm, "plan:serial")
+
+
+def test_a_fold_of_large_members_stays_stacked_up_to_one_output_feature():
+    """Members whose weight exceeds ``FOLD_TRANSPOSED_MAX_WEIGHT`` read their folded input
+    stacked (the transposed view's matmul was the slower one); the one-feature layer
+    after them still writes transposed (its stack's memory)."""
+    torch.manual_seed(0)
+    model = _Slices(n=3, fin=80, hidden=64)  # 80 * 64 > 4096
+    ref = copy.deepcopy(model)
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    with torch.no_grad():
+        for call in range(3):
+            x = torch.randn(ROWS, 240)
+            _same(sm(x), ref(x), f"call {call}")
+    ss.testing.assert_path(sm, "plan:serial")
+    kernels = _linears(sm)
+    assert [k.out_layout for k in kernels] == [("stack", 0), TRANSPOSED]

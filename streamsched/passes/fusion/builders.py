@@ -35,7 +35,7 @@ from .kernels import (
     WideKernel,
     private_template,
 )
-from .layout import SHARED, TRANSPOSED
+from .layout import SHARED, STACK, TRANSPOSED, fold
 from .params import StackedTensors
 from .propose import RANDOM_FUNCTIONS, RANDOM_MODULES
 from .rewrite import Rewriter, Source, inplace
@@ -175,23 +175,49 @@ def _linear(g: Group) -> Optional[Built]:
     return Built(kernel, [src.node])
 
 
+TRANSPOSED_MIN_ROWS = 16
+"""Rows (the members' first dim) from which a Linear chain runs transposed on the CPU.
+Measured (1 thread, ``baddbmm``): under 16 rows ``xs @ W^T`` was the faster one, up to
+3x at 1 row (64 members 32 -> 32: 13 us against 42), even 2x at 8; from 16 rows ``W @ x``
+over transposed activations was (32 critics 64 -> 64 at 16 rows: 37 us against 55; 1,000
+MLPs 10 -> 1 at 64 rows: 107 us against 680)."""
+
+FOLD_TRANSPOSED_MAX_WEIGHT = 4096
+"""A Linear reading a fold of its features (``x[:, 20*i : 20*(i+1)]``) reads it as a
+transposed view when its weight has at most this many entries: for small members the
+view's matmul was the faster one (1,000 MLPs 20 -> 10 at 64 rows: 631 us against 1180);
+for large ones it was slower (8 members 256 -> 256 at 256 rows: 2150 us against 1910)."""
+
+
 def transposed_output(g: Group, src: Source) -> bool:
     """Whether a Linear group writes its output ``TRANSPOSED`` (``[N, out, rows]``).
 
     On the CPU only, where ATen's batched matmul runs an operand that is a transposed
     view one batch item at a time: the stacked ``xs @ W^T`` reads the weight stack
-    ``[N, out, in]`` transposed, and took 1.6x the time of ``W @ x`` over activations
-    held ``[N, in, rows]`` (32 critics, 16 rows, 64 -> 64). On a GPU cuBLAS takes either
-    orientation as it is. For 2-d members whose input is one shared tensor (one ``addmm``
-    with its transpose) or already ``TRANSPOSED``, where what reads the output is a chain
-    of fused groups ending in Linears (``Rewriter.feeds_linear``: the layout carries
-    through them with no copy), or a single output feature (``[N, 1, rows]`` is the
-    stack's memory). Anything else reading the layout reads it through a view."""
+    ``[N, out, in]`` transposed, and ``W @ x`` over activations held ``[N, in, rows]``
+    reads nothing transposed (see :data:`TRANSPOSED_MIN_ROWS`; on a GPU cuBLAS takes
+    either orientation as it is). For 2-d members of at least that many rows whose input
+    is one shared tensor (one ``addmm`` with its transpose), already ``TRANSPOSED``, a
+    stack, or a fold of small members' features (:data:`FOLD_TRANSPOSED_MAX_WEIGHT`),
+    where what reads the output is a chain of fused groups ending in Linears
+    (``Rewriter.feeds_linear``: the layout carries through them with no copy), or where
+    there is one output feature (``[N, 1, rows]`` is the stack's memory; a shared input's
+    wide linear is one already). Anything else reading the layout reads it through a
+    view."""
     if g.rw.device.name != "cpu" or len(src.shape) != 2 or len(g.out_shape) != 2:
         return False
-    if src.layout == TRANSPOSED and g.out_shape[1] == 1:
+    if g.out_shape[0] < TRANSPOSED_MIN_ROWS:
+        return False
+    layout = src.layout
+    if layout == fold(1):
+        m = g.modules[0]
+        if m.in_features * m.out_features > FOLD_TRANSPOSED_MAX_WEIGHT:
+            return False
+    elif layout not in (SHARED, TRANSPOSED, STACK):
+        return False
+    if g.out_shape[1] == 1 and layout != SHARED:
         return True
-    return src.layout in (SHARED, TRANSPOSED) and g.rw.feeds_linear(g.members)
+    return g.rw.feeds_linear(g.members)
 
 
 @_builder("conv")

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layout import SHARED, STACK, TRANSPOSED, Layout, aligned_stack, fold, to_fold, to_stack
+from .layout import SHARED, STACK, TRANSPOSED, Layout, aligned_stack, fold, to_fold, to_stack, to_transposed
 from .params import StackedTensors
 from .stacked import StackedParameter
 from .stacked import grad_sink as _grad_sink
@@ -321,6 +321,14 @@ def _rows_last_wide(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor])
     return torch.mm(w, x.t()) if b is None else torch.addmm(b, w, x.t())
 
 
+def _transpose_1_2(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(1, 2)
+
+
+def _same(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 def _rows_last_bmm(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
     """``w @ x (+ b)``: ``x`` ``[N, in, rows]``, ``w`` ``[N, out, in]``, ``b`` ``[N, out, 1]``."""
     return torch.bmm(w, x) if b is None else torch.baddbmm(b, w, x)
@@ -340,13 +348,15 @@ class LinearKernel(FusedKernel):
         out_shape: tuple[int, ...],
         transposed: bool = False,
     ):
-        """``transposed``: return the ``TRANSPOSED`` layout (2-d members reading a
-        ``SHARED`` or ``TRANSPOSED`` input; the builder's choice, see
-        ``builders.transposed_output``). A ``TRANSPOSED`` input is read as it is either way."""
+        """``transposed``: return the ``TRANSPOSED`` layout (2-d members; the builder's
+        choice, see ``builders.transposed_output``). A ``TRANSPOSED`` input is read as it
+        is either way; a stacked one, or one folded along the features, is then read as a
+        transposed view (:func:`~streamsched.passes.fusion.layout.to_transposed`)."""
         shared = in_layout == SHARED
         rows_last = in_layout == TRANSPOSED
         if transposed or rows_last:
-            assert len(in_shape) == 2 and len(out_shape) == 2 and (shared or rows_last), (in_layout, in_shape)
+            assert len(in_shape) == 2 and len(out_shape) == 2, (in_layout, in_shape)
+            assert in_layout in (SHARED, TRANSPOSED, STACK, fold(1)), in_layout
         if transposed:
             out_layout = TRANSPOSED
         else:
@@ -380,9 +390,10 @@ class LinearKernel(FusedKernel):
             w = weight.view_of(grad, torch.Tensor.reshape, n * fout, fin)
             y = F.linear(x, w, bias.view_of(grad, torch.Tensor.reshape, n * fout) if bias is not None else None)
             return y.view(self.in_shape[0], n, fout).permute(1, 2, 0) if transposed else y
-        if self.in_layout == TRANSPOSED and not grad:
+        if (self.in_layout == TRANSPOSED or transposed) and not grad:
             w = weight.view_of(grad, torch.Tensor.view, n, fout, fin)
-            y = _rows_last_bmm(x, w, bias.view_of(grad, torch.Tensor.unsqueeze, 2) if bias is not None else None)
+            xt = to_transposed(x, self.in_layout, n, self.in_shape)
+            y = _rows_last_bmm(xt, w, bias.view_of(grad, torch.Tensor.unsqueeze, 2) if bias is not None else None)
             return y if transposed else y.transpose(1, 2).contiguous()
         xs = to_stack(x, self.in_layout, n, self.in_shape)
         if xs.dim() != 3:  # members' inputs of other than 2 dims: one batch dim for bmm
@@ -405,7 +416,7 @@ class LinearKernel(FusedKernel):
         conversion and the op chosen at build time."""
         if self.in_layout == SHARED:
             return self._wide_rows_last() if self.out_layout == TRANSPOSED else self._wide_linear()
-        if self.in_layout == TRANSPOSED:
+        if self.in_layout == TRANSPOSED or self.out_layout == TRANSPOSED:
             return self._rows_last()
         kind, _d = self.in_layout
         if self.bias is not None and len(self.in_shape) == 2 and len(self.out_shape) == 2 and kind in ("stack", "fold"):
@@ -460,10 +471,11 @@ class LinearKernel(FusedKernel):
         return wide_rows_last
 
     def _rows_last(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        """A ``TRANSPOSED`` input (``[N, in, rows]``): one ``baddbmm`` of the weight stack
-        with it, ``[N, out, rows]``, no operand transposed; copied to a stack where the
-        output is not ``TRANSPOSED``. With a gradient, the stacked kernel on the input
-        viewed as a stack (its result viewed transposed where the output is)."""
+        """The input read transposed (``[N, in, rows]``: a ``TRANSPOSED`` one as it is, a
+        stack or a fold as a view): one ``baddbmm`` of the weight stack with it, ``[N,
+        out, rows]``; copied to a stack where the output is not ``TRANSPOSED``. With a
+        gradient, the stacked kernel on the input viewed as a stack (its result viewed
+        transposed where the output is)."""
         n, fin, fout = self.n, self.in_features, self.out_features
         weight, bias = self.weight, self.bias
         bsrc: Any = bias if bias is not None else _NO_STACK
@@ -471,18 +483,29 @@ class LinearKernel(FusedKernel):
         kept, views = _kept_views(weight, torch.Tensor.view, (n, fout, fin), bias, torch.Tensor.unsqueeze, (2,))
         for_grad, rows_last = _stacked_linear, _rows_last_bmm
         transposed = self.out_layout == TRANSPOSED
+        layout, in_shape = self.in_layout, self.in_shape
+        rows = in_shape[0]
+        if layout == TRANSPOSED:
+            as_rows_last, as_stack = _same, _transpose_1_2
+        elif layout == STACK:
+            as_rows_last, as_stack = _transpose_1_2, _same
+        else:  # fold(1): [rows, N * in]
+
+            def as_rows_last(x: torch.Tensor) -> torch.Tensor:
+                return x.reshape(rows, n, fin).permute(1, 2, 0)
+
+            def as_stack(x: torch.Tensor) -> torch.Tensor:
+                return x.reshape(rows, n, fin).transpose(0, 1)
 
         def rows_last_bmm(x: torch.Tensor) -> torch.Tensor:
             if is_grad():
-                y = for_grad(
-                    x.transpose(1, 2), weight.leaf_value(True), bias.leaf_value(True) if bias is not None else None
-                )
+                y = for_grad(as_stack(x), weight.leaf_value(True), bias.leaf_value(True) if bias is not None else None)
                 return y.transpose(1, 2) if transposed else y
             if weight.stack is not kept[0] or bsrc.stack is not kept[1]:
                 w, b = views(False)
             else:
                 w, b = kept[2], kept[3]
-            y = rows_last(x, w, b)
+            y = rows_last(as_rows_last(x), w, b)
             return y if transposed else y.transpose(1, 2).contiguous()
 
         return rows_last_bmm

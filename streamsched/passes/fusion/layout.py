@@ -54,6 +54,16 @@ def to_stack(x: torch.Tensor, layout: Layout, n: int, shape: tuple[int, ...]) ->
     return x.expand((n,) + tuple(shape))
 
 
+def to_transposed(x: torch.Tensor, layout: Layout, n: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """``[N, shape[1], shape[0]]`` (2-d members) from any layout: a ``TRANSPOSED`` value
+    as it is, else a view of its stack where the memory allows."""
+    if layout == TRANSPOSED:
+        return x
+    if layout == ("fold", 1):
+        return x.reshape(shape[0], n, shape[1]).permute(1, 2, 0)
+    return to_stack(x, layout, n, shape).transpose(1, 2)
+
+
 def to_fold(x: torch.Tensor, layout: Layout, n: int, shape: tuple[int, ...], dim: int) -> torch.Tensor:
     """The member axis merged into ``dim`` (member-major)."""
     if layout == ("fold", dim):
