@@ -427,3 +427,48 @@ def test_a_fold_of_large_members_stays_stacked_up_to_one_output_feature():
     ss.testing.assert_path(sm, "plan:serial")
     kernels = _linears(sm)
     assert [k.out_layout for k in kernels] == [("stack", 0), TRANSPOSED]
+
+
+def test_gradients_reach_the_batched_matmuls_with_unit_strides_on_size_one_dims():
+    """A gradient that comes back through the transposed layout's views can carry any
+    stride on a dim of size 1, which sends ATen's CPU batched matmul down its per-item
+    path (4.5 ms instead of 0.3 for 1,000 one-output members): the stacked kernel's
+    backward hands its matmuls stride 1 there, and the gradients are eager's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    matmuls = {"aten.bmm.default", "aten.baddbmm.default", "aten.baddbmm_.default"}
+
+    class Strides(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.odd: list[tuple] = []
+            self.seen = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if str(func) in matmuls:
+                self.seen += 1
+                for a in args:
+                    if isinstance(a, torch.Tensor):
+                        canonical = torch.empty(a.shape, device="meta").stride()
+                        pairs = zip(a.shape, a.stride(), canonical)
+                        if any(n == 1 and s not in (1, c) for n, s, c in pairs):
+                            self.odd.append((str(func), tuple(a.shape), a.stride()))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = _Slices(n=6)
+    ref = copy.deepcopy(model)
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    for call in range(3):
+        x = torch.randn(ROWS, 24, requires_grad=True)
+        xr = x.detach().clone().requires_grad_()
+        out, expected = sm(x), ref(xr)
+        ss.testing.assert_path(sm, "recorded" if call == 0 else "plan:serial")
+        weights = torch.linspace(-1, 1, out.numel()).view(out.shape)
+        with Strides() as mode:
+            (out * weights).sum().backward()
+        (expected * weights).sum().backward()
+        assert_close(x.grad, xr.grad, what=f"call {call}: input grad")
+        if call:
+            assert mode.seen and not mode.odd, mode.odd
+    assert all(k.out_layout == TRANSPOSED for k in _linears(sm))

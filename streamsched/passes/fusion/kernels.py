@@ -266,6 +266,7 @@ class StackedLinear(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
         xs, w = ctx.saved_tensors
         b = ctx.b
+        grad = _unit_strides(grad)
         need_x, need_w, need_b = ctx.needs_input_grad
         gx = torch.bmm(grad, w) if need_x else None
         gw = gb = None
@@ -285,6 +286,18 @@ class StackedLinear(torch.autograd.Function):
             else:
                 buf.add_(grad.sum(1))
         return gx, gw, gb
+
+
+def _unit_strides(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with stride 1 on each dim of size 1 (the same elements). A gradient that came
+    back through views (a transposed layout's, a gather's) can carry any stride there,
+    and ATen's CPU batched matmul then takes neither its contiguous nor its transposed
+    path but one ``addmm`` per batch item: ParallelFCN(1000)'s one-output layer's input
+    gradient took 4.5 ms instead of 0.3."""
+    shape, strides = t.shape, t.stride()
+    if all(size != 1 or stride == 1 for size, stride in zip(shape, strides)):
+        return t
+    return t.as_strided(shape, [1 if size == 1 else stride for size, stride in zip(shape, strides)])
 
 
 _autocast_on = torch.is_autocast_enabled
