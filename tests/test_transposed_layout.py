@@ -1,8 +1,9 @@
 """Fused Linear chains held transposed on the CPU (``layout.TRANSPOSED``: each member's
 ``[rows, features]`` value stored ``[N, features, rows]``, so the batched matmuls read
-no transposed operand). Which kernels choose it, and that everything around them is
-eager's: outputs and gradients, the strides of what the caller and the model's own code
-get, in-place writes by the caller, weights updated between calls."""
+no transposed operand), in plans that run without autograd. Which kernels choose it,
+and that everything around them is eager's: outputs, the strides of what the caller and
+the model's own code get, in-place writes by the caller, weights updated between calls;
+plans with autograd on keep the stacked layouts."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from torch import nn
 
 import streamsched as ss
-from streamsched.passes.fusion.kernels import FusedKernel, LinearKernel
+from streamsched.passes.fusion.kernels import LinearKernel, _stacked_linear
 from streamsched.passes.fusion.layout import TRANSPOSED, eager_strides, member_copy, unstack
 
 from .helpers import assert_close
@@ -87,49 +88,58 @@ def _train_calls(sm, ref, calls: int = 4, rows: int = 16, fin: int = 7) -> None:
             assert_close(p.grad, q.grad, what=f"call {call}: grad {name}")
 
 
+def _no_grad_calls(sm, ref, shape: tuple, calls: int = 3) -> None:
+    """Calls without autograd, each on a fresh input: eager's values and strides, and
+    every call after the recording one runs the plan."""
+    with torch.no_grad():
+        for call in range(calls):
+            x = torch.randn(shape)
+            _same(sm(x), ref(x), f"no_grad call {call}")
+            ss.testing.assert_path(sm, "recorded" if call == 0 else "plan:serial")
+
+
 @pytest.mark.parametrize("fout", [1, 3])
 @pytest.mark.parametrize("bias", [True, False])
 def test_a_chain_from_a_shared_input_runs_transposed_with_eager_results(fout, bias):
     """Shared input -> Linear -> ReLU -> Linear -> Tanh -> Linear, stacked: every Linear
     reads and writes the transposed layout (the last one writes a stack for the
     ``torch.stack`` of several features; of one, the transposed layout is the stack's
-    memory), and without gradients (the transposed matmuls) and with them (the stacked
-    kernels, viewed transposed) the values and gradients are eager's."""
+    memory); the values are eager's."""
     torch.manual_seed(0)
     model = Ensemble(fout=fout, bias=bias)
-    ref = copy.deepcopy(model)
-    sm = ss.StreamScheduledModule(model, executor="serial")
-    _train_calls(sm, ref)
-    ss.testing.assert_path(sm, "plan:serial")
+    sm = ss.StreamScheduledModule(copy.deepcopy(model), executor="serial")
+    _no_grad_calls(sm, model, (ROWS, 7))
     kernels = _linears(sm)
     last = TRANSPOSED if fout == 1 else ("stack", 0)
     assert [k.out_layout for k in kernels] == [TRANSPOSED, TRANSPOSED, last], [k.kernel for k in kernels]
     assert kernels[2].in_layout == TRANSPOSED
     assert [k.kernel for k in kernels] == ["wide linear (transposed)", "baddbmm (transposed)", "baddbmm (transposed)"]
-    with torch.no_grad():
-        for call in range(3):
-            x = torch.randn(ROWS, 7)
-            out = sm(x)
-            if call:
-                ss.testing.assert_path(sm, "plan:serial")
-            _same(out, ref(x), f"no_grad call {call}")
 
 
-def test_an_activation_after_the_last_layer_keeps_the_layout_to_the_stack():
-    """``stack(sigmoid(tower(x)))``: the fused sigmoid runs on the transposed one-feature
-    output, and the stack is a view of its result; eager's values and gradients."""
+def test_plans_with_autograd_keep_the_stacked_layouts():
+    """With autograd on the kernels compute stacked and a transposed layout would only add
+    views: the training plan of the same chain keeps the stacked layouts; values and
+    gradients eager's; the plan without autograd, made after it, is transposed."""
     torch.manual_seed(0)
-    model = Ensemble(fout=1, out="sigmoid")
+    model = Ensemble(fout=1)
     ref = copy.deepcopy(model)
     sm = ss.StreamScheduledModule(model, executor="serial")
     _train_calls(sm, ref)
     ss.testing.assert_path(sm, "plan:serial")
+    kernels = _linears(sm)
+    assert kernels and all(TRANSPOSED not in (k.in_layout, k.out_layout) for k in kernels)
+    _no_grad_calls(sm, ref, (ROWS, 7))
+    assert all(k.out_layout == TRANSPOSED for k in _linears(sm))
+
+
+def test_an_activation_after_the_last_layer_keeps_the_layout_to_the_stack():
+    """``stack(sigmoid(tower(x)))``: the fused sigmoid runs on the transposed one-feature
+    output, and the stack is a view of its result; eager's values."""
+    torch.manual_seed(0)
+    model = Ensemble(fout=1, out="sigmoid")
+    sm = ss.StreamScheduledModule(copy.deepcopy(model), executor="serial")
+    _no_grad_calls(sm, model, (ROWS, 7))
     assert [k.out_layout for k in _linears(sm)] == [TRANSPOSED] * 3
-    with torch.no_grad():
-        for call in range(3):
-            x = torch.randn(ROWS, 7)
-            _same(sm(x), ref(x), f"no_grad call {call}")
-        ss.testing.assert_path(sm, "plan:serial")
 
 
 def test_a_transposed_part_copied_or_handed_out_gets_eager_strides():
@@ -148,7 +158,8 @@ def test_a_transposed_part_copied_or_handed_out_gets_eager_strides():
 
 def test_the_caller_may_write_the_stacked_output_and_weights_updated_in_place_show():
     """The stack the caller gets is its own (written in place, the next call is still
-    eager's); an optimizer's in-place steps on the members reach the transposed kernels."""
+    eager's); an optimizer's in-place steps on the members (training calls, stacked)
+    reach the transposed kernels of the plan without autograd."""
     torch.manual_seed(0)
     model = Ensemble(fout=1)
     ref = copy.deepcopy(model)
@@ -179,18 +190,11 @@ def test_outputs_read_by_the_models_code_or_the_caller_one_by_one_are_stacks():
     torch.manual_seed(0)
     for out in ("list", "viewed"):
         model = Ensemble(fout=3, out=out)
-        ref = copy.deepcopy(model)
-        sm = ss.StreamScheduledModule(model, executor="serial")
-        _train_calls(sm, ref)
-        ss.testing.assert_path(sm, "plan:serial")
+        sm = ss.StreamScheduledModule(copy.deepcopy(model), executor="serial")
+        _no_grad_calls(sm, model, (ROWS, 7))
         kernels = _linears(sm)
         assert [k.out_layout for k in kernels] == [TRANSPOSED, TRANSPOSED, ("stack", 0)], out
         assert kernels[2].in_layout == TRANSPOSED
-        with torch.no_grad():
-            for call in range(3):
-                x = torch.randn(ROWS, 7)
-                _same(sm(x), ref(x), f"{out}, no_grad call {call}")
-            ss.testing.assert_path(sm, "plan:serial")
 
 
 class _ReadsHidden(nn.Module):
@@ -219,20 +223,13 @@ class _ReadsHiddenGroup(nn.Module):
 
 def test_a_value_read_outside_the_chain_keeps_the_stacked_layouts():
     """The first layer's value has a reader that is no fused Linear: it stays a wide
-    linear (folded); values and gradients eager's."""
+    linear (folded); eager's values."""
     torch.manual_seed(0)
     model = _ReadsHiddenGroup()
-    ref = copy.deepcopy(model)
-    sm = ss.StreamScheduledModule(model, executor="serial")
-    _train_calls(sm, ref)
-    ss.testing.assert_path(sm, "plan:serial")
+    sm = ss.StreamScheduledModule(copy.deepcopy(model), executor="serial")
+    _no_grad_calls(sm, model, (ROWS, 7))
     kernels = _linears(sm)
     assert kernels and all(k.out_layout != TRANSPOSED for k in kernels), [k.kernel for k in kernels]
-    with torch.no_grad():
-        x = torch.randn(ROWS, 7)
-        sm(x)
-        _same(sm(x), ref(x), "no_grad")
-        ss.testing.assert_path(sm, "plan:serial")
 
 
 @pytest.mark.cuda
@@ -243,11 +240,11 @@ def test_on_a_cuda_device_the_chain_stays_stacked(emulated_cuda):
     model = Ensemble(fout=1).cuda()
     ref = copy.deepcopy(model)
     sm = ss.StreamScheduledModule(model, executor="serial")
-    _train_calls_cuda = [torch.randn(ROWS, 7, device="cuda") for _ in range(3)]
     with torch.no_grad():
-        for x in _train_calls_cuda:
+        for _ in range(3):
+            x = torch.randn(ROWS, 7, device="cuda")
             assert_close(sm(x), ref(x))
-    assert [n.target for n in sm._ss.last.graph.nodes if isinstance(n.target, FusedKernel)]
+    ss.testing.assert_path(sm, "plan:serial")
     kernels = _linears(sm)
     assert kernels and all(k.out_layout != TRANSPOSED for k in kernels), [k.kernel for k in kernels]
 
@@ -255,14 +252,17 @@ def test_on_a_cuda_device_the_chain_stays_stacked(emulated_cuda):
 @pytest.mark.parametrize("grad", [False, True])
 def test_the_general_path_computes_what_the_specialised_one_does(grad):
     """``LinearKernel.run`` (the general path) and the specialised function of each
-    transposed kernel agree with the members' own modules, with gradients on and off."""
+    transposed kernel agree with the members' own modules, with gradients on and off
+    (a plan's kernels run under the grad mode it was made in; each is right under both)."""
     torch.manual_seed(0)
     model = Ensemble(fout=3, out="list")
     sm = ss.StreamScheduledModule(model, executor="serial")
-    for _ in range(2):
-        sm(torch.randn(ROWS, 7))
+    with torch.no_grad():
+        for _ in range(2):
+            sm(torch.randn(ROWS, 7))
     ss.testing.assert_path(sm, "plan:serial")
     kernels = _linears(sm)
+    assert kernels[0].out_layout == TRANSPOSED
     layers = [[getattr(t, f"l{i}") for t in model.towers] for i in (1, 2, 3)]
     n, rows = len(model.towers), ROWS
     with torch.set_grad_enabled(grad):
@@ -279,10 +279,9 @@ def test_the_general_path_computes_what_the_specialised_one_does(grad):
                 assert out[0].requires_grad == grad
 
 
-def test_relu_on_the_transposed_layout_is_written_in_place_without_autograd_only():
-    """Without autograd the fused ReLU writes the Linear's own transposed result in place;
-    with it, that result is a transposed view of the stacked kernel's, and writing a view
-    in place would put CopySlices over the whole base into the backward: a new tensor."""
+def test_relu_on_the_transposed_layout_is_written_in_place():
+    """The fused ReLU writes the Linear's own transposed result in place (nothing else
+    reads it), as on the stacked layouts."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Ops(TorchDispatchMode):
@@ -297,32 +296,26 @@ def test_relu_on_the_transposed_layout_is_written_in_place_without_autograd_only
     torch.manual_seed(0)
     model = Ensemble(fout=1)
     model.towers.apply(lambda m: setattr(m, "a2", nn.ReLU()) if isinstance(m, Tower) else None)
-    ref = copy.deepcopy(model)
-    sm = ss.StreamScheduledModule(model, executor="serial")
-    _train_calls(sm, ref)
-    with Ops() as ops:
-        sm(torch.randn(ROWS, 7, requires_grad=True))
-    ss.testing.assert_path(sm, "plan:serial")
-    assert ops.ops.count("aten.relu.default") == 2 and "aten.relu_.default" not in ops.ops, ops.ops
+    sm = ss.StreamScheduledModule(copy.deepcopy(model), executor="serial")
+    _no_grad_calls(sm, model, (ROWS, 7))
     with torch.no_grad():
         x = torch.randn(ROWS, 7)
-        sm(x)
         with Ops() as ops:
             out = sm(x)
         ss.testing.assert_path(sm, "plan:serial")
         assert ops.ops.count("aten.relu_.default") == 2 and "aten.relu.default" not in ops.ops, ops.ops
-        _same(out, ref(x), "no_grad")
+        _same(out, model(x), "no_grad")
+    assert all(k.out_layout == TRANSPOSED for k in _linears(sm))
 
 
-@pytest.mark.parametrize("grad", [False, True])
-def test_the_transposed_chain_under_cpu_autocast_returns_eagers_dtype_and_values(grad):
+def test_the_transposed_chain_under_cpu_autocast_returns_eagers_dtype_and_values():
     """Under CPU autocast (bfloat16) the transposed matmuls are cast as the members'
     linears are: the plan's outputs have eager's dtype and values."""
     torch.manual_seed(0)
     model = Ensemble(fout=1)
     ref = copy.deepcopy(model)
     sm = ss.StreamScheduledModule(model, executor="serial")
-    with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         for call in range(3):
             x = torch.randn(ROWS, 7)
             out, expected = sm(x), ref(x)
@@ -337,10 +330,8 @@ def test_fewer_rows_keep_the_stacked_layouts():
     the chain is transposed, and the results are eager's."""
     torch.manual_seed(0)
     model = Ensemble(fout=1)
-    ref = copy.deepcopy(model)
-    sm = ss.StreamScheduledModule(model, executor="serial")
-    _train_calls(sm, ref, rows=ROWS // 2)
-    ss.testing.assert_path(sm, "plan:serial")
+    sm = ss.StreamScheduledModule(copy.deepcopy(model), executor="serial")
+    _no_grad_calls(sm, model, (ROWS // 2, 7))
     kernels = _linears(sm)
     assert kernels and all(TRANSPOSED not in (k.in_layout, k.out_layout) for k in kernels)
 
@@ -381,35 +372,15 @@ class _Separate(nn.Module):
 def test_folded_and_stacked_inputs_are_read_transposed(make, shape, first_in):
     """Small MLPs reading slices of one input (a fold of their features) or parts of an
     unbound one (a stack): the first Linear reads its input as a transposed view, and the
-    chain runs transposed to the last layer's one output feature; eager's values, and
-    gradients of the input and the parameters."""
+    chain runs transposed to the last layer's one output feature; eager's values."""
     torch.manual_seed(0)
     model = make()
-    ref = copy.deepcopy(model)
-    sm = ss.StreamScheduledModule(model, executor="serial")
-    for call in range(4):
-        for m in (sm.module, ref):
-            m.zero_grad(set_to_none=True)
-        x = torch.randn(shape, requires_grad=True)
-        xr = x.detach().clone().requires_grad_()
-        out, expected = sm(x), ref(xr)
-        _same(out, expected, f"call {call}")
-        weights = torch.linspace(-1, 1, out.numel()).view(out.shape)
-        (out * weights).sum().backward()
-        (expected * weights).sum().backward()
-        assert_close(x.grad, xr.grad, what=f"call {call}: input grad")
-        for (name, p), q in zip(sm.module.named_parameters(), ref.parameters()):
-            assert_close(p.grad, q.grad, what=f"call {call}: grad {name}")
-    ss.testing.assert_path(sm, "plan:serial")
+    sm = ss.StreamScheduledModule(copy.deepcopy(model), executor="serial")
+    _no_grad_calls(sm, model, shape)
     kernels = _linears(sm)
     assert kernels[0].in_layout == first_in and all(k.out_layout == TRANSPOSED for k in kernels), [
         (k.in_layout, k.out_layout) for k in kernels
     ]
-    with torch.no_grad():
-        for call in range(3):
-            x = torch.randn(shape)
-            _same(sm(x), ref(x), f"no_grad call {call}")
-        ss.testing.assert_path(sm, "plan:serial")
 
 
 def test_a_fold_of_large_members_stays_stacked_up_to_one_output_feature():
@@ -418,22 +389,16 @@ def test_a_fold_of_large_members_stays_stacked_up_to_one_output_feature():
     after them still writes transposed (its stack's memory)."""
     torch.manual_seed(0)
     model = _Slices(n=3, fin=80, hidden=64)  # 80 * 64 > 4096
-    ref = copy.deepcopy(model)
-    sm = ss.StreamScheduledModule(model, executor="serial")
-    with torch.no_grad():
-        for call in range(3):
-            x = torch.randn(ROWS, 240)
-            _same(sm(x), ref(x), f"call {call}")
-    ss.testing.assert_path(sm, "plan:serial")
-    kernels = _linears(sm)
-    assert [k.out_layout for k in kernels] == [("stack", 0), TRANSPOSED]
+    sm = ss.StreamScheduledModule(copy.deepcopy(model), executor="serial")
+    _no_grad_calls(sm, model, (ROWS, 240))
+    assert [k.out_layout for k in _linears(sm)] == [("stack", 0), TRANSPOSED]
 
 
-def test_gradients_reach_the_batched_matmuls_with_unit_strides_on_size_one_dims():
-    """A gradient that comes back through the transposed layout's views can carry any
-    stride on a dim of size 1, which sends ATen's CPU batched matmul down its per-item
-    path (4.5 ms instead of 0.3 for 1,000 one-output members): the stacked kernel's
-    backward hands its matmuls stride 1 there, and the gradients are eager's."""
+def test_the_stacked_kernels_backward_gives_its_matmuls_unit_strides_on_size_one_dims():
+    """A gradient that comes back through views can carry any stride on a dim of size 1,
+    which sends ATen's CPU batched matmul down its per-item path (4.5 ms instead of 0.3 for
+    1,000 one-output members): the stacked kernel's backward hands its matmuls stride 1
+    there; the gradients are those of the same product by autograd."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     matmuls = {"aten.bmm.default", "aten.baddbmm.default", "aten.baddbmm_.default"}
@@ -456,19 +421,17 @@ def test_gradients_reach_the_batched_matmuls_with_unit_strides_on_size_one_dims(
             return func(*args, **(kwargs or {}))
 
     torch.manual_seed(0)
-    model = _Slices(n=6)
-    ref = copy.deepcopy(model)
-    sm = ss.StreamScheduledModule(model, executor="serial")
-    for call in range(3):
-        x = torch.randn(ROWS, 24, requires_grad=True)
-        xr = x.detach().clone().requires_grad_()
-        out, expected = sm(x), ref(xr)
-        ss.testing.assert_path(sm, "recorded" if call == 0 else "plan:serial")
-        weights = torch.linspace(-1, 1, out.numel()).view(out.shape)
-        with Strides() as mode:
-            (out * weights).sum().backward()
-        (expected * weights).sum().backward()
-        assert_close(x.grad, xr.grad, what=f"call {call}: input grad")
-        if call:
-            assert mode.seen and not mode.odd, mode.odd
-    assert all(k.out_layout == TRANSPOSED for k in _linears(sm))
+    n, rows, fin = 6, 16, 5
+    xs = torch.randn(n, rows, fin, requires_grad=True)
+    w = torch.randn(n, 1, fin, requires_grad=True)
+    b = torch.randn(n, 1, requires_grad=True)
+    y = _stacked_linear(xs, w, b)  # [n, rows, 1]
+    # The gradient as a transposed layout's views hand it back: [n, rows, 1], its size-1
+    # dim strided past the whole tensor.
+    base = torch.randn(rows, n)
+    grad = torch.as_strided(base, (n, rows, 1), (1, n, n * rows))
+    with Strides() as mode:
+        gx, gw, gb = torch.autograd.grad(y, (xs, w, b), grad)
+    assert mode.seen and not mode.odd, mode.odd
+    expected = torch.autograd.grad(torch.baddbmm(b.unsqueeze(1), xs, w.transpose(1, 2)), (xs, w, b), grad)
+    assert_close([gx, gw, gb], list(expected))

@@ -11,6 +11,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Optional
 
+import torch
 from torch import fx, nn
 
 from ...frontend.meta import ValueMeta
@@ -82,7 +83,7 @@ def fuse_graph(
     unfused = [_unfused(root, reason, nodes) for reason, nodes in proposals.excluded]
     # The plan is made inside the call that recorded ``metas``, under the autocast state
     # its trace (and so every later call running this plan) is keyed by.
-    rw = Rewriter(graph, root, metas, stacks, device, autocast_state())
+    rw = Rewriter(graph, root, metas, stacks, device, autocast_state(), torch.is_grad_enabled())
     rw.proposed = {m: kind for kind, members in proposals.groups for m in members}
     fused_modules: list[nn.Module] = []
     for kind, members in proposals.groups:

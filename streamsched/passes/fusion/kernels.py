@@ -845,17 +845,7 @@ class ElementwiseKernel(FusedKernel):
             return self.run
         fn = self.fn
         if private and _is_relu(fn):
-            if self.operands[0][1] != TRANSPOSED:
-                return torch.relu_
-            # With autograd on, a transposed input is a view of the stacked kernel's
-            # result: written in place, its backward goes through CopySlices over the
-            # whole base (the critics' training backward took 1.6x as long).
-            is_grad, relu, relu_ = torch.is_grad_enabled, torch.relu, torch.relu_
-
-            def relu_transposed(x: torch.Tensor) -> torch.Tensor:
-                return relu(x) if is_grad() else relu_(x)
-
-            return relu_transposed
+            return torch.relu_
         return _functional(fn)
 
 

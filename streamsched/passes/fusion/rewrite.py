@@ -98,6 +98,7 @@ class Rewriter:
         stacks: Any,
         device: DeviceModel,
         autocast: tuple = (),
+        grad: bool = False,
     ):
         self.graph = graph
         self.root = root
@@ -106,6 +107,8 @@ class Rewriter:
         self.device = device
         self.autocast = autocast
         """The autocast state the plan runs under (``trace_guard.autocast_state``)."""
+        self.grad = grad
+        """Whether the plan runs with autograd on (the grad mode is part of its key)."""
         self.stacked_of: dict[fx.Node, _Stacked] = {}
         self.groups: list[FusedGroupInfo] = []
         self.kernels: list[FusedKernel] = []
