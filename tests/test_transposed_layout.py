@@ -18,6 +18,7 @@ from streamsched.passes.fusion.kernels import LinearKernel, _stacked_linear
 from streamsched.passes.fusion.layout import TRANSPOSED, eager_strides, member_copy, unstack
 
 from .helpers import assert_close
+from .test_fused_fast_path import _Ops
 
 ROWS = 16  # builders.TRANSPOSED_MIN_ROWS: fewer rows keep the stacked layouts
 
@@ -282,17 +283,6 @@ def test_the_general_path_computes_what_the_specialised_one_does(grad):
 def test_relu_on_the_transposed_layout_is_written_in_place():
     """The fused ReLU writes the Linear's own transposed result in place (nothing else
     reads it), as on the stacked layouts."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
-
     torch.manual_seed(0)
     model = Ensemble(fout=1)
     model.towers.apply(lambda m: setattr(m, "a2", nn.ReLU()) if isinstance(m, Tower) else None)
@@ -300,7 +290,7 @@ def test_relu_on_the_transposed_layout_is_written_in_place():
     _no_grad_calls(sm, model, (ROWS, 7))
     with torch.no_grad():
         x = torch.randn(ROWS, 7)
-        with Ops() as ops:
+        with _Ops() as ops:
             out = sm(x)
         ss.testing.assert_path(sm, "plan:serial")
         assert ops.ops.count("aten.relu_.default") == 2 and "aten.relu.default" not in ops.ops, ops.ops
