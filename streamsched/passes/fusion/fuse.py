@@ -84,7 +84,7 @@ def fuse_graph(
     # The plan is made inside the call that recorded ``metas``, under the autocast state
     # its trace (and so every later call running this plan) is keyed by.
     rw = Rewriter(graph, root, metas, stacks, device, autocast_state(), torch.is_grad_enabled())
-    rw.proposed = {m: kind for kind, members in proposals.groups for m in members}
+    rw.proposals = proposals.groups
     fused_modules: list[nn.Module] = []
     for kind, members in proposals.groups:
         rw.inserted = []

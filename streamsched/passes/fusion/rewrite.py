@@ -117,21 +117,25 @@ class Rewriter:
         # cannot be built leaves behind, and how a builder tells its inputs were copied.
         self.inserted: list[fx.Node] = []
         self.position = {n: i for i, n in enumerate(graph.nodes)}
-        self.proposed: dict[fx.Node, str] = {}
-        """Each member of a proposed group -> its group's kernel kind (``fuse_graph``
-        sets it before building): what a builder may know of the groups after it."""
+        self.proposals: list[tuple[str, list[fx.Node]]] = []
+        """The proposed groups, ``(kernel kind, members)`` (``fuse_graph`` sets them
+        before building): what a builder may know of the groups after it."""
+        self._kind_of: Optional[dict[fx.Node, str]] = None
 
     def feeds_linear(self, members: list[fx.Node]) -> bool:
         """Whether every reader of ``members``' values is a member of a proposed Linear
         group reading it as its input, or of an elementwise group of that one operand
         whose values are read likewise, and some Linear reads them: a chain a layout
         can carry through to the Linears (the groups may still be built otherwise)."""
+        kind_of = self._kind_of
+        if kind_of is None:  # made on first use: most plans never ask
+            kind_of = self._kind_of = {m: kind for kind, group in self.proposals for m in group}
         reaches = False
         todo = list(members)
         seen: set[fx.Node] = set()
         while todo:
             for user in todo.pop().users:
-                kind = self.proposed.get(user)
+                kind = kind_of.get(user)
                 if kind == "linear" and len(user.all_input_nodes) == 1:
                     reaches = True
                 elif kind in ("elementwise", "function") and len(user.all_input_nodes) == 1:
