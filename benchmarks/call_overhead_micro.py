@@ -68,8 +68,8 @@ from benchmarks.zoo import CriticEnsemble  # noqa: E402
 CRITICS_MAX_RATIO = 1.4
 """Guard: the fused critics call may cost at most this many times the hand-written stack.
 Measured (CPU time, 1 thread, loaded 2-core machine): 1.60-1.65x with the stacked
-``xs @ W^T``, which ATen's CPU ``bmm`` runs one member at a time over the transposed
-weight view, 1.18-1.25x with the chain held transposed (``layout.TRANSPOSED``: its
+``xs @ W^T``, which ATen's CPU ``bmm`` runs slower over the transposed weight view,
+1.18-1.25x with the chain held transposed (``layout.TRANSPOSED``: its
 kernels alone at the hand-written stack's time, the rest the wrapper's fixed cost per
 call). Earlier rounds measured (3 interleaved processes each; the same trees later
 measured 1.60x and more here): 0.96-0.99x native and 1.07-1.08x pure Python with the stacks checked at once, the serial

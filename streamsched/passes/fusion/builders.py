@@ -192,10 +192,10 @@ for large ones it was slower (8 members 256 -> 256 at 256 rows: 2150 us against 
 def transposed_output(g: Group, src: Source) -> bool:
     """Whether a Linear group writes its output ``TRANSPOSED`` (``[N, out, rows]``).
 
-    On the CPU only, where ATen's batched matmul runs an operand that is a transposed
-    view one batch item at a time: the stacked ``xs @ W^T`` reads the weight stack
-    ``[N, out, in]`` transposed, and ``W @ x`` over activations held ``[N, in, rows]``
-    reads nothing transposed (see :data:`TRANSPOSED_MIN_ROWS`; on a GPU cuBLAS takes
+    On the CPU only, where ATen's batched matmul runs slower with an operand that is a
+    transposed view: the stacked ``xs @ W^T`` reads the weight stack ``[N, out, in]``
+    transposed, and ``W @ x`` over activations held ``[N, in, rows]`` reads nothing
+    transposed (see :data:`TRANSPOSED_MIN_ROWS`; on a GPU cuBLAS takes
     either orientation as it is). For 2-d members of at least that many rows whose input
     is one shared tensor (one ``addmm`` with its transpose), already ``TRANSPOSED``, a
     stack, or a fold of small members' features (:data:`FOLD_TRANSPOSED_MAX_WEIGHT`),

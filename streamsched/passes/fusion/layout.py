@@ -12,9 +12,10 @@ Four layouts, each a small tuple so it can be a constant in generated code:
 - ``TRANSPOSED = ("transposed", 0)``: 2-d members (``[rows, features]``), each stored
   transposed: ``[N, features, rows]``. On the CPU a chain of fused Linears runs in it
   with no transposed operand: ``W @ x`` over ``[N, out, in]`` weight stacks and
-  ``[N, in, rows]`` activations, where ATen's CPU batched matmul runs a transposed
-  operand one batch item at a time (``xs @ W^T``: 1.6x the time for 32 critics' 64x64
-  layer). Chosen by the Linear builder only (see ``builders.rows_last_pays``).
+  ``[N, in, rows]`` activations; ATen's CPU batched matmul runs slower with an operand
+  that is a transposed view (the stacked ``xs @ W^T``: 1.5x the time for 32 critics'
+  64 -> 64 layer at 16 rows). Chosen by the Linear builder only (see
+  ``builders.transposed_output``).
 
 Conversions are views where the memory allows, copies otherwise.
 """
