@@ -63,7 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import real_models_bench as rmb  # noqa: E402
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))
-from benchmarks.zoo import CriticEnsemble  # noqa: E402
+from benchmarks.zoo import CriticEnsemble, HandStackedCritics  # noqa: E402
 
 CRITICS_MAX_RATIO = 1.4
 """Guard: the fused critics call may cost at most this many times the hand-written stack.
@@ -221,22 +221,6 @@ def bench(fn: Callable[[], Any], n: int = 2000, reps: int = 9, clock: Callable[[
             fn()
         best = min(best, (clock() - start) / n)
     return best * 1e6
-
-
-class HandStackedCritics:
-    """The critics as people write them by hand: each layer's weights stacked once
-    (``[N, in, out]``, contiguous), one ``baddbmm`` per layer, ReLU in place."""
-
-    def __init__(self, model: CriticEnsemble):
-        layers = [[c.net[i] for c in model.critics] for i in (0, 2, 4)]
-        self.n = len(model.critics)
-        self.w = [torch.stack([m.weight.detach().t() for m in layer]).contiguous() for layer in layers]
-        self.b = [torch.stack([m.bias.detach() for m in layer]).unsqueeze(1).contiguous() for layer in layers]
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.baddbmm(self.b[0], x.expand(self.n, *x.shape), self.w[0]).relu_()
-        h = torch.baddbmm(self.b[1], h, self.w[1]).relu_()
-        return torch.baddbmm(self.b[2], h, self.w[2])
 
 
 def critics_row(rounds: int) -> tuple[float, float]:

@@ -100,6 +100,17 @@ def test_quick_suite_report_has_the_documented_schema(tmp_path):
     assert reasons == {"disabled (--no-compile)"}
 
 
+def test_the_critics_hand_written_peer_computes_the_same_function(tmp_path):
+    """The critics' inference case has the hand-written stack beside the fused plan (the
+    row issue 26 compares with), computing the model's function."""
+    code, report, _ = _run(tmp_path, "--models", "critic_ensemble")
+    inference = report["cases"][0]
+    rows = {row["name"]: row for row in inference["rows"]}
+    hand = rows["stacked baddbmm (hand-written)"]
+    assert hand["status"] == "ok" and hand["max_abs_err"] < 1e-5 and hand["samples_ms"]
+    assert rows["streamsched serial"]["info"]["fused_groups"] > 0
+
+
 def test_peers_of_the_reference_case_compute_the_same_function(tmp_path):
     code, report, _ = _run(tmp_path, "--models", "parallel_fcn")
     inference = report["cases"][0]

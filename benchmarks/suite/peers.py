@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from benchmarks.zoo import CriticEnsemble, GroupedConvFCN, ParallelFCN, StackedFCN
+from benchmarks.zoo import CriticEnsemble, GroupedConvFCN, HandStackedCritics, ParallelFCN, StackedFCN
 from streamsched import StreamScheduledModule
 from streamsched.testing import last_path
 
@@ -153,8 +153,11 @@ def vmap_ensemble(case: BuiltCase, ctx: SuiteContext) -> list[Variant]:
 
 @peer("hand-written rewrites")
 def hand_rewrites(case: BuiltCase, ctx: SuiteContext) -> list[Variant]:
-    """The reference case's well-known rewrites: two grouped Conv1d, two baddbmm."""
+    """The reference case's well-known rewrites: two grouped Conv1d, two baddbmm; for the
+    critics (inference) three ``baddbmm`` over weights stacked ``[n, in, out]``."""
     model = case.model
+    if isinstance(model, CriticEnsemble):
+        return [Variant("stacked baddbmm (hand-written)", call=HandStackedCritics(model).to(case.device))]
     if not isinstance(model, ParallelFCN):
         return []
     grouped = GroupedConvFCN(model).to(case.device).eval()

@@ -4,7 +4,7 @@ intra-op thread, min over interleaved rounds:
 
     .venv/bin/python profiles/cpu/transposed-layout/fused_vs_hand.py
 
-``CriticEnsemble(32)`` at 16 rows against ``call_overhead_micro.HandStackedCritics``
+``CriticEnsemble(32)`` at 16 rows against ``benchmarks.zoo.HandStackedCritics``
 (weights stored ``[N, in, out]``), ``ParallelFCN(1000)`` at 1, 16 and 64 rows against
 ``StackedFCN``. To time another tree, put it first on ``sys.path`` (see the README).
 """
@@ -22,10 +22,9 @@ ROOT = Path(__file__).resolve().parents[3]
 sys.path.append(str(ROOT))
 sys.path.append(str(ROOT / "benchmarks"))
 
-from call_overhead_micro import HandStackedCritics  # noqa: E402
 
 import streamsched as ss  # noqa: E402
-from benchmarks.zoo import CriticEnsemble, ParallelFCN, StackedFCN  # noqa: E402
+from benchmarks.zoo import CriticEnsemble, HandStackedCritics, ParallelFCN, StackedFCN  # noqa: E402
 from streamsched.testing import last_path  # noqa: E402
 
 
