@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layout import SHARED, STACK, TRANSPOSED, Layout, aligned_stack, fold, to_fold, to_stack, to_transposed
+from .layout import SHARED, STACK, TRANSPOSED, Layout, aligned_stack, fold, to_fold, to_stack, transposer
 from .params import StackedTensors
 from .stacked import StackedParameter
 from .stacked import grad_sink as _grad_sink
@@ -334,14 +334,6 @@ def _rows_last_wide(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor])
     return torch.mm(w, x.t()) if b is None else torch.addmm(b, w, x.t())
 
 
-def _transpose_1_2(x: torch.Tensor) -> torch.Tensor:
-    return x.transpose(1, 2)
-
-
-def _same(x: torch.Tensor) -> torch.Tensor:
-    return x
-
-
 def _rows_last_bmm(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
     """``w @ x (+ b)``: ``x`` ``[N, in, rows]``, ``w`` ``[N, out, in]``, ``b`` ``[N, out, 1]``."""
     return torch.bmm(w, x) if b is None else torch.baddbmm(b, w, x)
@@ -364,7 +356,7 @@ class LinearKernel(FusedKernel):
         """``transposed``: return the ``TRANSPOSED`` layout (2-d members; the builder's
         choice, see ``builders.transposed_output``). A ``TRANSPOSED`` input is read as it
         is either way; a stacked one, or one folded along the features, is then read as a
-        transposed view (:func:`~streamsched.passes.fusion.layout.to_transposed`)."""
+        transposed view (:func:`~streamsched.passes.fusion.layout.transposer`)."""
         shared = in_layout == SHARED
         rows_last = in_layout == TRANSPOSED
         if transposed or rows_last:
@@ -396,16 +388,15 @@ class LinearKernel(FusedKernel):
         transposed = self.out_layout == TRANSPOSED
         # view_of: the same views as before, kept between calls when no gradient is routed.
         if self.in_layout == SHARED:
+            w = weight.view_of(grad, torch.Tensor.reshape, n * fout, fin)
             if transposed and not grad:
-                w = weight.view_of(grad, torch.Tensor.reshape, n * fout, fin)
                 b = bias.view_of(grad, torch.Tensor.reshape, n * fout, 1) if bias is not None else None
                 return _rows_last_wide(x, w, b).view(n, fout, self.in_shape[0])
-            w = weight.view_of(grad, torch.Tensor.reshape, n * fout, fin)
             y = F.linear(x, w, bias.view_of(grad, torch.Tensor.reshape, n * fout) if bias is not None else None)
             return y.view(self.in_shape[0], n, fout).permute(1, 2, 0) if transposed else y
         if (self.in_layout == TRANSPOSED or transposed) and not grad:
             w = weight.view_of(grad, torch.Tensor.view, n, fout, fin)
-            xt = to_transposed(x, self.in_layout, n, self.in_shape)
+            xt = transposer(self.in_layout, n, self.in_shape)(x)
             y = _rows_last_bmm(xt, w, bias.view_of(grad, torch.Tensor.unsqueeze, 2) if bias is not None else None)
             return y if transposed else y.transpose(1, 2).contiguous()
         xs = to_stack(x, self.in_layout, n, self.in_shape)
@@ -497,22 +488,12 @@ class LinearKernel(FusedKernel):
         for_grad, rows_last = _stacked_linear, _rows_last_bmm
         transposed = self.out_layout == TRANSPOSED
         layout, in_shape = self.in_layout, self.in_shape
-        rows = in_shape[0]
-        if layout == TRANSPOSED:
-            as_rows_last, as_stack = _same, _transpose_1_2
-        elif layout == STACK:
-            as_rows_last, as_stack = _transpose_1_2, _same
-        else:  # fold(1): [rows, N * in]
-
-            def as_rows_last(x: torch.Tensor) -> torch.Tensor:
-                return x.reshape(rows, n, fin).permute(1, 2, 0)
-
-            def as_stack(x: torch.Tensor) -> torch.Tensor:
-                return x.reshape(rows, n, fin).transpose(0, 1)
+        as_rows_last = transposer(layout, n, in_shape)
 
         def rows_last_bmm(x: torch.Tensor) -> torch.Tensor:
-            if is_grad():
-                y = for_grad(as_stack(x), weight.leaf_value(True), bias.leaf_value(True) if bias is not None else None)
+            if is_grad():  # (a plan with autograd keeps the stacked layouts: never on its path)
+                xs = to_stack(x, layout, n, in_shape)
+                y = for_grad(xs, weight.leaf_value(True), bias.leaf_value(True) if bias is not None else None)
                 return y.transpose(1, 2) if transposed else y
             if weight.stack is not kept[0] or bsrc.stack is not kept[1]:
                 w, b = views(False)

@@ -55,14 +55,35 @@ def to_stack(x: torch.Tensor, layout: Layout, n: int, shape: tuple[int, ...]) ->
     return x.expand((n,) + tuple(shape))
 
 
-def to_transposed(x: torch.Tensor, layout: Layout, n: int, shape: tuple[int, ...]) -> torch.Tensor:
-    """``[N, shape[1], shape[0]]`` (2-d members) from any layout: a ``TRANSPOSED`` value
-    as it is, else a view of its stack where the memory allows."""
+def transposer(layout: Layout, n: int, shape: tuple[int, ...]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The function that reads a value of ``layout`` as ``[N, shape[1], shape[0]]`` (2-d
+    members), chosen once for a kernel: a ``TRANSPOSED`` value as it is, a stack or a
+    fold of the features as one view, anything else as a view of its stack where the
+    memory allows."""
     if layout == TRANSPOSED:
-        return x
-    if layout == ("fold", 1):
-        return x.reshape(shape[0], n, shape[1]).permute(1, 2, 0)
-    return to_stack(x, layout, n, shape).transpose(1, 2)
+        return _as_is
+    if layout == STACK:
+        return _swap_last_two
+    rows, features = shape
+    if layout == ("fold", 1):  # [rows, N * features]
+
+        def fold_transposed(x: torch.Tensor) -> torch.Tensor:
+            return x.reshape(rows, n, features).permute(1, 2, 0)
+
+        return fold_transposed
+
+    def transposed(x: torch.Tensor) -> torch.Tensor:
+        return to_stack(x, layout, n, shape).transpose(1, 2)
+
+    return transposed
+
+
+def _as_is(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _swap_last_two(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(1, 2)
 
 
 def to_fold(x: torch.Tensor, layout: Layout, n: int, shape: tuple[int, ...], dim: int) -> torch.Tensor:
