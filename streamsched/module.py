@@ -27,6 +27,7 @@ from typing_extensions import Unpack
 
 from . import _generation
 from .config import SchedulerConfig, SchedulerOptions, make_config
+from .hot_plans import MISS
 from .optim import fused_parameters
 from .passes.fusion import FusionContext
 from .planning.plan import Plan
@@ -310,8 +311,16 @@ class StreamScheduledModule(nn.Module):
             and not _tracing_state()
         ):
             st = self._ss
-            settled = st.settled
             generation = _generation._generation
+            hot = st.hot_plans
+            if hot is not None and hot.generation == generation:
+                # A signature whose plan runs as one function (hot_plans.py).
+                found = hot.admits(args, kwargs, hot.sizes)
+                if found:
+                    out = self._runner.hot(found, args)
+                    if out is not MISS:
+                        return out
+            settled = st.settled
             found = None
             if settled is not None and settled.generation == generation:
                 found = settled.admits(args, kwargs, settled.sizes)

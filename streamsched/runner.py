@@ -38,6 +38,7 @@ from .frontend.leafcalls import counting_dispatch
 from .frontend.opaque_outputs import OpaqueOutputChanged
 from .frontend.trace import Traced, dtypes_same
 from .frontend.trace_guard import autocast_state
+from .hot_plans import MISS, HotEntry, HotPlans, hot_eligible
 from .nesting import NestedPlans
 from .nesting_trial import PLAIN, NestingTrial
 from .new_signatures import _as_written_plan, baked_value_assigned, new_signature, revalidate, sizeless_key
@@ -261,9 +262,19 @@ class Runner:
         if entry is None:
             return new_signature(self, key, spec, tensors, args, kwargs)
         st.last = entry
+        repeated = hot is not None and hot[1] is entry
         st.hot = (key, entry)
         if st.counting and not entry.as_written:
             st.stop_counting()
+        if (
+            not kwargs
+            and spec is st.tensors_spec
+            and len(args) == st.tensors_arity
+            and not inside_model_call
+            and hot_eligible(entry, st.observer)
+            and all_plain_tensors(args)
+        ):
+            self.make_hot(key, entry, args, repeated)
         if entry.runs_models_code and not entry.as_written:
             # Code of the model's ran inside the call: an attribute the trace baked in
             # assigned by it is read stale from then on (check_written_state).
@@ -273,6 +284,67 @@ class Runner:
                 self.check_written_state()
             return out
         return self.run_entry(entry, key, spec, tensors, args, kwargs, inside_model_call)
+
+    def make_hot(self, key: Any, entry: Compiled, args: tuple, repeated: bool) -> None:
+        """Let later calls of ``entry``'s layout and shapes take the shortcut
+        (``hot_plans``). The table is per layout: one of another layout (the grad mode
+        or autocast switched) replaces it only when the call repeats the previous one's
+        signature, so that layouts alternating call by call do not rebuild it each time."""
+        st = self.st
+        table = st.hot_plans
+        generation = _generation.current()
+        if table is None or table.generation != generation:
+            table = st.hot_plans = HotPlans(generation, args)
+        elif not table.admits(args, {}, None):
+            if not repeated:
+                return
+            table = st.hot_plans = HotPlans(generation, args)
+        table.add(args, HotEntry(entry, key))
+
+    def hot(self, found: HotEntry, args: tuple) -> Any:
+        """A call the hot table admitted (``StreamScheduledModule.__call__``): its plan's
+        function, as :meth:`call` and :meth:`run` would run it, or ``MISS`` where the state
+        the full path checks has changed (the caller then takes it)."""
+        st = self.st
+        compiled = found.compiled
+        direct = compiled.direct
+        probe = st.probe
+        if (
+            direct is not found.direct
+            or direct[0] is not compiled.verdict
+            or st.state_written is not None
+            or st.churned_until > st.calls
+            or _saved_tensors_hooks(False) is not None
+            or (direct[2] is not None and direct[2]())
+            or (probe is not None and (probe.dtype, probe.device) != st.probed)
+            or (st.dtype_probes and not dtypes_same(st.dtype_probes))
+        ):
+            return MISS
+        with st.lock:
+            try:
+                st.plans.move_to_end(found.key)  # its recency, as the full path's lookup keeps it
+            except KeyError:
+                st.hot_plans = None  # evicted: the full path plans it again
+                return MISS
+            guard = compiled.program.stack_guard
+            try:
+                if guard is not None:
+                    guard.check()
+                st.calls += 1
+                st.last = compiled
+                st.hot = found.pair
+                st.last_path = "plan:serial"
+                try:
+                    return compiled.rebuild(direct[1](list(args)))
+                except Exception as exc:
+                    self.annotate(exc, compiled.program)
+                    self.annotate(exc)
+                    raise
+            except FusedMembersReshaped as exc:
+                # As run_entry: the stacks' check raised before any task ran.
+                log.info("streamsched: %s; re-planning", exc)
+                self.retrace()
+                return self.call(args, {}, False)
 
     def run_entry(
         self,

@@ -290,6 +290,9 @@ class WrapperState:
         # every call, an optional argument passed every other call).
         self.settled: Optional[SettledCalls] = None
         self.settled_more: tuple = ()
+        # Shapes of one layout whose plans run as one function (hot_plans.py): checked
+        # first on every call.
+        self.hot_plans: Any = None
         # Whether a settled layout counts its call structure's new sizes (stop_counting).
         self.counting = False
         self.lock = threading.RLock()
@@ -466,6 +469,7 @@ class WrapperState:
         """Forget every settled layout: the next calls take the full path."""
         self.settled = None
         self.settled_more = ()
+        self.hot_plans = None
 
     def _nested_site(self) -> Optional[str]:
         return self.nested.current_path() if self.nested is not None else None

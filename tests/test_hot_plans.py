@@ -1,0 +1,283 @@
+"""Calls of a signature whose plan runs as one generated function take the shortcut of
+``hot_plans.py``: no binding, plan key or LRU lookup. Everything the full path would
+decide otherwise sends the call back to it. Each test counts the full path's calls
+(``Runner.call``) to tell which way a call went, and compares with eager on fresh inputs."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import streamsched as ss
+from streamsched.hot_plans import MAX_HOT_SHAPES
+from streamsched.runner import Runner
+from streamsched.testing import assert_path
+
+from .helpers import assert_close
+from .test_transposed_layout import Ensemble
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
+
+@pytest.fixture
+def full_calls(monkeypatch) -> list:
+    """Appends one entry per call that took the full path."""
+    calls: list = []
+    full = Runner.call
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return full(self, *args, **kwargs)
+
+    monkeypatch.setattr(Runner, "call", counted)
+    return calls
+
+
+def _hot(rows: int = 4, grad: bool = False, **options) -> tuple[nn.Module, ss.StreamScheduledModule]:
+    """An ensemble and its wrapper, called until its signature at ``rows`` rows (under
+    grad mode ``grad``) is hot."""
+    torch.manual_seed(0)
+    model = Ensemble(n=4, fin=5, hidden=6, fout=2).eval()
+    sm = ss.StreamScheduledModule(copy.deepcopy(model), **{"executor": "serial", **options})
+    with torch.set_grad_enabled(grad):
+        for _ in range(3):
+            x = torch.randn(rows, 5)
+            assert_close(sm(x), model(x))
+    assert_path(sm, "plan:serial")
+    assert sm._ss.hot_plans is not None
+    return model, sm
+
+
+def _fresh_calls_equal_eager(
+    sm, model, rows: int = 4, calls: int = 3, path: str = "plan:serial", grad: bool = False, dtype=torch.float32
+) -> None:
+    with torch.set_grad_enabled(grad):
+        for _ in range(calls):
+            x = torch.randn(rows, 5, dtype=dtype)
+            y = sm(x)
+            assert_path(sm, path)
+            assert_close(y, model(x))
+            assert y.dtype == dtype
+
+
+def test_a_hot_signature_skips_the_full_path(full_calls):
+    model, sm = _hot()
+    full_calls.clear()
+    _fresh_calls_equal_eager(sm, model, calls=10)
+    assert full_calls == []
+    assert "fused" in str(sm.plan)  # what sm.plan reports is the plan that ran
+    # Another layout (the grad mode): recorded, planned, then hot in place of the first
+    # (it repeats its previous call's signature).
+    _fresh_calls_equal_eager(sm, model, calls=1, grad=True, path="recorded")
+    _fresh_calls_equal_eager(sm, model, calls=2, grad=True)
+    assert len(full_calls) == 3
+    _fresh_calls_equal_eager(sm, model, calls=5, grad=True)
+    assert len(full_calls) == 3
+
+
+def test_the_fused_weights_written_between_calls_are_read(full_calls):
+    model, sm = _hot()
+    full_calls.clear()
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), sm.module.parameters()):
+            p.mul_(1.5)
+            q.mul_(1.5)  # in place: the stacks are the members' storage
+    _fresh_calls_equal_eager(sm, model)
+    assert full_calls == []
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), sm.module.parameters()):
+            new = torch.randn_like(p)
+            p.data = new
+            q.data = new.clone()  # another storage: the stacks' guard re-stacks
+    _fresh_calls_equal_eager(sm, model)
+
+
+class _Observer:
+    def __init__(self):
+        self.tasks: list = []
+
+    def push(self, task, stream):
+        self.tasks.append(task)
+
+    def pop(self, task, stream):
+        pass
+
+
+@pytest.mark.filterwarnings("ignore::streamsched.errors.HooksWarning")  # (a global hook's: tested elsewhere)
+@pytest.mark.parametrize(
+    "change", ["forward hook", "global hook", "swapped child", "train mode", "cast", "invalidate", "verdict"]
+)
+def test_what_the_full_path_would_decide_otherwise_sends_the_call_to_it(full_calls, change):
+    model, sm = _hot()
+    full_calls.clear()
+    seen: list = []
+    handle = None
+    path, dtype = "plan:serial", torch.float32
+    if change == "forward hook":
+        handle = sm.module.towers[1].l2.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+        path = ("plan:serial", "as-written", "recorded")
+    elif change == "global hook":
+        handle = nn.modules.module.register_module_forward_hook(lambda m, i, o: seen.append(type(m)))
+        path = ("as-written",)
+    elif change == "swapped child":
+        for m in (model, sm.module):
+            m.towers[2].a2 = nn.Sigmoid()
+        path = ("recorded", "plan:serial")
+    elif change == "train mode":
+        for m in (model, sm.module):
+            m.towers[0].a1 = nn.Dropout(0.0)
+            m.train()
+        path = ("recorded", "plan:serial")
+    elif change == "cast":
+        model.double()
+        sm.module.double()
+        dtype = torch.float64
+        path = ("recorded", "plan:serial")
+    elif change == "invalidate":
+        sm.invalidate()
+        path = ("recorded", "plan:serial")
+    elif change == "verdict":
+        sm._ss.last.run_as_written("a test's decision")
+        path = ("as-written",)
+    try:
+        with torch.no_grad():
+            for _ in range(3):
+                x = torch.randn(4, 5, dtype=dtype)
+                y = sm(x)
+                assert_path(sm, *path)
+                assert_close(y, model(x))
+                assert y.dtype == dtype
+        assert full_calls, "the change went unnoticed: the stale plan ran"
+        if change in ("forward hook", "global hook"):
+            assert seen, "the hook never fired"
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+def test_an_observed_call_takes_the_full_path(full_calls):
+    model, sm = _hot()
+    full_calls.clear()
+    observer = _Observer()
+    with torch.no_grad(), sm.observing(observer):
+        x = torch.randn(4, 5)
+        assert_close(sm(x), model(x))
+    assert observer.tasks, "the observer saw no task"
+    assert len(full_calls) == 1
+
+
+def test_a_call_inside_activation_checkpointing_runs_as_written(full_calls):
+    model, sm = _hot(grad=True)
+    full_calls.clear()
+    x = torch.randn(4, 5)  # the hot layout: grad mode on, the input without grad
+    y = checkpoint(sm, x, use_reentrant=False)
+    assert_path(sm, "as-written")
+    y.sum().backward()
+    model(x).sum().backward()
+    for p, q in zip(model.parameters(), sm.module.parameters()):
+        assert_close(q.grad, p.grad)
+    assert full_calls, "the checkpoint's saved-tensor hooks went unnoticed"
+
+
+class _CastsToItsWeights(nn.Module):
+    """Casts its input to its weights' dtype (the trace bakes that dtype in), then runs
+    two heads."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(5, 3)
+        self.b = nn.Linear(5, 3)
+
+    def forward(self, x):
+        x = x.to(self.a.weight.dtype)
+        return self.a(x).sum(1) + self.b(x).sum(1)
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
+def test_a_model_cast_after_its_plan_went_hot_is_traced_again(full_calls, fuse):
+    torch.manual_seed(0)
+    model = _CastsToItsWeights().eval()
+    sm = ss.StreamScheduledModule(copy.deepcopy(model), executor="serial", fuse=fuse)
+    _fresh_calls_equal_eager(sm, model, calls=1, path="recorded")
+    _fresh_calls_equal_eager(sm, model, calls=3)
+    assert sm._ss.hot_plans is not None
+    assert (sm._ss.last.program.stack_guard is not None) is fuse  # no stacks' guard to notice
+    full_calls.clear()
+    model.double()
+    sm.module.double()
+    with torch.no_grad():
+        x = torch.randn(4, 5)  # the hot layout: only the weights were cast
+        y = sm(x)
+        assert_path(sm, "recorded")
+        assert y.dtype == torch.float64
+        assert_close(y, model(x))
+    assert full_calls
+
+
+def test_shapes_each_hot_and_the_table_bounded(full_calls):
+    model, sm = _hot()
+    for rows in (2, 3, 5):  # each recorded, planned, then hot
+        _fresh_calls_equal_eager(sm, model, rows=rows, calls=1, path="recorded")
+        _fresh_calls_equal_eager(sm, model, rows=rows, calls=2)
+    full_calls.clear()
+    for _ in range(2):
+        for rows in (4, 2, 3, 5):
+            _fresh_calls_equal_eager(sm, model, rows=rows, calls=1)
+    assert full_calls == []
+    for rows in range(6, 6 + MAX_HOT_SHAPES):
+        _fresh_calls_equal_eager(sm, model, rows=rows, calls=1, path="recorded")
+        _fresh_calls_equal_eager(sm, model, rows=rows, calls=1)
+    assert len(sm._ss.hot_plans.sizes) <= MAX_HOT_SHAPES
+
+
+def test_an_evicted_plan_is_planned_again_not_run_from_the_table(full_calls):
+    model, sm = _hot(plan_cache_size=1)
+    _fresh_calls_equal_eager(sm, model, rows=7, calls=1, path="recorded")  # evicts rows=4's plan
+    _fresh_calls_equal_eager(sm, model, rows=7, calls=2)
+    full_calls.clear()
+    _fresh_calls_equal_eager(sm, model, rows=4, calls=1, path="recorded")
+    assert full_calls
+
+
+def test_a_layout_switched_every_call_does_not_rebuild_the_table(full_calls):
+    model, sm = _hot()
+    _fresh_calls_equal_eager(sm, model, calls=1, grad=True, path="recorded")
+    table = sm._ss.hot_plans
+    for i in range(6):
+        _fresh_calls_equal_eager(sm, model, calls=1, grad=bool(i % 2))
+    assert sm._ss.hot_plans is table
+
+
+def test_a_bad_input_gets_the_full_paths_error_and_the_next_call_works():
+    model, sm = _hot()
+    with torch.no_grad():
+        with pytest.raises(RuntimeError):
+            sm(torch.randn(4, 6))  # another shape: the full path, which names the problem
+    _fresh_calls_equal_eager(sm, model)
+
+
+def test_threads_calling_one_hot_wrapper_each_get_their_own_result():
+    model, sm = _hot()
+    errors: list = []
+
+    def worker(seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        try:
+            with torch.no_grad():
+                for _ in range(50):
+                    x = torch.randn(4, 5, generator=g)
+                    assert_close(sm(x), model(x))
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
