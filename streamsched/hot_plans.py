@@ -51,15 +51,17 @@ MAX_HOT_SHAPES = 16
 
 class HotEntry:
     """One hot shape: its plan (a ``state.Compiled``), the ``direct`` tuple it ran by when
-    it was registered, its key in the wrapper's plan cache, and ``(key, compiled)``: what
-    the full path keeps of the previous call (``WrapperState.hot``)."""
+    it was registered, its key in the wrapper's plan cache, the cache's count of moves
+    when it was last moved to the end there (``LRU.moves``), and ``(key, compiled)``:
+    what the full path keeps of the previous call (``WrapperState.hot``)."""
 
-    __slots__ = ("compiled", "direct", "key", "pair")
+    __slots__ = ("compiled", "direct", "key", "moves", "pair")
 
     def __init__(self, compiled: Any, key: Any):
         self.compiled = compiled
         self.direct = compiled.direct
         self.key = key
+        self.moves = -1
         self.pair = (key, compiled)
 
 

@@ -321,11 +321,16 @@ class Runner:
         ):
             return MISS
         with st.lock:
-            try:
-                st.plans.move_to_end(found.key)  # its recency, as the full path's lookup keeps it
-            except KeyError:
-                st.hot_plans = None  # evicted: the full path plans it again
-                return MISS
+            plans = st.plans
+            if plans.moves != found.moves:
+                # Its recency, as the full path's lookup keeps it (moved last already where
+                # no entry moved since).
+                try:
+                    plans.move_to_end(found.key)
+                except KeyError:
+                    st.hot_plans = None  # evicted: the full path plans it again
+                    return MISS
+                found.moves = plans.moves
             guard = compiled.program.stack_guard
             try:
                 if guard is not None:

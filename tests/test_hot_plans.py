@@ -244,6 +244,15 @@ def test_an_evicted_plan_is_planned_again_not_run_from_the_table(full_calls):
     assert full_calls
 
 
+def test_a_hot_plan_stays_in_the_cache_while_other_sizes_come_and_go(full_calls):
+    model, sm = _hot(plan_cache_size=2)
+    for rows in (7, 8, 9, 10):
+        _fresh_calls_equal_eager(sm, model, rows=rows, calls=1, path="recorded")
+        _fresh_calls_equal_eager(sm, model, rows=4, calls=1)  # kept the most recent: never recorded again
+        _fresh_calls_equal_eager(sm, model, rows=rows, calls=1)  # planned (the cache's least recent goes)
+        _fresh_calls_equal_eager(sm, model, rows=4, calls=1)
+
+
 def test_a_layout_switched_every_call_does_not_rebuild_the_table(full_calls):
     model, sm = _hot()
     _fresh_calls_equal_eager(sm, model, calls=1, grad=True, path="recorded")

@@ -425,3 +425,24 @@ def test_the_stacked_kernels_backward_gives_its_matmuls_unit_strides_on_size_one
     assert mode.seen and not mode.odd, mode.odd
     expected = torch.autograd.grad(torch.baddbmm(b.unsqueeze(1), xs, w.transpose(1, 2)), (xs, w, b), grad)
     assert_close([gx, gw, gb], list(expected))
+
+
+def test_the_fresh_one_feature_gather_restrides_only_a_value_without_autograd():
+    """The gather of a one-feature transposed kernel result nothing else reads restrides it
+    in place (no view for the caller's copy to detach); a result that takes a gradient
+    (the kernel's autograd branch) is viewed, as autograd requires."""
+    from streamsched.passes.fusion.layout import specialise_gather, stack_members
+
+    n, rows = 3, 5
+    gather = specialise_gather(stack_members, (TRANSPOSED, n, (rows, 1), 0), True)
+    x = torch.randn(n, 1, rows)
+    expected = x.transpose(1, 2).clone()
+    y = gather(x)
+    assert y is x and not y._is_view()
+    assert_close(y, expected)
+    w = torch.randn(n, 1, rows, requires_grad=True)
+    y = gather(w * 2)
+    assert y._is_view()
+    weights = torch.randn(n, rows, 1)
+    (y * weights).sum().backward()
+    assert_close(w.grad, 2 * weights.transpose(1, 2))
