@@ -303,24 +303,24 @@ class Runner:
 
     def hot(self, found: HotEntry, args: tuple) -> Any:
         """A call the hot table admitted (``StreamScheduledModule.__call__``): its plan's
-        function, as :meth:`call` and :meth:`run` would run it, or ``MISS`` where the state
-        the full path checks has changed (the caller then takes it)."""
+        function, as :meth:`call` and :meth:`run` would run it, under the lock, or ``MISS``
+        where the state the full path checks has changed (the caller then takes it)."""
         st = self.st
         compiled = found.compiled
-        direct = compiled.direct
-        probe = st.probe
-        if (
-            direct is not found.direct
-            or direct[0] is not compiled.verdict
-            or st.state_written is not None
-            or st.churned_until > st.calls
-            or _saved_tensors_hooks(False) is not None
-            or (direct[2] is not None and direct[2]())
-            or (probe is not None and (probe.dtype, probe.device) != st.probed)
-            or (st.dtype_probes and not dtypes_same(st.dtype_probes))
-        ):
-            return MISS
         with st.lock:
+            direct = compiled.direct
+            probe = st.probe
+            if (
+                direct is not found.direct
+                or direct[0] is not compiled.verdict
+                or st.state_written is not None
+                or st.churned_until > st.calls
+                or _saved_tensors_hooks(False) is not None
+                or (direct[2] is not None and direct[2]())
+                or (probe is not None and (probe.dtype, probe.device) != st.probed)
+                or (st.dtype_probes and not dtypes_same(st.dtype_probes))
+            ):
+                return MISS
             plans = st.plans
             if plans.moves != found.moves:
                 # Its recency, as the full path's lookup keeps it (moved last already where
