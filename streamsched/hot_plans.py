@@ -85,17 +85,16 @@ class HotPlans:
 
 
 def hot_eligible(compiled: Any, observer: Any) -> bool:
-    """Whether calls of ``compiled`` may take the shortcut: it runs by the serial program's
-    one function under its current verdict, with nothing for the full path to do around
-    it (no output checks, trial, model code run inside, or aliasing-dependent order)."""
-    if compiled.as_written or observer is not None:  # (an AsWritten record has no program)
-        return False
-    direct = compiled.direct
-    return (
-        direct is not None
-        and direct[0] is compiled.verdict
-        and not compiled.checks
-        and compiled.trial is None
-        and not compiled.runs_models_code
-        and compiled.alias_pattern is None
+    """Whether calls of ``compiled`` may take the shortcut, as far as the plan goes: a plan
+    (not a record of calls run as written) with nothing for the full path to do around
+    its program (no observer, output checks, trial, model code run inside, or
+    aliasing-dependent order). What may change from call to call is
+    ``Runner.hot_state_holds``'s."""
+    return not (
+        compiled.as_written  # (an AsWritten record has no program)
+        or observer is not None
+        or compiled.checks
+        or compiled.trial is not None
+        or compiled.runs_models_code
+        or compiled.alias_pattern is not None
     )

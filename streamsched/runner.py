@@ -273,6 +273,7 @@ class Runner:
             and not inside_model_call
             and hot_eligible(entry, st.observer)
             and all_plain_tensors(args)
+            and self.hot_state_holds(entry)
         ):
             self.make_hot(key, entry, args, repeated)
         if entry.runs_models_code and not entry.as_written:
@@ -301,6 +302,27 @@ class Runner:
             table = st.hot_plans = HotPlans(generation, args)
         table.add(args, HotEntry(entry, key))
 
+    def hot_state_holds(self, compiled: Compiled) -> bool:
+        """Whether the state the full path reads on every call lets a call of ``compiled``
+        run its plan's one function (``Runner.direct``): its verdict unchanged since the
+        function was chosen, no state written by an earlier call, no churn window, no
+        saved-tensor hooks (activation checkpointing runs the forward as written), no NVTX
+        tool listening, the model neither moved nor cast, the dtypes the traces read
+        unchanged."""
+        st = self.st
+        direct = compiled.direct
+        probe = st.probe
+        return not (
+            direct is None
+            or direct[0] is not compiled.verdict
+            or st.state_written is not None
+            or st.churned_until > st.calls
+            or _saved_tensors_hooks(False) is not None
+            or (direct[2] is not None and direct[2]())
+            or (probe is not None and (probe.dtype, probe.device) != st.probed)
+            or (st.dtype_probes and not dtypes_same(st.dtype_probes))
+        )
+
     def hot(self, found: HotEntry, args: tuple) -> Any:
         """A call the hot table admitted (``StreamScheduledModule.__call__``): its plan's
         function, as :meth:`call` and :meth:`run` would run it, under the lock, or ``MISS``
@@ -309,17 +331,11 @@ class Runner:
         compiled = found.compiled
         with st.lock:
             direct = compiled.direct
-            probe = st.probe
-            if (
-                direct is not found.direct
-                or direct[0] is not compiled.verdict
-                or st.state_written is not None
-                or st.churned_until > st.calls
-                or _saved_tensors_hooks(False) is not None
-                or (direct[2] is not None and direct[2]())
-                or (probe is not None and (probe.dtype, probe.device) != st.probed)
-                or (st.dtype_probes and not dtypes_same(st.dtype_probes))
-            ):
+            if direct is not found.direct or not self.hot_state_holds(compiled):
+                # Dropped: a lasting change (an NVTX tool listening) would otherwise cost
+                # every call this check before the full path; the full path registers the
+                # signature again once the state allows (make_hot).
+                st.hot_plans = None
                 return MISS
             plans = st.plans
             if plans.moves != found.moves:

@@ -182,6 +182,12 @@ def test_a_call_inside_activation_checkpointing_runs_as_written(full_calls):
     for p, q in zip(model.parameters(), sm.module.parameters()):
         assert_close(q.grad, p.grad)
     assert full_calls, "the checkpoint's saved-tensor hooks went unnoticed"
+    # The table was dropped (a lasting state would cost each call the check before the
+    # full path); the next call outside the region registers the signature again.
+    assert sm._ss.hot_plans is None
+    full_calls.clear()
+    _fresh_calls_equal_eager(sm, model, calls=3, grad=True)
+    assert len(full_calls) == 1 and sm._ss.hot_plans is not None
 
 
 class _CastsToItsWeights(nn.Module):
@@ -290,3 +296,17 @@ def test_threads_calling_one_hot_wrapper_each_get_their_own_result():
     for t in threads:
         t.join()
     assert errors == []
+
+
+def test_a_lasting_state_the_shortcut_cannot_take_leaves_no_table(full_calls):
+    """While something the shortcut must not skip holds (here an NVTX tool listening, as
+    ``Runner.direct``'s third field reports it), the signature is not registered again
+    after the table is dropped: each call would pay the check before the full path."""
+    model, sm = _hot()
+    compiled = sm._ss.last
+    verdict, program, _ = compiled.direct
+    compiled.direct = (verdict, program, lambda: True)
+    full_calls.clear()
+    _fresh_calls_equal_eager(sm, model, calls=4)
+    assert len(full_calls) == 4
+    assert sm._ss.hot_plans is None
