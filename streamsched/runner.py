@@ -288,15 +288,17 @@ class Runner:
 
     def make_hot(self, key: Any, entry: Compiled, args: tuple, repeated: bool) -> None:
         """Let later calls of ``entry``'s layout and shapes take the shortcut
-        (``hot_plans``). The table is per layout: one of another layout (the grad mode
-        or autocast switched) replaces it only when the call repeats the previous one's
-        signature, so that layouts alternating call by call do not rebuild it each time."""
+        (``hot_plans``). The table is per layout and generation: one of another layout
+        (the grad mode or autocast switched) or made at an older generation (a mode
+        switched, ``.train()`` / ``.eval()``) is replaced only when the call repeats the
+        previous one's signature, so that layouts or modes alternating call by call do
+        not rebuild it on each call."""
         st = self.st
         table = st.hot_plans
         generation = _generation.current()
-        if table is None or table.generation != generation:
+        if table is None:
             table = st.hot_plans = HotPlans(generation, args)
-        elif not table.admits(args, {}, None):
+        elif table.generation != generation or not table.admits(args, {}, None):
             if not repeated:
                 return
             table = st.hot_plans = HotPlans(generation, args)

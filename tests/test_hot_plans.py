@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import streamsched as ss
-from streamsched.hot_plans import MAX_HOT_SHAPES
+from streamsched.hot_plans import MAX_HOT_SHAPES, HotPlans
 from streamsched.runner import Runner
 from streamsched.testing import assert_path
 
@@ -60,7 +60,7 @@ def _fresh_calls_equal_eager(
         for _ in range(calls):
             x = torch.randn(rows, 5, dtype=dtype)
             y = sm(x)
-            assert_path(sm, path)
+            assert_path(sm, *((path,) if isinstance(path, str) else path))
             assert_close(y, model(x))
             assert y.dtype == dtype
 
@@ -266,6 +266,30 @@ def test_a_layout_switched_every_call_does_not_rebuild_the_table(full_calls):
     for i in range(6):
         _fresh_calls_equal_eager(sm, model, calls=1, grad=bool(i % 2))
     assert sm._ss.hot_plans is table
+
+
+def test_modes_switched_every_call_do_not_rebuild_the_table(monkeypatch, full_calls):
+    model, sm = _hot()
+    made = []
+    original = HotPlans.__init__
+
+    def counted(self, *args, **kwargs):
+        made.append(1)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(HotPlans, "__init__", counted)
+    for i in range(8):
+        sm.train(i % 2 == 0)
+        model.train(i % 2 == 0)
+        _fresh_calls_equal_eager(sm, model, calls=1, path=("recorded", "plan:serial"))
+    assert made == []
+    sm.eval()
+    model.eval()
+    _fresh_calls_equal_eager(sm, model, calls=3)  # one mode again: hot from its second call
+    assert len(made) == 1
+    full_calls.clear()
+    _fresh_calls_equal_eager(sm, model, calls=3)
+    assert full_calls == []
 
 
 def test_a_bad_input_gets_the_full_paths_error_and_the_next_call_works():
