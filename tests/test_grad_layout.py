@@ -153,30 +153,42 @@ def test_torch_func_grad_through_frozen_fused_weights():
 
 
 @pytest.mark.parametrize(
-    "case, weight_major",
-    # ParallelFCN: both layers narrow (10, 1 outputs over 32 rows); the critics' hidden
-    # layer is wide (24 outputs over 5 rows), their last one narrow (1 output) but over
-    # fewer than 32 rows, where the copy's extra ops cost more than the orientation gains.
-    [("parallel-fcn", [True, True]), ("critics", [False, False])],
+    "case, products",
+    # ParallelFCN: both layers narrow (10, 1 outputs over 32 rows): the first as a plain
+    # ``bmm`` in the stacked orientation with the bias added after it, the one-output one
+    # weight-major into the output's memory. The critics' hidden layer is wide (24
+    # outputs over 5 rows), their last one narrow (1 output) but over fewer than 32 rows:
+    # ``baddbmm`` over the stack, as fast there.
+    [("parallel-fcn", [("bmm", False), ("baddbmm", True)]), ("critics", [("baddbmm", False), ("baddbmm", False)])],
 )
-def test_narrow_layers_run_weight_major_on_the_cpu_with_eager_values_and_layout(case, weight_major, monkeypatch):
+def test_narrow_layers_skip_baddbmms_broadcast_bias_on_the_cpu_with_eager_values_and_layout(
+    case, products, monkeypatch
+):
     sm, model, ref, shape = wrapped(case)
     ran = []
-    baddbmm = torch.baddbmm
+    baddbmm, bmm = torch.baddbmm, torch.bmm
 
-    def spy(bias, a, b, *args, **kwargs):
-        # weight-major: the stacked weight [N, out, in] is the left operand
-        ran.append(any(a is p or a.data_ptr() == p.data_ptr() and a.shape == p.shape for p in stacked_weights))
+    def weight_major(a):
+        # the stacked weight [N, out, in] is the left operand
+        return any(a is p or a.data_ptr() == p.data_ptr() and a.shape == p.shape for p in stacked_weights)
+
+    def spy_baddbmm(bias, a, b, *args, **kwargs):
+        ran.append(("baddbmm", weight_major(a)))
         return baddbmm(bias, a, b, *args, **kwargs)
 
+    def spy_bmm(a, b, *args, **kwargs):
+        ran.append(("bmm", weight_major(a)))
+        return bmm(a, b, *args, **kwargs)
+
     stacked_weights = [st.stack for st in stacks(sm) if st.stack is not None and st.stack.dim() == 3]
-    monkeypatch.setattr(torch, "baddbmm", spy)
+    monkeypatch.setattr(torch, "baddbmm", spy_baddbmm)
+    monkeypatch.setattr(torch, "bmm", spy_bmm)
     x = torch.randn(shape, requires_grad=True)
     xr = x.detach().clone().requires_grad_()
     out = sm(x)
     monkeypatch.undo()
     assert_path(sm, "plan:serial")
-    assert ran == weight_major
+    assert ran == products
     expected = ref(xr)
     assert out.stride() == expected.stride()
     assert_close(out, expected, atol=1e-5, what="output")
