@@ -71,9 +71,10 @@ Measured (CPU time, 1 thread, loaded 2-core machine): 1.60-1.65x with the stacke
 ``xs @ W^T``, which ATen's CPU ``bmm`` runs slower over the transposed weight view,
 1.18-1.25x with the chain held transposed (``layout.TRANSPOSED``: its
 kernels alone at the hand-written stack's time, the rest the wrapper's fixed cost per
-call), 1.03-1.06x in a later round on the same machine, and 0.98-0.99x with the hot-plan
-shortcut (``hot_plans.py``) and the transposed chain's links written out (1.07x once under
-a load spike, against 1.25x for the tree before). Earlier rounds measured (3 interleaved processes each; the same trees later
+call), 1.04-1.10x in a later round on the same machine, and 0.96-0.98x with the hot-plan
+shortcut (``hot_plans.py``) and the transposed chain's links written out
+(``profiles/cpu/hot-plans/``; 1.07x once under a load spike, against 1.25x for the tree
+before). Earlier rounds measured (3 interleaved processes each; the same trees later
 measured 1.60x and more here): 0.96-0.99x native and 1.07-1.08x pure Python with the stacks checked at once, the serial
 program called directly and the fold viewed in one op (1.02-1.04x and 1.12-1.14x just
 before); 1.11-1.33x and 1.31-1.44x with the specialised kernels and the one-function
