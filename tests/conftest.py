@@ -151,3 +151,20 @@ def _seed():
     torch.manual_seed(0)
     random.seed(0)
     yield
+
+
+@pytest.fixture
+def full_calls(monkeypatch) -> list:
+    """Appends one entry per call that took the full path (``Runner.call``): a call the
+    settled or hot-plan shortcuts took appends nothing."""
+    from streamsched.runner import Runner
+
+    calls: list = []
+    full = Runner.call
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return full(self, *args, **kwargs)
+
+    monkeypatch.setattr(Runner, "call", counted)
+    return calls

@@ -36,20 +36,6 @@ def _inference():
 
 
 @pytest.fixture
-def full_calls(monkeypatch) -> list:
-    """Appends one entry per call that took the full path."""
-    calls: list = []
-    full = Runner.call
-
-    def counted(self, *args, **kwargs):
-        calls.append(1)
-        return full(self, *args, **kwargs)
-
-    monkeypatch.setattr(Runner, "call", counted)
-    return calls
-
-
-@pytest.fixture
 def schedule_faster(monkeypatch) -> None:
     """The ``auto`` trial times the schedule faster than the model as written, on every
     machine: what a test of the paths, not of the timings, needs."""

@@ -15,27 +15,12 @@ from torch.utils.checkpoint import checkpoint
 
 import streamsched as ss
 from streamsched.hot_plans import MAX_HOT_SHAPES, HotPlans
-from streamsched.runner import Runner
 from streamsched.testing import assert_path
 
 from .helpers import assert_close
 from .test_transposed_layout import Ensemble
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
-
-
-@pytest.fixture
-def full_calls(monkeypatch) -> list:
-    """Appends one entry per call that took the full path."""
-    calls: list = []
-    full = Runner.call
-
-    def counted(self, *args, **kwargs):
-        calls.append(1)
-        return full(self, *args, **kwargs)
-
-    monkeypatch.setattr(Runner, "call", counted)
-    return calls
 
 
 def _hot(rows: int = 4, grad: bool = False, **options) -> tuple[nn.Module, ss.StreamScheduledModule]:

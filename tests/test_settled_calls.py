@@ -28,20 +28,6 @@ from .test_dynamic_calls import Cache, Chain, Towers, WithCache, _slow_schedules
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
-@pytest.fixture
-def full_calls(monkeypatch) -> list:
-    """Appends one entry per call that took the full path."""
-    calls: list = []
-    full = Runner.call
-
-    def counted(self, *args, **kwargs):
-        calls.append(1)
-        return full(self, *args, **kwargs)
-
-    monkeypatch.setattr(Runner, "call", counted)
-    return calls
-
-
 def _settle_objects(sm: ss.StreamScheduledModule, model: nn.Module) -> None:
     for _ in range(4):
         x, cache = torch.randn(3, 16), Cache()
