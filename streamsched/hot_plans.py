@@ -11,7 +11,7 @@ take this shortcut.
 What makes the full path choose that plan is checked here too, each in its cheapest
 form:
 
-- by the layout's generated check (``settled_calls._tensor_layout_check``): as many
+- by the layout's generated check (``settled_calls.tensor_layout_check``): as many
   positional arguments, each a plain tensor with the signature's dtype, device and grad
   flag, the grad mode and autocast state; then the shapes, from a table of the layout's
   hot shapes (what the plan key holds besides: the modules' modes and hooks move the
@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .frontend.trace_guard import autocast_state
-from .settled_calls import SizeTable, _tensor_layout_check, tensor_meta
+from .settled_calls import SizeTable, tensor_layout_check, tensor_meta
 
 __all__ = ["MISS", "HotEntry", "HotPlans", "MAX_HOT_SHAPES", "hot_eligible"]
 
@@ -72,7 +72,7 @@ class HotPlans:
 
     def __init__(self, generation: int, args: tuple):
         self.generation = generation
-        self.admits: Callable[[tuple, dict, Optional[dict]], Any] = _tensor_layout_check(
+        self.admits: Callable[[tuple, dict, Optional[dict]], Any] = tensor_layout_check(
             tuple(("tensor", tensor_meta(a)) for a in args), (), torch.is_grad_enabled(), autocast_state()
         )
         self.sizes = SizeTable()

@@ -59,6 +59,7 @@ __all__ = [
     "ValueTable",
     "settles",
     "shapes_of",
+    "tensor_layout_check",
     "tensor_meta",
     "tensors_of",
     "value_entry",
@@ -242,7 +243,7 @@ class SettledCalls:
             arg_entries = tuple(free_entry(a) for a in args)
             kw_entries = tuple((k, free_entry(v)) for k, v in kwargs.items())
             grad, autocast = torch.is_grad_enabled(), autocast_state()
-            check = _tensor_layout_check(arg_entries, kw_entries, grad, autocast, values)
+            check = tensor_layout_check(arg_entries, kw_entries, grad, autocast, values)
             self.admits = check
             self.left = _NEVER
             self.reported = reported
@@ -250,7 +251,7 @@ class SettledCalls:
             self.sizes: Any = ValueTable(values, _values_reader(arg_entries, kw_entries))
             return
         if tensors:
-            check = _tensor_layout_check(
+            check = tensor_layout_check(
                 tuple(value_entry(a) for a in args),
                 tuple((k, value_entry(v)) for k, v in kwargs.items()),
                 torch.is_grad_enabled(),
@@ -410,7 +411,7 @@ def _device_test(value: str, device: torch.device, name: str) -> str:
 
 
 @functools.lru_cache(maxsize=256)
-def _tensor_layout_check(
+def tensor_layout_check(
     arg_entries: tuple, kw_entries: tuple, grad: bool, autocast: tuple, varying: int = 0
 ) -> Callable[[tuple, dict, Optional[dict]], Any]:
     """``check(args, kwargs, sizes)``: the grad mode and autocast state of the settled call
