@@ -18,16 +18,18 @@ form:
   generation);
 - by the caller: the global generation (a module re-wired, a mode switched, a hook or a
   watched flag set anywhere in the model), as for the settled as-written calls;
-- per call, by :meth:`streamsched.runner.Runner.hot`: the plan's verdict unchanged since
-  its function was chosen (a trial's or a size bucket's decision replaces it), no
-  observer, no state written by an earlier call, no churn window, no saved-tensor hooks
-  (activation checkpointing), no NVTX tool listening, the model not moved or cast, the
-  dtypes of the state the traces read unchanged, the plan still in the wrapper's cache
-  (its recency kept there), and the fused stacks' guard.
+- per call, under the wrapper's lock, by :meth:`streamsched.runner.Runner.hot`
+  (``Runner.hot_state_holds``): the plan's verdict unchanged since its function was
+  chosen (a trial's or a size bucket's decision replaces it), no state written by an
+  earlier call, no churn window, no saved-tensor hooks (activation checkpointing), no
+  NVTX tool listening, the model not moved or cast, the dtypes of the state the traces
+  read unchanged; then the plan still in the wrapper's cache (its recency kept there),
+  and the fused stacks' guard.
 
-Anything else (``sm.invalidate()``, a re-trace, an observer installed) drops the table
-(``WrapperState.unsettle``). Only calls of positional plain tensors register: their
-leaves are the arguments themselves, in order.
+A call that fails a per-call check drops the table and takes the full path, which
+registers its signature again once that state allows; so do ``sm.invalidate()``, a
+re-trace and an observer installed (``WrapperState.unsettle``). Only calls of positional
+plain tensors register: their leaves are the arguments themselves, in order.
 """
 
 from __future__ import annotations
