@@ -261,7 +261,7 @@ class StackedLinear(torch.autograd.Function):
                 return out
             # Several outputs: the product in the stacked orientation, the bias added
             # after (the bias broadcast inside baddbmm, and the copy of W @ xs^T to a
-            # stack, each cost about as much as the product on the CPUs measured).
+            # stack, each cost about as much as the product on the CPU measured).
             y = torch.bmm(xs, w.transpose(1, 2))
             if b is not None:
                 y.add_(b.unsqueeze(1))

@@ -217,23 +217,24 @@ def _stack_gather(layout: Layout, n: int, shape: tuple[int, ...], dim: int, fres
         # One feature: [N, 1, rows] is the stack's memory, one view where it is contiguous
         # (what reads a transposed group of more features is a fused Linear).
         size = (n,) + tuple(shape)
-        if fresh:
-            # The kernel's own result, read by nothing else: restrided in place, it is the
-            # stack itself rather than a view of it (a view costs a microsecond, and the
-            # caller's copy of it, for_caller, another).
-            stride = (shape[0], 1, 1)
-
-            def restride_one_feature(x: torch.Tensor) -> torch.Tensor:
-                if x.requires_grad or not x.is_contiguous():
-                    return x.view(size) if x.is_contiguous() else x.transpose(1, 2).contiguous()
-                return x.as_strided_(size, stride)
-
-            return restride_one_feature
 
         def stack_one_feature(x: torch.Tensor) -> torch.Tensor:
             return x.view(size) if x.is_contiguous() else x.transpose(1, 2).contiguous()
 
-        return stack_one_feature
+        if not fresh:
+            return stack_one_feature
+        # The kernel's own result, read by nothing else: restrided in place, it is the
+        # stack itself rather than a view of it (a view costs a microsecond, and the
+        # caller's copy of it, for_caller, another). A value that takes a gradient is
+        # viewed (autograd must see the view).
+        stride = (shape[0], 1, 1)
+
+        def restride_one_feature(x: torch.Tensor) -> torch.Tensor:
+            if x.requires_grad or not x.is_contiguous():
+                return stack_one_feature(x)
+            return x.as_strided_(size, stride)
+
+        return restride_one_feature
 
     def stack(x: torch.Tensor) -> torch.Tensor:
         return to_stack(x, layout, n, shape).movedim(0, dim).contiguous()
