@@ -40,7 +40,7 @@ def _hot(rows: int = 4, grad: bool = False, **options) -> tuple[nn.Module, ss.St
 
 
 def _fresh_calls_equal_eager(
-    sm, model, rows: int = 4, calls: int = 3, path: str = "plan:serial", grad: bool = False, dtype=torch.float32
+    sm, model, rows: int = 4, calls: int = 3, path: str | tuple = "plan:serial", grad: bool = False, dtype=torch.float32
 ) -> None:
     with torch.set_grad_enabled(grad):
         for _ in range(calls):
