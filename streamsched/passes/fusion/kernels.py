@@ -466,7 +466,7 @@ class LinearKernel(FusedKernel):
         kept, views = _kept_views(
             weight, torch.Tensor.reshape, (n * fout, fin), bias, torch.Tensor.reshape, (n * fout, 1)
         )
-        linear, reshape, rows_last, addmm = F.linear, torch.Tensor.reshape, _rows_last_wide, torch.addmm
+        linear, reshape, mm, addmm = F.linear, torch.Tensor.reshape, torch.mm, torch.addmm
 
         def wide_rows_last(x: torch.Tensor) -> torch.Tensor:
             if is_grad():
@@ -477,7 +477,7 @@ class LinearKernel(FusedKernel):
                 w, b = views(False)
             else:
                 w, b = kept[2], kept[3]
-            return (addmm(b, w, x.t()) if b is not None else rows_last(x, w, b)).view(n, fout, rows)
+            return (mm(w, x.t()) if b is None else addmm(b, w, x.t())).view(n, fout, rows)
 
         return wide_rows_last
 
@@ -492,27 +492,10 @@ class LinearKernel(FusedKernel):
         bsrc: Any = bias if bias is not None else _NO_STACK
         is_grad = torch.is_grad_enabled
         kept, views = _kept_views(weight, torch.Tensor.view, (n, fout, fin), bias, torch.Tensor.unsqueeze, (2,))
-        for_grad, rows_last = _stacked_linear, _rows_last_bmm
+        for_grad, bmm, baddbmm = _stacked_linear, torch.bmm, torch.baddbmm
         transposed = self.out_layout == TRANSPOSED
         layout, in_shape = self.in_layout, self.in_shape
         as_rows_last = transposer(layout, n, in_shape)
-
-        if layout == TRANSPOSED and transposed and bias is not None:
-            baddbmm = torch.baddbmm
-
-            def transposed_baddbmm(x: torch.Tensor) -> torch.Tensor:
-                # A link inside a transposed chain (the common case, written out: no
-                # frame but its own on a call of tens of microseconds).
-                if is_grad():
-                    y = for_grad(to_stack(x, layout, n, in_shape), weight.leaf_value(True), bias.leaf_value(True))
-                    return y.transpose(1, 2)
-                if weight.stack is not kept[0] or bsrc.stack is not kept[1]:
-                    w, b = views(False)
-                else:
-                    w, b = kept[2], kept[3]
-                return baddbmm(b, w, x)
-
-            return transposed_baddbmm
 
         def rows_last_bmm(x: torch.Tensor) -> torch.Tensor:
             if is_grad():  # (a plan with autograd keeps the stacked layouts: never on its path)
@@ -523,7 +506,10 @@ class LinearKernel(FusedKernel):
                 w, b = views(False)
             else:
                 w, b = kept[2], kept[3]
-            y = rows_last(as_rows_last(x), w, b)
+            # (the matmul written out: no frame but the input's reading on a call of tens
+            # of microseconds)
+            xt = as_rows_last(x)
+            y = bmm(w, xt) if b is None else baddbmm(b, w, xt)
             return y if transposed else y.transpose(1, 2).contiguous()
 
         return rows_last_bmm
