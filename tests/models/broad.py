@@ -5,7 +5,10 @@ torchvision classification, segmentation, video and detection models, a wide swe
 timm families, and Hugging Face transformers of every common shape (encoders,
 decoders, encoder-decoders, vision, speech, CLIP). Random weights from configurations,
 nothing downloaded. Every random layer (dropout, stochastic depth, SpecAugment masks) is
-set to rate 0 after building (``derandomize``), so training steps can be compared.
+set to rate 0 after building (``derandomize``), so training steps can be compared; a
+forward that draws random numbers itself (ViTMAE's masking noise, PhiMoE's sampled
+routing in training) draws the same ones in both models, as each call starts the eager
+model and the wrapper from the same seed (``checks.Lockstep``).
 
 ``modes`` says what a model is checked in: ``"full"`` (eval, training with gradients
 and state, eval again) or ``"eval"`` (models whose training forward needs targets, as
@@ -1004,6 +1007,641 @@ TRANSFORMERS += [
             max_decoder_position_embeddings=64,
             attention_window=[4, 4],
         ),
+    ),
+]
+
+
+# --- more families: attention variants, state-space and recurrent decoders, more
+# mixtures of experts, speech, depth, time series, models that draw random numbers in
+# their forward (ViTMAE's masking noise; PhiMoE's sampled routing in training) -----------
+
+
+def series(batch: int, context: int, prediction: int, features: int = 1) -> Callable[[int], Inputs]:
+    """A time-series transformer's past and future values, time features and mask."""
+
+    def make(seed: int) -> Inputs:
+        g = _g(seed)
+        return (), {
+            "past_values": torch.randn(batch, context, generator=g),
+            "past_time_features": torch.randn(batch, context, features, generator=g),
+            "past_observed_mask": torch.ones(batch, context),
+            "future_values": torch.randn(batch, prediction, generator=g),
+            "future_time_features": torch.randn(batch, prediction, features, generator=g),
+        }
+
+    return make
+
+
+def channels_series(batch: int, length: int, channels: int) -> Callable[[int], Inputs]:
+    def make(seed: int) -> Inputs:
+        return (), {"past_values": torch.randn(batch, length, channels, generator=_g(seed))}
+
+    return make
+
+
+def spectrogram(batch: int, frames: int, bins: int) -> Callable[[int], Inputs]:
+    def make(seed: int) -> Inputs:
+        return (torch.randn(batch, frames, bins, generator=_g(seed)),), {}
+
+    return make
+
+
+def waveform(batch: int, samples: int) -> Callable[[int], Inputs]:
+    """``[batch, 1, samples]`` audio, positional (EnCodec)."""
+
+    def make(seed: int) -> Inputs:
+        return (torch.randn(batch, 1, samples, generator=_g(seed)),), {}
+
+    return make
+
+
+def text_and_image(batch: int, length: int, vocab: int, size: int) -> Callable[[int], Inputs]:
+    def make(seed: int) -> Inputs:
+        g = _g(seed)
+        return (), {
+            "input_ids": torch.randint(0, vocab, (batch, length), generator=g),
+            "pixel_values": torch.randn(batch, 3, size, size, generator=g),
+        }
+
+    return make
+
+
+def speech_to_text(batch: int, samples: int, decoder: int, vocab: int) -> Callable[[int], Inputs]:
+    def make(seed: int) -> Inputs:
+        g = _g(seed)
+        return (), {
+            "input_values": torch.randn(batch, samples, generator=g),
+            "decoder_input_ids": torch.randint(3, vocab, (batch, decoder), generator=g),
+        }
+
+    return make
+
+
+_CONV_AUDIO = dict(
+    _SMALL,
+    conv_dim=(16, 16),
+    conv_stride=(5, 4),
+    conv_kernel=(10, 4),
+    num_conv_pos_embeddings=16,
+    num_conv_pos_embedding_groups=2,
+)
+_T5_SMALL = dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4, decoder_start_token_id=0)
+_SMALL_PIXELS = dict(_SMALL, image_size=32, patch_size=8)
+
+TORCHVISION += [
+    _tv("efficientnet_v2_s", num_classes=10),
+    _tv("regnet_x_400mf", num_classes=10),
+    _tv("swin_v2_t", num_classes=10),
+    _tv_class(
+        "fcn_resnet50",
+        "segmentation.fcn_resnet50",
+        images(1, 32),
+        note="OrderedDict with aux output",
+        weights=None,
+        weights_backbone=None,
+        num_classes=3,
+        aux_loss=True,
+    ),
+]
+
+TIMM += [
+    _timm("mobileone_s0"),
+    _timm("tinynet_e"),
+    _timm("fbnetv3_b"),
+    _timm("hardcorenas_a"),
+    _timm("spnasnet_100"),
+    _timm("darknet17"),
+    _timm("legacy_seresnet18"),
+    _timm("botnet26t_256", img_size=64),
+    _timm("volo_d1_224", img_size=64, note="outlook attention"),
+    _timm("twins_svt_small", img_size=64),
+    _timm("pvt_v2_b0"),
+    _timm("sequencer2d_s", note="bidirectional LSTMs over rows and columns"),
+    _timm("gmlp_ti16_224", img_size=64),
+    _timm("vit_relpos_small_patch16_224", img_size=64),
+    _timm("flexivit_small", img_size=64),
+    _timm("deit3_small_patch16_224", img_size=64),
+    _timm("swinv2_cr_tiny_ns_224", img_size=64),
+    _timm("nest_tiny_jx", img_size=64),
+    _timm("tiny_vit_5m_224", size=224),
+    _timm("mobilevitv2_050"),
+    _timm("nextvit_small", size=32),
+    _timm("resnetrs50"),
+    _timm("res2next50"),
+    _timm("vovnet39a"),
+    _timm("regnetx_002"),
+    _timm("mvitv2_tiny", img_size=64),
+    _timm("nf_regnet_b0"),
+    _timm("tf_efficientnet_b0", note="TensorFlow 'same' padding"),
+    _timm("convmixer_768_32", size=32),
+    _timm("vit_small_patch16_rope_224", img_size=64),
+]
+
+TRANSFORMERS += [
+    _hf("longformer", "LongformerConfig", "LongformerModel", _TOKENS, **dict(_SMALL, attention_window=4)),
+    _hf("big_bird", "BigBirdConfig", "BigBirdModel", _TOKENS, **dict(_SMALL, attention_type="original_full")),
+    _hf("xlm_roberta", "XLMRobertaConfig", "XLMRobertaModel", _TOKENS, **_ENCODER),
+    _hf("megatron_bert", "MegatronBertConfig", "MegatronBertModel", _TOKENS, **_SMALL),
+    _hf(
+        "rembert",
+        "RemBertConfig",
+        "RemBertModel",
+        _TOKENS,
+        **dict(_SMALL, input_embedding_size=16, output_embedding_size=16),
+    ),
+    _hf("ernie", "ErnieConfig", "ErnieModel", _TOKENS, **_SMALL),
+    _hf("mra", "MraConfig", "MraModel", _TOKENS, **_ENCODER),
+    _hf("luke", "LukeConfig", "LukeModel", _TOKENS, **dict(_SMALL, entity_vocab_size=16, entity_emb_size=16)),
+    _hf(
+        "xlm",
+        "XLMConfig",
+        "XLMModel",
+        _TOKENS,
+        vocab_size=VOCAB,
+        emb_dim=32,
+        n_layers=2,
+        n_heads=4,
+        max_position_embeddings=64,
+    ),
+    _hf(
+        "flaubert",
+        "FlaubertConfig",
+        "FlaubertModel",
+        _TOKENS,
+        vocab_size=VOCAB,
+        emb_dim=32,
+        n_layers=2,
+        n_heads=4,
+        max_position_embeddings=64,
+        layerdrop=0.0,
+    ),
+    _hf("dinov2", "Dinov2Config", "Dinov2Model", pixels(2, 32), **_SMALL_PIXELS),
+    _hf(
+        "vit_mae",
+        "ViTMAEConfig",
+        "ViTMAEModel",
+        pixels(2, 32),
+        note="random masking noise drawn in every forward",
+        **dict(_SMALL_PIXELS, mask_ratio=0.0),
+    ),
+    _hf(
+        "vit_mae_pretraining",
+        "ViTMAEConfig",
+        "ViTMAEForPreTraining",
+        pixels(2, 32),
+        note="half the patches masked at random, a decoder, the loss",
+        **dict(
+            _SMALL_PIXELS,
+            mask_ratio=0.5,
+            decoder_hidden_size=16,
+            decoder_num_hidden_layers=1,
+            decoder_num_attention_heads=2,
+            decoder_intermediate_size=20,
+        ),
+    ),
+    _hf("beit", "BeitConfig", "BeitModel", pixels(2, 32), **dict(_SMALL_PIXELS, use_relative_position_bias=True)),
+    _hf("data2vec_vision", "Data2VecVisionConfig", "Data2VecVisionModel", pixels(2, 32), **_SMALL_PIXELS),
+    _hf(
+        "deit",
+        "DeiTConfig",
+        "DeiTForImageClassificationWithTeacher",
+        pixels(2, 32),
+        **dict(_SMALL_PIXELS, num_labels=4),
+    ),
+    _hf(
+        "mobilevit",
+        "MobileViTConfig",
+        "MobileViTModel",
+        pixels(2, 64),
+        image_size=64,
+        hidden_sizes=[16, 24, 32],
+        neck_hidden_sizes=[8, 8, 16, 16, 24, 24, 32],
+    ),
+    _hf(
+        "levit",
+        "LevitConfig",
+        "LevitModel",
+        pixels(2, 64),
+        image_size=64,
+        hidden_sizes=[16, 24, 32],
+        num_attention_heads=[1, 2, 2],
+        depths=[1, 1, 1],
+        key_dim=[8, 8, 8],
+    ),
+    _hf(
+        "poolformer", "PoolFormerConfig", "PoolFormerModel", pixels(2, 32), hidden_sizes=[8, 16, 24, 32], depths=[1] * 4
+    ),
+    _hf(
+        "convnextv2",
+        "ConvNextV2Config",
+        "ConvNextV2Model",
+        pixels(2, 32),
+        hidden_sizes=[8, 16],
+        depths=[1, 1],
+        num_stages=2,
+    ),
+    _hf("resnet", "ResNetConfig", "ResNetModel", pixels(2, 32), hidden_sizes=[8, 16], depths=[1, 1], embedding_size=8),
+    _hf(
+        "regnet",
+        "RegNetConfig",
+        "RegNetModel",
+        pixels(2, 32),
+        hidden_sizes=[8, 16],
+        depths=[1, 1],
+        embedding_size=8,
+        groups_width=4,
+    ),
+    _hf(
+        "bit",
+        "BitConfig",
+        "BitModel",
+        pixels(2, 32),
+        note="weight-standardised convolutions, group norm",
+        hidden_sizes=[16, 32],
+        depths=[1, 1],
+        embedding_size=16,
+        num_groups=4,
+    ),
+    _hf("mobilenet_v2", "MobileNetV2Config", "MobileNetV2Model", pixels(2, 32), image_size=32, depth_multiplier=0.25),
+    _hf(
+        "focalnet",
+        "FocalNetConfig",
+        "FocalNetModel",
+        pixels(2, 32),
+        image_size=32,
+        embed_dim=16,
+        depths=[1, 1],
+        focal_levels=[2, 2],
+        focal_windows=[3, 3],
+    ),
+    _hf(
+        "pvt_v2",
+        "PvtV2Config",
+        "PvtV2Model",
+        pixels(2, 32),
+        hidden_sizes=[8, 16],
+        depths=[1, 1],
+        num_encoder_blocks=2,
+        num_attention_heads=[1, 2],
+        sr_ratios=[2, 1],
+        patch_sizes=[7, 3],
+        strides=[4, 2],
+        mlp_ratios=[2, 2],
+    ),
+    _hf(
+        "siglip_vision",
+        "SiglipVisionConfig",
+        "SiglipVisionModel",
+        pixels(2, 32),
+        **dict(_SMALL_PIXELS, vocab_size=None),
+    ),
+    _hf(
+        "owlvit_vision",
+        "OwlViTVisionConfig",
+        "OwlViTVisionModel",
+        pixels(2, 32),
+        **dict(_SMALL_PIXELS, vocab_size=None),
+    ),
+    _hf(
+        "groupvit_vision",
+        "GroupViTVisionConfig",
+        "GroupViTVisionModel",
+        pixels(2, 32),
+        note="grouping tokens, hard assignment with a straight-through gradient",
+        hidden_size=32,
+        depths=[1, 1, 1],
+        num_group_tokens=[8, 4, 0],
+        num_output_groups=[8, 4, 4],
+        num_attention_heads=4,
+        intermediate_size=37,
+        image_size=32,
+        patch_size=8,
+    ),
+    _hf("vilt", "ViltConfig", "ViltModel", text_and_image(2, 8, VOCAB, 32), **dict(_SMALL_PIXELS, max_image_length=-1)),
+    _hf(
+        "dpt",
+        "DPTConfig",
+        "DPTForDepthEstimation",
+        pixels(2, 32),
+        **dict(
+            _SMALL_PIXELS,
+            backbone_out_indices=[0, 1],
+            neck_hidden_sizes=[8, 16],
+            fusion_hidden_size=16,
+            reassemble_factors=[2, 1],
+        ),
+    ),
+    _hf(
+        "glpn",
+        "GLPNConfig",
+        "GLPNForDepthEstimation",
+        pixels(2, 32),
+        num_encoder_blocks=2,
+        depths=[1, 1],
+        sr_ratios=[2, 1],
+        hidden_sizes=[8, 16],
+        num_attention_heads=[1, 2],
+        patch_sizes=[7, 3],
+        strides=[4, 2],
+        decoder_hidden_size=16,
+    ),
+    _hf("hubert", "HubertConfig", "HubertModel", audio(2, 1600), **_CONV_AUDIO),
+    _hf(
+        "wavlm",
+        "WavLMConfig",
+        "WavLMModel",
+        audio(2, 1600),
+        **dict(_CONV_AUDIO, num_buckets=16, max_bucket_distance=32),
+    ),
+    _hf("sew", "SEWConfig", "SEWModel", audio(2, 1600), **dict(_CONV_AUDIO, squeeze_factor=2)),
+    _hf(
+        "data2vec_audio",
+        "Data2VecAudioConfig",
+        "Data2VecAudioModel",
+        audio(2, 1600),
+        **dict(_CONV_AUDIO, num_conv_pos_embeddings=5),
+    ),
+    _hf(
+        "speecht5",
+        "SpeechT5Config",
+        "SpeechT5ForSpeechToText",
+        speech_to_text(2, 3200, 6, VOCAB),
+        vocab_size=VOCAB,
+        hidden_size=32,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=37,
+        decoder_ffn_dim=37,
+        conv_dim=(16, 16),
+        conv_stride=(5, 4),
+        conv_kernel=(10, 4),
+        num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=2,
+        mask_time_prob=0.0,
+        max_speech_positions=512,
+        max_text_positions=64,
+        speech_decoder_prenet_units=16,
+    ),
+    _hf(
+        "encodec",
+        "EncodecConfig",
+        "EncodecModel",
+        waveform(1, 1600),
+        note="convolutional codec with an LSTM and a residual vector quantiser",
+        hidden_size=32,
+        num_filters=4,
+        upsampling_ratios=[4, 2],
+        codebook_size=16,
+        codebook_dim=32,
+        num_lstm_layers=1,
+    ),
+    _hf(
+        "ast",
+        "ASTConfig",
+        "ASTModel",
+        spectrogram(2, 64, 16),
+        **dict(_SMALL, max_length=64, num_mel_bins=16, patch_size=8),
+    ),
+    _hf("mt5", "MT5Config", "MT5Model", seq2seq(2, 16, VOCAB), **_T5_SMALL),
+    _hf(
+        "longt5",
+        "LongT5Config",
+        "LongT5Model",
+        seq2seq(2, 16, VOCAB),
+        note="transient-global attention",
+        **dict(_T5_SMALL, local_radius=4, encoder_attention_type="transient-global", global_block_size=4),
+    ),
+    _hf("umt5", "UMT5Config", "UMT5Model", seq2seq(2, 16, VOCAB), **_T5_SMALL),
+    _hf("mbart", "MBartConfig", "MBartModel", seq2seq(2, 16, VOCAB), **_SEQ2SEQ),
+    _hf("blenderbot", "BlenderbotConfig", "BlenderbotModel", seq2seq(2, 16, VOCAB), **_SEQ2SEQ),
+    _hf("m2m100", "M2M100Config", "M2M100Model", seq2seq(2, 16, VOCAB), **_SEQ2SEQ),
+    _hf("plbart", "PLBartConfig", "PLBartModel", seq2seq(2, 16, VOCAB), **_SEQ2SEQ),
+    _hf(
+        "fsmt",
+        "FSMTConfig",
+        "FSMTModel",
+        seq2seq(2, 16, VOCAB),
+        langs=["en", "de"],
+        src_vocab_size=VOCAB,
+        tgt_vocab_size=VOCAB,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=37,
+        decoder_ffn_dim=37,
+        max_position_embeddings=64,
+        decoder_start_token_id=2,
+    ),
+    _hf(
+        "pegasus_x",
+        "PegasusXConfig",
+        "PegasusXModel",
+        seq2seq(2, 16, VOCAB),
+        note="staggered local blocks and global tokens",
+        **dict(_SEQ2SEQ, num_global_tokens=4, block_size=8, stagger_local_blocks=True),
+    ),
+    _hf(
+        "bigbird_pegasus",
+        "BigBirdPegasusConfig",
+        "BigBirdPegasusModel",
+        seq2seq(2, 16, VOCAB),
+        **dict(_SEQ2SEQ, attention_type="original_full"),
+    ),
+    _hf(
+        "prophetnet",
+        "ProphetNetConfig",
+        "ProphetNetModel",
+        seq2seq(2, 16, VOCAB),
+        note="n-gram self-attention in the decoder",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        encoder_ffn_dim=37,
+        decoder_ffn_dim=37,
+        num_encoder_layers=2,
+        num_decoder_layers=2,
+        num_encoder_attention_heads=4,
+        num_decoder_attention_heads=4,
+        ngram=2,
+        num_buckets=8,
+        relative_max_distance=16,
+        max_position_embeddings=64,
+        decoder_start_token_id=0,
+    ),
+    _hf(
+        "nllb_moe",
+        "NllbMoeConfig",
+        "NllbMoeModel",
+        seq2seq(2, 16, VOCAB),
+        note="top-2 experts with a capacity",
+        **dict(_SEQ2SEQ, num_experts=4, expert_capacity=8, encoder_sparse_step=1, decoder_sparse_step=1),
+    ),
+    _hf("gemma", "GemmaConfig", "GemmaForCausalLM", _DECODER_TOKENS, **dict(_DECODER, head_dim=8)),
+    _hf(
+        "gemma3",
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        _DECODER_TOKENS,
+        **dict(_DECODER, head_dim=8, sliding_window=8),
+    ),
+    _hf("olmo2", "Olmo2Config", "Olmo2ForCausalLM", _DECODER_TOKENS, **_DECODER),
+    _hf(
+        "olmoe",
+        "OlmoeConfig",
+        "OlmoeForCausalLM",
+        _DECODER_TOKENS,
+        **dict(_DECODER, num_experts=4, num_experts_per_tok=2),
+    ),
+    _hf(
+        "granitemoe",
+        "GraniteMoeConfig",
+        "GraniteMoeForCausalLM",
+        _DECODER_TOKENS,
+        **dict(_DECODER, num_local_experts=4, num_experts_per_tok=2),
+    ),
+    _hf(
+        "phimoe",
+        "PhimoeConfig",
+        "PhimoeForCausalLM",
+        _DECODER_TOKENS,
+        note="routing sampled at random in training (sparsemixer)",
+        **dict(_DECODER, num_local_experts=4, num_experts_per_tok=2),
+    ),
+    _hf(
+        "qwen3_moe",
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        _DECODER_TOKENS,
+        **dict(_DECODER, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+    ),
+    _hf(
+        "gpt_oss",
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        _DECODER_TOKENS,
+        note="attention sinks, alternating sliding windows, experts",
+        **dict(_DECODER, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=8),
+    ),
+    _hf("nemotron", "NemotronConfig", "NemotronForCausalLM", _DECODER_TOKENS, **dict(_DECODER, head_dim=8)),
+    _hf("glm4", "Glm4Config", "Glm4ForCausalLM", _DECODER_TOKENS, **dict(_DECODER, head_dim=8)),
+    _hf("helium", "HeliumConfig", "HeliumForCausalLM", _DECODER_TOKENS, **dict(_DECODER, head_dim=8)),
+    _hf("smollm3", "SmolLM3Config", "SmolLM3ForCausalLM", _DECODER_TOKENS, **_DECODER),
+    _hf("persimmon", "PersimmonConfig", "PersimmonForCausalLM", _DECODER_TOKENS, **_DECODER),
+    _hf(
+        "lfm2", "Lfm2Config", "Lfm2ForCausalLM", _DECODER_TOKENS, note="short convolutions beside attention", **_DECODER
+    ),
+    _hf("doge", "DogeConfig", "DogeForCausalLM", _DECODER_TOKENS, **_DECODER),
+    _hf(
+        "mpt",
+        "MptConfig",
+        "MptForCausalLM",
+        _DECODER_TOKENS,
+        note="ALiBi",
+        vocab_size=VOCAB,
+        d_model=32,
+        n_heads=4,
+        n_layers=2,
+        max_seq_len=64,
+    ),
+    _hf(
+        "dbrx",
+        "DbrxConfig",
+        "DbrxForCausalLM",
+        _DECODER_TOKENS,
+        vocab_size=VOCAB,
+        d_model=32,
+        n_heads=4,
+        n_layers=2,
+        max_seq_len=64,
+        attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+        ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2),
+    ),
+    _hf(
+        "mamba",
+        "MambaConfig",
+        "MambaForCausalLM",
+        _DECODER_TOKENS,
+        note="selective scan in PyTorch",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        state_size=4,
+    ),
+    _hf(
+        "falcon_mamba",
+        "FalconMambaConfig",
+        "FalconMambaForCausalLM",
+        _DECODER_TOKENS,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        state_size=4,
+    ),
+    _hf(
+        "rwkv",
+        "RwkvConfig",
+        "RwkvForCausalLM",
+        _DECODER_TOKENS,
+        note="recurrent time mixing",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        attention_hidden_size=32,
+        intermediate_size=64,
+        context_length=64,
+    ),
+    _hf(
+        "jamba",
+        "JambaConfig",
+        "JambaForCausalLM",
+        _DECODER_TOKENS,
+        note="attention and Mamba layers, experts every other layer",
+        **dict(
+            _DECODER,
+            num_experts=2,
+            num_experts_per_tok=1,
+            attn_layer_period=2,
+            attn_layer_offset=1,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            mamba_d_state=4,
+            mamba_dt_rank=4,
+        ),
+    ),
+    _hf(
+        "patchtst",
+        "PatchTSTConfig",
+        "PatchTSTModel",
+        channels_series(2, 32, 3),
+        num_input_channels=3,
+        context_length=32,
+        patch_length=8,
+        patch_stride=8,
+        d_model=16,
+        num_attention_heads=2,
+        num_hidden_layers=2,
+        ffn_dim=32,
+    ),
+    _hf(
+        "time_series_transformer",
+        "TimeSeriesTransformerConfig",
+        "TimeSeriesTransformerModel",
+        series(2, 13, 4),
+        note="lagged features, scaling, an encoder-decoder",
+        prediction_length=4,
+        context_length=10,
+        lags_sequence=[1, 2, 3],
+        num_time_features=1,
+        d_model=16,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=16,
+        decoder_ffn_dim=16,
     ),
 ]
 

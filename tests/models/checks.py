@@ -381,6 +381,11 @@ class Lockstep:
         self.seed += 1
         return self.spec.inputs(self.seed)
 
+    @property
+    def rng_seed(self) -> int:
+        """The global random seed both models' forwards start from on this call."""
+        return 7919 * self.seed
+
     def _reference64(self, buffers: dict, args: tuple, kwargs: dict, backward: bool) -> Callable:
         """A memoised float64 run of the eager model as it was before the call (its
         parameters never change here; ``buffers`` are its buffers from before the call)."""
@@ -394,6 +399,7 @@ class Lockstep:
                 for p in m64.parameters():
                     p.grad = None
                 with torch.set_grad_enabled(backward):
+                    torch.manual_seed(self.rng_seed)
                     out = m64(*_to_double(args), **_to_double(kwargs))
                     if backward:
                         loss_of(out).backward()
@@ -424,6 +430,7 @@ class Lockstep:
                     for p in m64.parameters():
                         p.grad = None
                     with torch.set_grad_enabled(backward):
+                        torch.manual_seed(self.rng_seed)
                         out = sm64(*_to_double(args), **_to_double(kwargs))
                         if backward:
                             loss_of(out).backward()
@@ -514,7 +521,11 @@ class Lockstep:
         for p in list(self.ref.parameters()) + list(self.sm.parameters()):
             p.grad = None
         with torch.set_grad_enabled(backward):
+            # The same random draws for both (a model may draw in its forward: ViTMAE's
+            # masking noise, PhiMoE's sampled routing in training).
+            torch.manual_seed(self.rng_seed)
             expected = self.ref(*args, **kwargs)
+            torch.manual_seed(self.rng_seed)
             actual = self.sm(*args, **kwargs)
             path = self._check_path(f"{what}: call {self.calls}", signature)
             # Only a call that ran a fused plan ran fused kernels: the recording call and
