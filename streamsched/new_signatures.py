@@ -214,13 +214,33 @@ def new_signature(runner: Runner, key: Any, spec: Any, tensors: list[torch.Tenso
             return runner.eager_dispatch(key, spec, tensors, abandoned.error, trace_key, args, kwargs)
         # The model as written decides: its error (if it raises too) is the call's, and the
         # next call traces again; if it runs, the trace is to blame.
-        out = runner.eager_dispatch(key, spec, tensors, abandoned.error, trace_key, args, kwargs)
+        try:
+            out = runner.eager_dispatch(key, spec, tensors, abandoned.error, trace_key, args, kwargs)
+        except Exception:
+            # Raised as written too (a wrong shape or dtype, say): nothing was learnt
+            # about the trace, and ``sm.plan`` says so rather than call it untraceable.
+            _call_raised_as_written(runner, tensors)
+            raise
         _untraceable(runner, trace_key, structure, structure_key, abandoned.error)
         return out
     _join_structure(runner, compiled, structure_key, structure, shapes, time.perf_counter() - start)
     if _generation.assignments() != assigned:
         runner.check_written_state(traced)
     return out
+
+
+def _call_raised_as_written(runner: Runner, tensors: list[torch.Tensor]) -> None:
+    """What ``sm.plan`` and the path report for a first call of a signature that raised
+    in the traced forward and again in the model's own: the call ran as written and its
+    error is the call's; nothing is kept for the signature."""
+    why = (
+        "this call raised in the model's own forward as well as in its trace: the error is the call's (an input "
+        "the model does not take, say); nothing was planned, and the next call with these sizes is traced again"
+    )
+    signature = signature_text(tensors)
+    st = runner.st
+    st.last = AsWritten(make=lambda: _as_written_plan(runner, why, signature=signature))
+    st.last_path = "as-written"
 
 
 def _untraceable(

@@ -156,6 +156,12 @@ def test_an_error_the_model_raises_too_is_the_calls_and_the_next_call_is_still_p
     with pytest.raises(RuntimeError) as wrapped:
         sm(bad)  # the recording call: the traced graph raises, and so does the model
     assert str(eager.value).splitlines()[0] in str(wrapped.value)
+    # The failed call is reported as what it was: run as written, its error the call's,
+    # not a model that cannot be traced.
+    assert last_path(sm) == "as-written"
+    assert "error is the call's" in sm.plan.reason and "traced again" in sm.plan.reason
+    assert "cannot be traced" not in sm.plan.reason
+    assert f"[8, {D + 1}]" in str(sm.plan).splitlines()[0]
     # The error was the model's: the structure is not taken for untraceable.
     x = torch.randn(8, D)
     assert_close(called_on(sm, "recorded", x), model(x))
