@@ -36,9 +36,10 @@ The last column is the process's minor page faults per step (median). glibc's
 than its trim threshold free there, and the next step's large activations then fault
 their pages in again (about 0.6 us a 4 KiB page: 0.3-0.5 ms a step for ParallelFCN(1000)
 at batch 64). Whether a variant's step ends that way depends on what it keeps alive
-across steps (a stacked parameter's persistent ``.grad`` buffer, allocated once, leaves
-the step's freed activations on top; gradients allocated anew each backward sit above
-them), and on the heap the process built before. ``--heap fixed`` sets ``malloc``'s
+across steps (a stacked parameter's persistent ``.grad`` buffer, allocated once, can
+leave the step's freed activations on top, where gradients allocated anew each backward
+would sit above them) and on the heap the process built before: measured, either
+stacked variant could be the one that paid (``profiles/cpu/train-memory/``). ``--heap fixed`` sets ``malloc``'s
 trim and mmap thresholds (glibc's ``mallopt``) so that no variant pays it, and compares
 the steps' own work.
 """
