@@ -66,6 +66,27 @@ def test_a_hot_signature_skips_the_full_path(full_calls):
     assert len(full_calls) == 3
 
 
+def test_the_mode_it_already_has_set_again_before_every_call_keeps_the_shortcut(full_calls):
+    # ``model.eval()`` at the top of every step of a model already in eval mode changes
+    # no flag: the calls stay on the shortcut (each went through the full path, which
+    # re-keys the modes over the whole tree).
+    model, sm = _hot()
+    full_calls.clear()
+    for _ in range(3):
+        sm.eval()
+        _fresh_calls_equal_eager(sm, model, calls=1)
+        sm.module.eval()
+        _fresh_calls_equal_eager(sm, model, calls=1)
+        sm.module.towers[0].training = False
+        _fresh_calls_equal_eager(sm, model, calls=1)
+    assert full_calls == []
+    # A flag that changes still sends the call to the full path.
+    sm.module.towers[1].training = True
+    model.towers[1].training = True
+    _fresh_calls_equal_eager(sm, model, calls=1, path=("recorded", "plan:serial"))
+    assert len(full_calls) == 1
+
+
 def test_the_fused_weights_written_between_calls_are_read(full_calls):
     model, sm = _hot()
     full_calls.clear()
