@@ -45,6 +45,13 @@ _tracing_state = torch._C._get_tracing_state
 _MISSING = object()
 
 
+def _data_of(t: torch.Tensor) -> Any:
+    try:
+        return t.data_ptr()
+    except RuntimeError:  # (a tensor without storage)
+        return None
+
+
 class StreamScheduledModule(nn.Module):
     """Run ``model`` with its independent branches on separate streams and its identical
     branches batched, with outputs and gradients equal to ``model``'s own.
@@ -143,9 +150,24 @@ class StreamScheduledModule(nn.Module):
 
     def _apply(self, fn: Any, recurse: bool = True) -> StreamScheduledModule:
         # Conversions (.to, .half, .cuda) replace parameter storage: plans and stacked
-        # parameters built from the old tensors must go.
-        self.module._apply(fn, recurse)
-        self.invalidate()
+        # parameters built from the old tensors must go. A conversion that changed nothing
+        # (``sm.to(device)`` on every step of a model already there: ``fn`` returned each
+        # tensor itself, its data where it was and not written) keeps them: dropping them
+        # sent every such call back to tracing and planning, or to the model as written
+        # for good.
+        changed = False
+
+        def watched(t: torch.Tensor) -> Any:
+            nonlocal changed
+            where, version = _data_of(t), t._version
+            out = fn(t)
+            if out is not t or _data_of(out) != where or out._version != version:
+                changed = True
+            return out
+
+        self.module._apply(watched, recurse)
+        if changed:
+            self.invalidate()
         return self
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:

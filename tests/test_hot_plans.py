@@ -87,6 +87,29 @@ def test_the_mode_it_already_has_set_again_before_every_call_keeps_the_shortcut(
     assert len(full_calls) == 1
 
 
+def test_a_conversion_that_changes_nothing_keeps_the_plans(full_calls):
+    # ``sm.to(device)`` before every step of a model already there: each call stays on
+    # its plan (it dropped every plan, and the next call of a size new to the wrapper in
+    # inference ran the model as written, for good).
+    model, sm = _hot()
+    full_calls.clear()
+    for convert in (lambda: sm.to("cpu"), sm.float, lambda: sm.to(torch.float32), lambda: sm.module.to("cpu")):
+        convert()
+        _fresh_calls_equal_eager(sm, model, calls=2)
+    assert full_calls == []
+    # One that changes the tensors drops them: traced again, in the new dtype.
+    sm.double()
+    model.double()
+    _fresh_calls_equal_eager(sm, model, calls=1, path=("recorded", "as-written"), dtype=torch.float64)
+    _fresh_calls_equal_eager(sm, model, calls=2, path="plan:serial", dtype=torch.float64)
+    # And one that moves their data (same tensors, same dtype): planned again.
+    sm.share_memory()
+    model.share_memory()
+    calls = len(full_calls)
+    _fresh_calls_equal_eager(sm, model, calls=3, path=("recorded", "as-written", "plan:serial"), dtype=torch.float64)
+    assert len(full_calls) > calls
+
+
 def test_the_fused_weights_written_between_calls_are_read(full_calls):
     model, sm = _hot()
     full_calls.clear()
