@@ -348,6 +348,17 @@ _SEQ2SEQ = dict(
     decoder_start_token_id=2,
 )
 _ENCODER = dict(_SMALL, max_position_embeddings=80)
+# Segformer's hierarchical encoder (GLPN's too), two stages.
+_MIX_TRANSFORMER = dict(
+    num_encoder_blocks=2,
+    depths=[1, 1],
+    sr_ratios=[2, 1],
+    hidden_sizes=[8, 16],
+    num_attention_heads=[1, 2],
+    patch_sizes=[7, 3],
+    strides=[4, 2],
+    decoder_hidden_size=16,
+)
 _GQA = dict(_SMALL, num_key_value_heads=2)
 _GPT = dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64)
 
@@ -509,15 +520,8 @@ TRANSFORMERS: list[ModelSpec] = [
         "SegformerConfig",
         "SegformerForSemanticSegmentation",
         pixels(2, 32),
-        num_encoder_blocks=2,
-        depths=[1, 1],
-        sr_ratios=[2, 1],
-        hidden_sizes=[8, 16],
-        num_attention_heads=[1, 2],
-        patch_sizes=[7, 3],
-        strides=[4, 2],
-        decoder_hidden_size=16,
         num_labels=3,
+        **_MIX_TRANSFORMER,
     ),
     _hf(
         "wav2vec2",
@@ -1077,14 +1081,14 @@ def speech_to_text(batch: int, samples: int, decoder: int, vocab: int) -> Callab
     return make
 
 
-_CONV_AUDIO = dict(
-    _SMALL,
+_CONV_FEATURES = dict(
     conv_dim=(16, 16),
     conv_stride=(5, 4),
     conv_kernel=(10, 4),
     num_conv_pos_embeddings=16,
     num_conv_pos_embedding_groups=2,
 )
+_CONV_AUDIO = dict(_SMALL, **_CONV_FEATURES)
 _T5_SMALL = dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4, decoder_start_token_id=0)
 _SMALL_PIXELS = dict(_SMALL, image_size=32, patch_size=8)
 
@@ -1336,14 +1340,7 @@ TRANSFORMERS += [
         "GLPNConfig",
         "GLPNForDepthEstimation",
         pixels(2, 32),
-        num_encoder_blocks=2,
-        depths=[1, 1],
-        sr_ratios=[2, 1],
-        hidden_sizes=[8, 16],
-        num_attention_heads=[1, 2],
-        patch_sizes=[7, 3],
-        strides=[4, 2],
-        decoder_hidden_size=16,
+        **_MIX_TRANSFORMER,
     ),
     _hf("hubert", "HubertConfig", "HubertModel", audio(2, 1600), **_CONV_AUDIO),
     _hf(
@@ -1374,15 +1371,11 @@ TRANSFORMERS += [
         decoder_attention_heads=4,
         encoder_ffn_dim=37,
         decoder_ffn_dim=37,
-        conv_dim=(16, 16),
-        conv_stride=(5, 4),
-        conv_kernel=(10, 4),
-        num_conv_pos_embeddings=16,
-        num_conv_pos_embedding_groups=2,
         mask_time_prob=0.0,
         max_speech_positions=512,
         max_text_positions=64,
         speech_decoder_prenet_units=16,
+        **_CONV_FEATURES,
     ),
     _hf(
         "encodec",
