@@ -165,9 +165,11 @@ class StreamScheduledModule(nn.Module):
                 changed = True
             return out
 
-        self.module._apply(watched, recurse)
-        if changed:
-            self.invalidate()
+        try:
+            self.module._apply(watched, recurse)
+        finally:
+            if changed:  # (also where the conversion raised part way)
+                self.invalidate()
         return self
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
