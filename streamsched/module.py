@@ -45,11 +45,18 @@ _tracing_state = torch._C._get_tracing_state
 _MISSING = object()
 
 
-def _data_of(t: torch.Tensor) -> Any:
+def _data_of(t: torch.Tensor) -> tuple:
+    """Where ``t``'s data is and its version counter (None for what it lacks: a tensor
+    without storage, an inference tensor without a version counter)."""
     try:
-        return t.data_ptr()
-    except RuntimeError:  # (a tensor without storage)
-        return None
+        where = t.data_ptr()
+    except RuntimeError:
+        where = None
+    try:
+        version = t._version
+    except RuntimeError:
+        version = None
+    return where, version
 
 
 class StreamScheduledModule(nn.Module):
@@ -159,9 +166,9 @@ class StreamScheduledModule(nn.Module):
 
         def watched(t: torch.Tensor) -> Any:
             nonlocal changed
-            where, version = _data_of(t), t._version
+            before = _data_of(t)
             out = fn(t)
-            if out is not t or _data_of(out) != where or out._version != version:
+            if out is not t or _data_of(out) != before:
                 changed = True
             return out
 

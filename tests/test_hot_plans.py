@@ -110,6 +110,24 @@ def test_a_conversion_that_changes_nothing_keeps_the_plans(full_calls):
     assert len(full_calls) > calls
 
 
+def test_a_model_built_in_inference_mode_converts():
+    # Its tensors have no version counter for the conversion's watch to read.
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+        wrapped = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+        wrapped.load_state_dict(model.state_dict())
+    assert next(wrapped.parameters()).is_inference()
+    sm = ss.StreamScheduledModule(wrapped)
+    x = torch.randn(3, 4)
+    with torch.inference_mode():
+        assert_close(sm(x), model(x))
+        sm.to("cpu")
+        assert_close(sm(x), model(x))
+        sm.double()
+        assert_close(sm(x.double()), model.double()(x.double()))
+
+
 def test_the_fused_weights_written_between_calls_are_read(full_calls):
     model, sm = _hot()
     full_calls.clear()
