@@ -412,8 +412,26 @@ def _small_cases() -> list[Case]:
             outs.append(f(x))
         return outs
 
+    def mode_set_again(f: Callable[..., Any]) -> list:
+        # ``model.eval()`` at the top of every step, the model already in eval mode.
+        outs = []
+        for x in xs:
+            f.eval()
+            outs.append(f(x))
+        return outs
+
+    def moved_again(f: Callable[..., Any]) -> list:
+        # ``model.to(device)`` at the top of every step, the model already there.
+        outs = []
+        for x in xs:
+            f.to(x.device)
+            outs.append(f(x))
+        return outs
+
     return [
         Case("small_tau_annealed", "Annealed (Branchy), model.tau set anew before every call", Annealed, annealed),
+        Case("small_eval_every_call", "Branchy in eval mode, .eval() before every call", Branchy, mode_set_again),
+        Case("small_to_every_call", "Branchy on the CPU, .to('cpu') called before every call", Branchy, moved_again),
         Case(
             "small_decode_growing",
             "Branchy, the input grown by one row every call (1 to 240 rows)",
