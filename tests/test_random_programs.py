@@ -31,6 +31,8 @@ from torch import nn
 import streamsched as ss
 from streamsched.testing import last_path
 
+from .helpers import assert_close, flatten
+
 D = 8
 
 STATEMENTS = (
@@ -91,20 +93,6 @@ def make_program(rng: random.Random) -> tuple[nn.Module, str]:
     return cls(), source
 
 
-def tensors_of(out: Any) -> list[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, dict):
-        return [t for v in out.values() for t in tensors_of(v)]
-    if isinstance(out, (list, tuple)):
-        return [t for v in out for t in tensors_of(v)]
-    return []
-
-
-def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.allclose(a, b, atol=1e-5, rtol=1e-5, equal_nan=True)
-
-
 def call(model: nn.Module, x: torch.Tensor, grad: bool) -> tuple[Any, Any]:
     """``(output, None)`` or ``(None, the exception)``."""
     try:
@@ -150,22 +138,23 @@ def check_program(seed: int, executor: str, calls: int = 10) -> Counter:
         assert (err_eager is None) == (err_wrapped is None), f"{where}eager: {err_eager!r}, wrapper: {err_wrapped!r}"
         if err_eager is not None:
             continue
-        got, want = tensors_of(out_wrapped), tensors_of(out_eager)
+        got, want = flatten(out_wrapped), flatten(out_eager)
         assert type(out_wrapped) is type(out_eager) and len(got) == len(want), where
         for a, b in zip(got, want):
-            assert same(a, b), f"{where}an output differs ({last_path(sm)})"
+            assert_close(a, b, what=f"{where}an output ({last_path(sm)})")
             assert (a.data_ptr() == in_wrapped.data_ptr()) == (b.data_ptr() == in_eager.data_ptr()), (
                 f"{where}an output aliases the input in one of the two"
             )
             assert a.requires_grad == b.requires_grad, f"{where}requires_grad of an output differs"
-        assert same(in_wrapped, in_eager), f"{where}the input after the call differs"
+        assert_close(in_wrapped, in_eager, what=f"{where}the input after the call")
         state = sm.module
         assert state.count == eager.count, f"{where}the counter differs"
-        assert same(state.buf, eager.buf), f"{where}the buffer differs"
+        assert_close(state.buf, eager.buf, what=f"{where}the buffer")
         assert (state.last is None) == (eager.last is None), where
-        assert state.last is None or same(state.last, eager.last), f"{where}the stored tensor differs"
+        if state.last is not None:
+            assert_close(state.last, eager.last, what=f"{where}the stored tensor")
         for (name, p), q in zip(eager.named_parameters(), state.parameters()):
-            assert same(q, p), f"{where}parameter {name} differs"
+            assert_close(q, p, what=f"{where}parameter {name}")
         if not grad:
             continue
         roots = [(a, b) for a, b in zip(got, want) if b.requires_grad]
@@ -181,9 +170,10 @@ def check_program(seed: int, executor: str, calls: int = 10) -> Counter:
             continue
         for (name, p), q in zip(eager.named_parameters(), state.parameters()):
             assert (p.grad is None) == (q.grad is None), f"{where}{name}.grad is None in one of the two"
-            assert p.grad is None or same(q.grad, p.grad), f"{where}{name}.grad differs"
+            if p.grad is not None:
+                assert_close(q.grad, p.grad, what=f"{where}{name}.grad")
         if leaf:
-            assert same(x_wrapped.grad, x_eager.grad), f"{where}the input's gradient differs"
+            assert_close(x_wrapped.grad, x_eager.grad, what=f"{where}the input's gradient")
     return paths
 
 
