@@ -77,9 +77,6 @@ MAX_SETTLED_SIZES = 256
 # they admitted that it remembers (forgotten all at once when full).
 MAX_SETTLED_BUCKETS = 64
 MAX_BUCKET_HITS = 1024
-# New sizes a layout counts itself (in ``Structure.seen``, the size policy's own table,
-# which evicts, holds at least as many): past that, new sizes take the full path.
-MAX_FRESH_SIZES = 1024
 
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
 
@@ -402,6 +399,16 @@ def shapes_of(args: tuple, kwargs: dict) -> tuple:
     return tuple(shapes)
 
 
+def _forget_oldest(seen: Any) -> None:
+    """Drop the least recently used entry of ``seen`` (an ``LRU``), if any is left: the
+    layout's check runs without the wrapper's lock, and another thread's call may have
+    emptied the table meanwhile."""
+    try:
+        seen.popitem(last=False)
+    except KeyError:
+        pass
+
+
 def _device_test(value: str, device: torch.device, name: str) -> str:
     """The expression that is true where tensor ``value`` is not on ``device`` (``name``):
     ``is_cpu`` (a flag) for the CPU, cheaper than making and comparing a device."""
@@ -440,6 +447,7 @@ def tensor_layout_check(
         "_bucket": size_bucket,
         "_ANY_SIZE": ANY_SIZE,
         "_BucketCall": BucketCall,
+        "_forget_oldest": _forget_oldest,
     }
     if autocast == () and _any_autocast is not None:
         lines = [f"if _grad() is not {grad} or _any_autocast(): return False"]  # one call, autocast off
@@ -506,10 +514,12 @@ def tensor_layout_check(
     lines.append("if sizes:")  # (a layout whose new sizes run as written may have none settled)
     lines.append("    found = sizes.get(key)")
     lines.append("    if found is not None: return found")
+    lines.append("bucket = None")
     lines.append("if sizes.buckets:")
     lines.append("    found = sizes.hits.get(key)")
     lines.append("    if found is not None: return found")
-    lines.append("    plan_for = sizes.buckets.get(_bucket(key))")
+    lines.append("    bucket = _bucket(key)")
+    lines.append("    plan_for = sizes.buckets.get(bucket)")
     lines.append("    if plan_for is not None:")
     lines.append("        found = _BucketCall(plan_for, key)")
     lines.append(f"        if len(sizes.hits) >= {MAX_BUCKET_HITS}: sizes.hits.clear()")
@@ -521,7 +531,9 @@ def tensor_layout_check(
     lines.append("structure = sizes.structure")
     lines.append("if structure is None or structure.churning or key in structure.planned: return None")
     lines.append("if structure.decisions or structure.trying:")
-    lines.append("    bucket = _ANY_SIZE if structure.uniform else _bucket(key)")
+    # (The bucket read once: a size of a layout with settled buckets reads it above.)
+    lines.append("    if structure.uniform: bucket = _ANY_SIZE")
+    lines.append("    elif bucket is None: bucket = _bucket(key)")
     lines.append("    if bucket in structure.decisions or bucket in structure.trying: return None")
     # Counted if new (one lookup for both): a size seen once already came back, and
     # runs as written here where it comes back too rarely to repay a plan (the size
@@ -534,7 +546,10 @@ def tensor_layout_check(
     lines.append("    found.shapes = key")
     lines.append("    found.interval, found.rarity = judged")
     lines.append("    return found")
-    lines.append(f"if len(seen) >= {MAX_FRESH_SIZES}: return None")
+    # A full table forgets its oldest size, as the size policy's own count would (an LRU):
+    # a workload of more distinct sizes than it holds (a batch and a length that both
+    # vary) would otherwise send every new size through the full path from then on.
+    lines.append("if len(seen) >= seen.maxsize: _forget_oldest(seen)")
     # (Structure.admit's count, and when: the wrapper counts this call once it is admitted.)
     lines.append("seen[key] = (1, structure.clock() + 1)")
     lines.append("found = sizes.fresh")

@@ -84,3 +84,39 @@ def test_a_program_with_the_same_text_reuses_its_code_under_its_own_file_name(mo
     else:
         raise AssertionError("a too-wide input ran")
     assert label is not None and "left.0" in label, label
+
+
+class Fused(nn.Module):
+    """Four alike heads (fused groups, whose kernels are planned at the call's sizes) and
+    another head, stacked with them (the fused heads' outputs are taken apart at the
+    planned sizes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.heads = nn.ModuleList(nn.Sequential(nn.Linear(D, 16), nn.ReLU(), nn.Linear(16, 4)) for _ in range(4))
+        self.other = nn.Sequential(nn.Linear(D, 4), nn.Tanh())
+
+    def forward(self, x):
+        return torch.stack([h(x) for h in self.heads] + [self.other(x)]).sum(0)
+
+
+def test_a_fused_plan_at_another_size_generates_the_same_text(monkeypatch):
+    # A fused kernel's planned sizes are constants of the program, not literals in its
+    # text: a plan of the same trace at another size compiles nothing new.
+    compiled = []
+
+    def counting(source, *args, **kwargs):
+        compiled.append(source)
+        return builtins.compile(source, *args, **kwargs)
+
+    monkeypatch.setattr(generated, "compile", counting, raising=False)
+    generated._CODES.clear()
+    model = Fused()
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    for rows in (3, 5, 9):
+        for _ in range(2):
+            x = torch.randn(rows, D)
+            assert_close(sm(x), model(x))
+        assert_path(sm, "plan:serial")
+        assert len(sm.plan.fused_groups) == 2
+    assert len(compiled) == 1, f"{len(compiled)} compiles for one trace at three sizes"

@@ -559,3 +559,27 @@ def test_a_bucket_whose_schedule_would_not_repay_a_plan_admits_its_new_sizes_not
         assert_close(sm(x), model(x))
         assert last_path(sm).startswith("plan:"), last_path(sm)
         assert len(full_calls) == calls
+
+
+def test_new_sizes_past_the_table_of_sizes_seen_keep_the_shortcut(full_calls):
+    # A batch and a length that both vary bring more distinct sizes than the structure's
+    # table of sizes seen holds: once it is full, each new size forgets the oldest (as
+    # the size policy's own count does) and keeps running as written on the shortcut;
+    # before, every new size from then on took the full path.
+    model = Towers().eval()
+    sm = ss.StreamScheduledModule(model)
+    with torch.no_grad():
+        sm(torch.randn(1, 1, 16))
+        structure = next(iter(sm._ss.structures.values()))
+        held = structure.seen.maxsize
+        shapes = [(1 + i % 8, 2 + i // 8) for i in range(1, held + 40)]
+        for b, n in shapes[: held - 1]:
+            sm(torch.randn(b, n, 16))
+        assert len(structure.seen) == held
+        full_calls.clear()
+        for b, n in shapes[held - 1 :]:
+            x = torch.randn(b, n, 16)
+            assert_close(sm(x), model(x))
+            assert_path(sm, "as-written")
+    assert full_calls == [], f"{len(full_calls)} of 40 new sizes took the full path"
+    assert len(structure.seen) == held

@@ -175,6 +175,10 @@ class _Emitter:
         if isinstance(arg, fx.Node):
             return self.ref(self.slot[arg])
         if isinstance(arg, tuple) and not hasattr(arg, "_fields"):
+            if arg and all(type(a) is int for a in arg):
+                # Sizes (a kernel's planned shape): a constant, so that the plans of one
+                # trace at other sizes generate the same text, compiled once (generated.py).
+                return self.constant(arg, "t")
             inner = ", ".join(self.render(a) for a in arg)
             return f"({inner},)" if len(arg) == 1 else f"({inner})"
         if isinstance(arg, list):
