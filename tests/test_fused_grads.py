@@ -20,6 +20,7 @@ from torch import nn
 
 import streamsched as ss
 from benchmarks.zoo import MultiTaskHeads
+from streamsched.passes.fusion.member_use import gated_stack
 from streamsched.testing import assert_path
 
 from .helpers import assert_close, flatten
@@ -108,6 +109,28 @@ class BrokenChains(nn.Module):
         return tuple(layer(torch.cat([h, h[:, :2]], 1)) for layer, h in zip(self.second, hs))
 
 
+class MixedHeads(nn.Module):
+    """Four alike two-layer heads beside one of another width, all reading one tensor:
+    the first layers are one wide Linear, and the alike heads' ReLUs one kernel reading
+    the consecutive part of its output that is theirs (a narrow of it, no copy), then one
+    batched Linear. ``other_first``: the other head is called first (the alike heads'
+    part starts past its columns)."""
+
+    def __init__(self, other_first: bool = False):
+        super().__init__()
+        self.other_first = other_first
+        self.trunk = nn.Linear(D, D)
+        self.heads = nn.ModuleList(nn.Sequential(nn.Linear(D, 16), nn.ReLU(), nn.Linear(16, 3)) for _ in range(4))
+        self.other = nn.Sequential(nn.Linear(D, 5), nn.Tanh(), nn.Linear(5, 3))
+
+    def forward(self, x):
+        h = torch.tanh(self.trunk(x))
+        if self.other_first:
+            other = self.other(h)
+            return (*(head(h) for head in self.heads), other)
+        return (*(head(h) for head in self.heads), self.other(h))
+
+
 MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor]]] = {
     "heads": (Heads, lambda: torch.randn(5, D)),
     "heads_summed": (HeadsSummed, lambda: torch.randn(5, D)),
@@ -116,6 +139,8 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor]]] = 
     "wide_then_shared": (WideThenShared, lambda: torch.randn(5, D)),
     "multitask": (lambda: MultiTaskHeads(d_in=12, trunk=16, widths=(3, 1, 4)), lambda: torch.randn(4, 12)),
     "broken_chains": (BrokenChains, lambda: torch.randn(5, D)),
+    "mixed_heads": (MixedHeads, lambda: torch.randn(5, D)),
+    "mixed_heads_other_first": (lambda: MixedHeads(other_first=True), lambda: torch.randn(5, D)),
 }
 
 OPTIMIZERS: dict[str, tuple[type, dict]] = {
@@ -205,6 +230,20 @@ def train_steps(
 def test_unused_members_have_no_gradient_as_in_eager(name, executor):
     sm, model, ref = train_steps(name, executor, "sgd")
     assert fused_members(sm), f"{name}: nothing fused"
+
+
+@pytest.mark.parametrize("name", ["mixed_heads", "mixed_heads_other_first"])
+def test_alike_heads_beside_another_read_their_part_of_the_wide_output(name):
+    # The alike heads' activations are one kernel (not four module calls and a copy of
+    # their outputs into a stack), their gradients still reach only the heads a loss
+    # reached (test_unused_members_have_no_gradient_as_in_eager runs these models too).
+    sm, _, _ = train_steps(name, "serial", "sgd")
+    kinds = sorted((g.kind, g.size) for g in sm.plan.fused_groups)
+    assert kinds == [("Linear", 4), ("Linear", 5), ("ReLU", 4)], kinds
+    assert not sm.plan.unfused, sm.plan.unfused
+    program = sm._ss.last.program
+    called = set(map(id, program.call.__globals__.values()))
+    assert id(torch.stack) not in called and id(gated_stack) not in called, "the heads' values were stacked"
 
 
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))

@@ -50,6 +50,16 @@ def link_member_use(graph: fx.Graph) -> int:
                         todo.append(step)
                 elif t in (unstack, split_parts) and u.args[0] is node:
                     exits.append((u, mapping))
+                elif t is torch.narrow and u.args[0] is node and mapping is None and _inserted(u):
+                    # Consecutive members of a wide kernel read as one fold (Rewriter._wide_part).
+                    part = _narrowed_members(k.target, u)
+                    if part is None:
+                        complete = False
+                        break
+                    step = (u, part)
+                    if step not in seen:
+                        seen.add(step)
+                        todo.append(step)
                 elif t is torch.split and u.args[0] is node and _inserted(u):
                     exits.append((u, mapping))
                 else:
@@ -117,6 +127,26 @@ def _reads_members(user: fx.Node, node: fx.Node, n: int) -> bool:
     if len(layouts) != len(user.args):
         return False
     return all(layout != SHARED for a, layout in zip(user.args, layouts) if a is node)
+
+
+def _narrowed_members(kernel: FusedKernel, narrow: fx.Node) -> Optional[tuple[int, ...]]:
+    """The members of wide ``kernel`` whose outputs ``narrow`` (``torch.narrow`` of the
+    kernel's output along its split dim) covers exactly, in order; None otherwise."""
+    if not isinstance(kernel, WideKernel) or narrow.kwargs or len(narrow.args) != 4:
+        return None
+    _, dim, start, length = narrow.args
+    if dim != kernel.split_dim:
+        return None
+    members = []
+    offset = 0
+    for i, size in enumerate(kernel.sizes):
+        if start <= offset and offset + size <= start + length:
+            members.append(i)
+        offset += size
+    covered = sum(kernel.sizes[i] for i in members)
+    if not members or covered != length or sum(kernel.sizes[: members[0]]) != start:
+        return None
+    return tuple(members)
 
 
 def _inserted(node: fx.Node) -> bool:

@@ -197,6 +197,16 @@ class Rewriter:
             index = torch.tensor(indices, dtype=torch.long)
             node = self._insert(select_members, (s0.kernel_node, s0.layout, s0.n, s0.shape, index), anchor)
             return Source(node, STACK, s0.shape)
+        if (
+            all(s is not None for s in st)
+            and len({s.kernel_node for s in st}) == 1
+            and st[0].sizes is not None
+            and not any(map(self._returned_with_grad, args))
+            and not self._writes_input(anchor)
+        ):
+            part = self._wide_part(st, anchor)  # type: ignore[arg-type]
+            if part is not None:
+                return part
         sliced = consecutive_slices(args, self.metas)
         if sliced is not None:
             base, dim, start, width = sliced
@@ -214,6 +224,32 @@ class Rewriter:
         node = self._insert(torch.stack, (list(args),), anchor, glue=False)
         node_meta.set_member_stack(node)
         return Source(node, STACK, self.shape(first))
+
+    def _wide_part(self, st: list[_Stacked], anchor: fx.Node) -> Optional[Source]:
+        """Members of a wide kernel (Linears or convolutions of different widths reading
+        one tensor, their outputs side by side along the split dim), read as one fold:
+        where they are consecutive and equally wide, a narrow of the kernel's output
+        (the multi-task heads' pattern: alike heads beside other ones). Otherwise None:
+        their values are copied into a stack, which a cheap op's group is not built for
+        (the alike heads' activations ran one module each, their outputs stacked for the
+        next layer). Not for a group writing its input in place (the narrow's other
+        readers would see it written)."""
+        s0 = st[0]
+        kind, dim = s0.layout
+        sizes = s0.sizes
+        assert sizes is not None
+        first, n = s0.index, len(st)
+        if kind != "split" or [s.index for s in st] != list(range(first, first + n)):
+            return None
+        width = sizes[first]
+        if any(sizes[i] != width for i in range(first, first + n)):
+            return None
+        base = s0.kernel_node
+        start = sum(sizes[:first])
+        if start != 0 or width * n != sum(sizes):
+            base = self._insert(torch.narrow, (base, dim, start, width * n), anchor)
+        shape = s0.shape[:dim] + (width,) + s0.shape[dim + 1 :]
+        return Source(base, fold(dim), shape)
 
     # -- the fused node -----------------------------------------------------------------
 
