@@ -637,3 +637,43 @@ def test_members_reading_rows_chosen_by_values_are_not_fused(how, executor):
                 assert_close(a.grad, b.grad, atol=1e-6)
     if executor == "serial":
         assert_path(sm, "plan:serial")
+
+
+class WideConvBranches(nn.Module):
+    """1x1 convolutions of different widths reading one feature map (one wide kernel),
+    three of them alike and each followed by BatchNorm and ReLU, as an Inception block's
+    branches: the alike branches' BatchNorms and ReLUs read their part of the wide
+    output (a narrow of its channels)."""
+
+    def __init__(self, other_first: bool):
+        super().__init__()
+        self.other_first = other_first
+        self.alike = nn.ModuleList(nn.Sequential(nn.Conv2d(6, 8, 1), nn.BatchNorm2d(8), nn.ReLU()) for _ in range(3))
+        self.other = nn.Conv2d(6, 5, 1)
+
+    def forward(self, x):
+        other = self.other(x) if self.other_first else None
+        outs = [m(x) for m in self.alike]
+        if other is None:
+            other = self.other(x)
+        return torch.cat(outs + [other], 1)
+
+
+@pytest.mark.parametrize("other_first", [False, True])
+def test_alike_branches_of_a_wide_convolution_run_their_norms_once(other_first):
+    torch.manual_seed(0)
+    model = WideConvBranches(other_first)
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-1, 1)
+            m.running_var.uniform_(0.5, 2)
+    model.eval()
+    sm = ss.StreamScheduledModule(model, executor="serial")
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(2, 6, 5, 5)
+            assert_close(sm(x), model(x))
+    assert_path(sm, "plan:serial")
+    kinds = sorted((g.kind, g.size) for g in sm.plan.fused_groups)
+    assert ("BatchNorm2d", 3) in kinds and ("Conv2d", 4) in kinds, kinds
+    assert not sm.plan.unfused, sm.plan.unfused
