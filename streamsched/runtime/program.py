@@ -441,8 +441,8 @@ def _node_drops(order: list[ScheduledTask], layout: _Layout) -> dict[fx.Node, li
     A task holds every value it made until it ends otherwise: a plan whose tasks were
     coarsened into a few (a serial plan is often one) would keep each intermediate of an
     inference call alive to the end of the call, where eager frees it after its last use
-    (three to five times eager's peak of live activations, measured on branches of
-    linear layers)."""
+    (four times eager's peak of live activations on two branches of element-wise steps
+    coarsened into one task: ``profiles/cpu/plan-memory``)."""
     slot = layout.slot
     held = set(layout.output_slots) | set(layout.input_slots) | {s for s, _ in layout.attr_slots}
     last: dict[int, fx.Node] = {}
