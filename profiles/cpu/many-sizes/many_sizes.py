@@ -45,7 +45,10 @@ def main() -> None:
                 f(x)
             times[name].append((time.thread_time_ns() - start) / len(chunk) / 1e3)
     eager, wrapped = min(times["eager"]), min(times["wrapped"])
-    print(f"{ss.__file__}: eager {eager:.1f} us, wrapped {wrapped:.1f} us a call ({last_path(sm)}), extra {wrapped - eager:.1f} us")
+    print(
+        f"{ss.__file__}: eager {eager:.1f} us, wrapped {wrapped:.1f} us a call ({last_path(sm)}), "
+        f"extra {wrapped - eager:.1f} us"
+    )
 
 
 if __name__ == "__main__":
