@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import builtins
 
+import pytest
 import torch
 from torch import nn
 
@@ -55,15 +56,21 @@ def test_the_serial_executor_compiles_only_its_whole_call_function():
     assert all(t.source.compiled for t in tasks)
 
 
-def test_a_program_with_the_same_text_reuses_its_code_under_its_own_file_name(monkeypatch):
-    compiled = []
+@pytest.fixture
+def compiled(monkeypatch) -> list:
+    """The source texts ``generated`` compiles from now on (its cache emptied first)."""
+    texts: list = []
 
     def counting(source, *args, **kwargs):
-        compiled.append(source)
+        texts.append(source)
         return builtins.compile(source, *args, **kwargs)
 
     monkeypatch.setattr(generated, "compile", counting, raising=False)
     generated._CODES.clear()
+    return texts
+
+
+def test_a_program_with_the_same_text_reuses_its_code_under_its_own_file_name(compiled):
     first = _planned(Pair())
     assert len(compiled) == 1  # the whole call
     model = Pair()
@@ -100,17 +107,9 @@ class Fused(nn.Module):
         return torch.stack([h(x) for h in self.heads] + [self.other(x)]).sum(0)
 
 
-def test_a_fused_plan_at_another_size_generates_the_same_text(monkeypatch):
+def test_a_fused_plan_at_another_size_generates_the_same_text(compiled):
     # A fused kernel's planned sizes are constants of the program, not literals in its
     # text: a plan of the same trace at another size compiles nothing new.
-    compiled = []
-
-    def counting(source, *args, **kwargs):
-        compiled.append(source)
-        return builtins.compile(source, *args, **kwargs)
-
-    monkeypatch.setattr(generated, "compile", counting, raising=False)
-    generated._CODES.clear()
     model = Fused()
     sm = ss.StreamScheduledModule(model, executor="serial")
     for rows in (3, 5, 9):
