@@ -7,6 +7,7 @@ tests/conftest.py enter the device in its asynchronous mode. Tests that plant a 
 wait turn ``raise_on_race`` off so that the kernels run and the value shows.
 """
 
+import copy
 import threading
 
 import pytest
@@ -357,3 +358,39 @@ from .test_emulated_cuda import (  # noqa: E402, F401
     test_record_stream_or_a_wait_makes_the_reuse_safe,
     test_replay_reads_outside_memory_by_address_and_reports_it_freed,
 )
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"executor": "streams", "num_streams": 3, "min_task_cost": 0.0},
+        {"executor": "serial", "cuda_graph": True},
+    ],
+    ids=["streams", "serial-graph"],
+)
+def test_alike_heads_reading_their_part_of_a_wide_kernel_on_streams(emulated_cuda, options):
+    # The heads' activations read a narrow of the wide kernel's output, their values
+    # dropped after their last use inside the generated functions: with kernels run out
+    # of issue order, outputs and gradients as eager's and no race reported.
+    from .test_fused_grads import MixedHeads
+
+    torch.manual_seed(0)
+    model = MixedHeads(other_first=True).cuda()
+    reference = copy.deepcopy(model)
+    sm = ss.StreamScheduledModule(model, **options)
+    for step in range(4):
+        x = torch.randn(6, 8, device="cuda")
+        out, expected = sm(x), reference(x)
+        assert_close([o.cpu() for o in out], [e.cpu() for e in expected])
+        loss = out[0].square().mean() + out[4].square().mean()
+        loss_ref = expected[0].square().mean() + expected[4].square().mean()
+        loss.backward()
+        loss_ref.backward()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            assert (p.grad is None) == (q.grad is None), name
+            if q.grad is not None:
+                assert_close(p.grad.cpu(), q.grad.cpu(), what=name)
+            p.grad = q.grad = None
+    assert_path(sm, "plan")
+    assert ("ReLU", 4) in [(g.kind, g.size) for g in sm.plan.fused_groups]
+    assert emulated_cuda.take_reports() == []
