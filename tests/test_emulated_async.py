@@ -378,7 +378,7 @@ def test_alike_heads_reading_their_part_of_a_wide_kernel_on_streams(emulated_cud
     model = MixedHeads(other_first=True).cuda()
     reference = copy.deepcopy(model)
     sm = ss.StreamScheduledModule(model, **options)
-    for step in range(4):
+    for _ in range(4):
         x = torch.randn(6, 8, device="cuda")
         out, expected = sm(x), reference(x)
         assert_close([o.cpu() for o in out], [e.cpu() for e in expected])
