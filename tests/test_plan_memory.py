@@ -21,7 +21,7 @@ from torch import nn
 
 import streamsched as ss
 from streamsched.testing import assert_path
-from tests.helpers import assert_close
+from .helpers import assert_close
 
 _MADE: list = []  # weak references to the values Stash made (no module attribute: no state written)
 
