@@ -21,6 +21,7 @@ from torch import nn
 
 import streamsched as ss
 from streamsched.testing import assert_path
+
 from .helpers import assert_close
 
 _MADE: list = []  # weak references to the values Stash made (no module attribute: no state written)
