@@ -359,14 +359,13 @@ def _unchanged(module: Any, name: str, value: Any) -> bool:
 
 
 def _setattr(self, name: str, value: Any) -> None:
-    if name in _watched and tracked(self):
+    # Only a value that changes moves the generation: ``model.eval()`` at the top of every
+    # step of a model already in eval mode changes no plan's key, and must not send each
+    # call through the full path (a per-module re-key over the whole tree).
+    if name in _watched and tracked(self) and not _unchanged(self, name, value):
         if name == "training":
-            # Only a flag that changes: ``model.eval()`` at the top of every step of a
-            # model already in eval mode changes no plan's key, and must not send each
-            # call through the full path (a per-module re-key over the whole tree).
-            if not _unchanged(self, name, value):
-                _bump_mode()
-        elif not _unchanged(self, name, value):
+            _bump_mode()
+        else:
             _bump()
             global _assignments
             _assignments += 1

@@ -395,28 +395,18 @@ class Structure:
         they run as written), None where the full path must judge them (a plan, or a call
         to time). The wrapper counts this call after the check: it is call
         ``clock() + 1``."""
-        # (Runs on every such call of a settled layout, before the forward: what
-        # :meth:`_rare_verdict` reads for a size whose rarity is kept, written out.)
-        seen = self.seen
-        entry = seen.get(sizes)
+        now = self.clock() + 1
+        entry = self.seen.get(sizes)
         if entry is None:  # (dropped by another thread's call since the check found it)
             return None
         count, last = entry
         if count + 1 < PLAN_AFTER:
             return None
-        now = self.clock() + 1
-        interval = now - last
-        if interval * PAYBACK_CALLS <= PAYBACK_WINDOW:
-            return None  # back often enough (as :meth:`_rare_verdict` says)
-        kept = self._rare_kept.get(sizes)
-        if kept is not None and kept[0] == (self.version, self.uniform, True):
-            verdict = kept[1] if interval > kept[1].threshold else None
-        else:
-            verdict = self._rare_verdict(sizes, None, interval, timeable=True)
+        verdict = self._rare_verdict(sizes, None, now - last, timeable=True)
         if verdict is None or verdict is TIME_IT:
             return None
-        seen.put(sizes, (count, now))
-        return interval, verdict
+        self.seen.put(sizes, (count, now))
+        return now - last, verdict
 
     def note_as_written(self, sizes: tuple, seconds: float) -> None:
         """A call of ``sizes`` that :meth:`admit` asked to time (``AsWritten.timed``) ran

@@ -413,30 +413,23 @@ def _slot_layout(graph: fx.Graph) -> _Layout:
     return _Layout(slot, input_slots, attr_slots, output_node, output_slots)
 
 
-def _frees(order: list[ScheduledTask], layout: _Layout) -> dict[int, tuple[int, ...]]:
-    """Task id -> the slots dropped after it: the last reader of each slot in issue order
-    decides when the serial and streams executors drop their reference to it."""
-    slot = layout.slot
-    last_reader: dict[int, int] = {}
+def _frees(order: list[ScheduledTask], drops: dict[fx.Node, list[int]]) -> dict[int, tuple[int, ...]]:
+    """Task id -> the slots dropped after it: those its statements read last
+    (:func:`_node_drops`), which the serial and streams executors drop once the task ran."""
+    frees: dict[int, tuple[int, ...]] = {}
     for t in order:
-        for node in t.nodes:
-            for inp in node.all_input_nodes:
-                last_reader[slot[inp]] = t.id
-    # Outputs are never dropped, nor inputs and attributes: the caller's arguments and the
-    # module keep them alive for the whole call anyway, so dropping our reference frees nothing.
-    held = set(layout.output_slots) | set(layout.input_slots) | {s for s, _ in layout.attr_slots}
-    frees_of: dict[int, list[int]] = {}
-    for s, t in last_reader.items():
-        if s not in held:
-            frees_of.setdefault(t, []).append(s)
-    return {t: tuple(sorted(slots)) for t, slots in frees_of.items()}
+        slots = sorted(s for node in t.nodes for s in drops.get(node, ()))
+        if slots:
+            frees[t.id] = tuple(slots)
+    return frees
 
 
 def _node_drops(order: list[ScheduledTask], layout: _Layout) -> dict[fx.Node, list[int]]:
-    """Node -> the slots no statement reads after it in issue order (the call's inputs,
-    attributes and outputs are never dropped, as in :func:`_frees`): where the function
+    """Node -> the slots no statement reads after it in issue order: where the function
     that runs the whole call (``call``, ``run_serial``: one thread, issue order) drops its
-    reference to each value.
+    reference to each value. The call's outputs are never dropped, nor inputs and
+    attributes: the caller's arguments and the module keep them alive for the whole call
+    anyway, so dropping a reference frees nothing.
 
     A task holds every value it made until it ends otherwise: a plan whose tasks were
     coarsened into a few (a serial plan is often one) would keep each intermediate of an
@@ -631,11 +624,11 @@ def _compile(schedule: Schedule) -> Program:
     n_values = len(layout.slot)
     order = [schedule.tasks[t] for t in schedule.issue_order()]
     node_task = {node: task.id for task in schedule.tasks for node in task.nodes}
-    frees = _frees(order, layout)
     emitter = _Emitter(layout.slot)
     uid = next(_counter)
     lines: dict[tuple[str, int], str] = {}
     drops = _node_drops(order, layout)
+    frees = _frees(order, drops)
     tasks, serial_body, slot_producer = _compile_tasks(
         schedule, order, layout, emitter, frees, drops, node_task, uid, lines
     )

@@ -9,6 +9,7 @@ the input are not counted. Run with the tree to measure first on ``sys.path``.
 
 from __future__ import annotations
 
+import os
 import sys
 import weakref
 
@@ -19,6 +20,11 @@ from torch.utils._pytree import tree_flatten
 
 import streamsched as ss
 from streamsched.testing import last_path
+
+# Branchy is the dynamic benchmark's model (this checkout's benchmarks/, after the tree
+# measured on sys.path).
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "benchmarks"))
+from dynamic_bench import Branchy  # noqa: E402
 
 
 class LiveBytes(TorchDispatchMode):
@@ -51,20 +57,6 @@ class LiveBytes(TorchDispatchMode):
                 self.views[ptr] += 1
                 weakref.finalize(t, self._freed, ptr, nbytes)
         return out
-
-
-class Branchy(nn.Module):
-    """Four alike MLPs (one fused group) and two other branches, cheap enough per operation
-    that the serial plan coarsens them into few tasks."""
-
-    def __init__(self, d: int = 16):
-        super().__init__()
-        self.mlps = nn.ModuleList(nn.Sequential(nn.Linear(d, 32), nn.ReLU(), nn.Linear(32, 8)) for _ in range(4))
-        self.a = nn.Sequential(nn.Linear(d, 64), nn.Tanh(), nn.Linear(64, 8))
-        self.b = nn.Sequential(nn.Linear(d, 24), nn.GELU(), nn.Linear(24, 8))
-
-    def forward(self, x):
-        return torch.stack([m(x) for m in self.mlps] + [self.a(x), self.b(x)]).sum(0)
 
 
 class Elementwise(nn.Module):

@@ -10,6 +10,7 @@ with the tree to measure first on ``sys.path``.
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -20,16 +21,10 @@ from torch import nn
 import streamsched as ss
 from streamsched.testing import last_path
 
-
-class Branchy(nn.Module):
-    def __init__(self, d: int = 16):
-        super().__init__()
-        self.mlps = nn.ModuleList(nn.Sequential(nn.Linear(d, 32), nn.ReLU(), nn.Linear(32, 8)) for _ in range(4))
-        self.a = nn.Sequential(nn.Linear(d, 64), nn.Tanh(), nn.Linear(64, 8))
-        self.b = nn.Sequential(nn.Linear(d, 24), nn.GELU(), nn.Linear(24, 8))
-
-    def forward(self, x):
-        return torch.stack([m(x) for m in self.mlps] + [self.a(x), self.b(x)]).sum(0)
+# Branchy is the dynamic benchmark's model (this checkout's benchmarks/, after the tree
+# measured on sys.path).
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "benchmarks"))
+from dynamic_bench import Branchy  # noqa: E402
 
 
 class MixedHeads(nn.Module):

@@ -184,29 +184,23 @@ class Rewriter:
         if (
             all(s is not None for s in st)
             and len({s.kernel_node for s in st}) == 1
-            and st[0].sizes is None
             # A member the caller gets with autograd on (a copy of its own, see
             # _members_written) is, as in eager, the tensor the backward of this group
             # passes through (its retained gradient, its hooks): read from the members.
             and not any(map(self._returned_with_grad, args))
         ):
             s0 = st[0]
-            indices = [s.index for s in st]
-            if indices == list(range(s0.n)):
-                return Source(s0.kernel_node, s0.layout, s0.shape)
-            index = torch.tensor(indices, dtype=torch.long)
-            node = self._insert(select_members, (s0.kernel_node, s0.layout, s0.n, s0.shape, index), anchor)
-            return Source(node, STACK, s0.shape)
-        if (
-            all(s is not None for s in st)
-            and len({s.kernel_node for s in st}) == 1
-            and st[0].sizes is not None
-            and not any(map(self._returned_with_grad, args))
-            and not self._writes_input(anchor)
-        ):
-            part = self._wide_part(st, anchor)  # type: ignore[arg-type]
-            if part is not None:
-                return part
+            if s0.sizes is None:
+                indices = [s.index for s in st]
+                if indices == list(range(s0.n)):
+                    return Source(s0.kernel_node, s0.layout, s0.shape)
+                index = torch.tensor(indices, dtype=torch.long)
+                node = self._insert(select_members, (s0.kernel_node, s0.layout, s0.n, s0.shape, index), anchor)
+                return Source(node, STACK, s0.shape)
+            if not self._writes_input(anchor):
+                part = self._wide_part(st, anchor)  # type: ignore[arg-type]
+                if part is not None:
+                    return part
         sliced = consecutive_slices(args, self.metas)
         if sliced is not None:
             base, dim, start, width = sliced
